@@ -1,0 +1,80 @@
+"""Model registry: build any model by name with `get_model(name, num_classes=..., rngs=...)`.
+
+Every model is a Flax NNX module called as `model(images, *, train=False, rng=None)` and
+returning float32 logits [B, num_classes]. A registered factory is a callable taking
+`num_classes`, `rngs` and keyword options; a functools.partial over a model class fixes the
+architecture (its bound keywords cannot be overridden through get_model).
+"""
+from collections.abc import Callable
+import functools
+import inspect
+
+from flax import nnx
+
+_REGISTRY: dict[str, Callable[..., nnx.Module]] = {}
+_RESERVED = ("num_classes", "rngs")
+
+
+def register(name: str, factory: Callable[..., nnx.Module] | None = None):
+  """Registers `factory` under `name`; usable as `@register("name")` or `register(n, f)`."""
+
+  def add(f):
+    if name in _REGISTRY:
+      raise ValueError(f"model {name!r} is already registered")
+    _REGISTRY[name] = f
+    return f
+
+  return add if factory is None else add(factory)
+
+
+def list_models() -> list[str]:
+  """Sorted names of all registered models."""
+  return sorted(_REGISTRY)
+
+
+def _accepted_kwargs(factory) -> tuple[set[str] | None, set[str]]:
+  """(accepted option names or None when the factory takes **kwargs, fixed names)."""
+  fixed = set()
+  func = factory
+  if isinstance(factory, functools.partial):
+    fixed = set(factory.keywords)
+    func = factory.func
+  params = inspect.signature(func).parameters
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return None, fixed
+  names = {n for n, p in params.items()
+           if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+  return names - fixed - set(_RESERVED) - {"self"}, fixed
+
+
+def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Module:
+  """Builds the registered model `name` with `num_classes` outputs.
+
+  Raises ValueError for an unknown name (listing the registered ones) and TypeError for an
+  option the model does not take or one fixed by its architecture.
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
+  factory = _REGISTRY[name]
+  accepted, fixed = _accepted_kwargs(factory)
+  bad_fixed = sorted(set(kw) & fixed)
+  if bad_fixed:
+    raise TypeError(f"model {name!r}: option(s) {bad_fixed} are fixed by the architecture")
+  if accepted is not None:
+    unknown = sorted(set(kw) - accepted)
+    if unknown:
+      raise TypeError(f"model {name!r} got unknown option(s) {unknown}; "
+                      f"accepted: {sorted(accepted)}")
+  return factory(num_classes=num_classes, rngs=rngs, **kw)
+
+
+def _register_all():
+  # pylint: disable=g-import-not-at-top
+  from bigpretrain.models import vit
+  modules = [vit]
+  for module in modules:
+    for model_name, factory in sorted(module.MODELS.items()):
+      register(model_name, factory)
+
+
+_register_all()

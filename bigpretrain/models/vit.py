@@ -1,0 +1,216 @@
+"""Vision Transformer (Dosovitskiy et al. 2021) with the DeiT / DeiT-III / cosub options.
+
+Pre-norm blocks  x + DP(LS(attn(LN(x))))  and  x + DP(LS(mlp(LN(x)))), exact GELU, a final
+LayerNorm and a linear head. DP is per-sample stochastic depth drawn from the explicit `rng`
+call argument, independently per block and per residual branch; LS is optional LayerScale.
+
+Init: patch embedding lecun-normal, attention/MLP kernels xavier-uniform, position embedding
+truncated-normal(0.02), class token zeros, and a zero-initialised head (as big_vision does:
+every class starts at logit 0; pass head_zeroinit=False for truncated-normal(0.02)).
+
+Parameter paths (the trainer's layer-decay and weight-decay rules rely on them):
+patch_embed/{kernel,bias}, cls_token, pos_embed, blocks/<i>/{norm1,attn/qkv,attn/proj,ls1,
+norm2,mlp/fc1,mlp/fc2,ls2}/..., norm/{scale,bias}, head/{kernel,bias}.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bigpretrain.models import layers
+
+# name -> (width, depth, heads, mlp_dim)
+_SIZES = {
+    "ti": (192, 12, 3, 768),
+    "s": (384, 12, 6, 1536),
+    "b": (768, 12, 12, 3072),
+    "l": (1024, 24, 16, 4096),
+    "h": (1280, 32, 16, 5120),
+}
+_PATCHES = (14, 16, 32)
+
+
+def _pair(x) -> tuple[int, int]:
+  if isinstance(x, int):
+    return (x, x)
+  h, w = x
+  return (int(h), int(w))
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with a fused qkv projection laid out [q | k | v] x heads."""
+
+  def __init__(self, dim: int, num_heads: int, *, qkv_bias: bool, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    if dim % num_heads:
+      raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+    self.num_heads = num_heads
+    init = nnx.initializers.xavier_uniform()
+    self.qkv = nnx.Linear(dim, 3 * dim, use_bias=qkv_bias,
+                          kernel_init=layers.partitioned(init, ("embed", "heads")),
+                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.proj = nnx.Linear(dim, dim, kernel_init=layers.partitioned(init, ("heads", "embed")),
+                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, n, d = x.shape
+    qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, d // self.num_heads)
+    out = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    return self.proj(out.reshape(b, n, d))
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block with optional LayerScale and per-branch stochastic depth."""
+
+  def __init__(self, dim: int, num_heads: int, mlp_dim: int, *, qkv_bias: bool,
+               layerscale_init: float | None, drop_path_rate: float, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    norm = functools.partial(nnx.LayerNorm, dim, epsilon=1e-6, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+    self.norm1 = norm()
+    self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+    self.norm2 = norm()
+    self.mlp = layers.Mlp(dim, mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if layerscale_init is None:
+      self.ls1 = self.ls2 = None
+    else:
+      self.ls1 = layers.LayerScale(dim, layerscale_init, param_dtype=param_dtype)
+      self.ls2 = layers.LayerScale(dim, layerscale_init, param_dtype=param_dtype)
+    self.drop_path_rate = float(drop_path_rate)
+
+  def _residual(self, x, y, scale, train, rng):
+    if scale is not None:
+      y = scale(y)
+    if train:
+      y = layers.drop_path(y, self.drop_path_rate, rng)
+    return x + y
+
+  def __call__(self, x: jax.Array, *, train: bool = False, rng: jax.Array | None = None):
+    """`rng` is this block's key; the two branches fold in 0 (attention) and 1 (MLP)."""
+    x = self._residual(x, self.attn(self.norm1(x)), self.ls1, train,
+                       layers.fold_rng(rng, 0))
+    x = self._residual(x, self.mlp(self.norm2(x)), self.ls2, train,
+                       layers.fold_rng(rng, 1))
+    return x
+
+
+class VisionTransformer(nnx.Module):
+  """ViT classifier: `model(images [B,H,W,3], *, train, rng) -> float32 logits [B, C]`."""
+
+  def __init__(self, *, num_classes: int, rngs: nnx.Rngs, patch_size: int, width: int,
+               depth: int, num_heads: int, mlp_dim: int, image_size=224,
+               head: str = "token", layerscale_init: float | None = None,
+               qkv_bias: bool = True, drop_path_rate: float = 0.0,
+               drop_path_schedule: str = "linear", pos_embed_cls: bool = True,
+               dtype=jnp.float32, param_dtype=jnp.float32, head_zeroinit: bool = True):
+    if head not in ("token", "gap"):
+      raise ValueError(f"head must be 'token' or 'gap', got {head!r}")
+    h, w = _pair(image_size)
+    if h % patch_size or w % patch_size:
+      raise ValueError(f"image_size {image_size!r} is not divisible by patch_size {patch_size}")
+    self.num_classes = num_classes
+    self.patch_size = patch_size
+    self.image_size = (h, w)
+    self.grid = (h // patch_size, w // patch_size)
+    self.width = width
+    self.depth = self.num_blocks = depth
+    self.head_type = head
+    self.pos_embed_cls = pos_embed_cls
+    self.dtype = dtype
+    self.drop_path_rates = layers.drop_path_rates(drop_path_rate, depth, drop_path_schedule)
+
+    self.patch_embed = nnx.Conv(
+        3, width, (patch_size, patch_size), strides=patch_size, padding="VALID",
+        kernel_init=layers.partitioned(nnx.initializers.lecun_normal(),
+                                       (None, None, None, "embed")),
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    num_tokens = self.grid[0] * self.grid[1]
+    if head == "token":
+      self.cls_token = nnx.Param(jnp.zeros((1, 1, width), param_dtype),
+                                 out_sharding=(None, None, "embed"))
+      if pos_embed_cls:
+        num_tokens += 1
+    else:
+      self.cls_token = None
+    self.pos_embed = nnx.Param(
+        nnx.initializers.truncated_normal(0.02)(rngs.params(), (1, num_tokens, width),
+                                                param_dtype),
+        out_sharding=(None, None, "embed"))
+    self.blocks = nnx.List([
+        Block(width, num_heads, mlp_dim, qkv_bias=qkv_bias, layerscale_init=layerscale_init,
+              drop_path_rate=rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        for rate in self.drop_path_rates])
+    self.norm = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+    head_init = (nnx.initializers.zeros if head_zeroinit
+                 else nnx.initializers.truncated_normal(0.02))
+    # The head runs in float32 whatever the compute dtype: logits feed softmaxes over up to
+    # ~11k-21k classes.
+    self.head = nnx.Linear(width, num_classes,
+                           kernel_init=layers.partitioned(head_init, ("embed", "classes")),
+                           dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+
+  def _tokens(self, images: jax.Array) -> jax.Array:
+    if images.ndim != 4 or images.shape[1:3] != self.image_size or images.shape[3] != 3:
+      raise ValueError(f"expected images [B, {self.image_size[0]}, {self.image_size[1]}, 3], "
+                       f"got shape {images.shape}")
+    x = self.patch_embed(images.astype(self.dtype))
+    b = x.shape[0]
+    x = x.reshape(b, -1, self.width)
+    pos = self.pos_embed[...].astype(x.dtype)
+    if self.cls_token is None:
+      return x + pos
+    cls = jnp.broadcast_to(self.cls_token[...].astype(x.dtype), (b, 1, self.width))
+    if self.pos_embed_cls:
+      return jnp.concatenate([cls, x], axis=1) + pos
+    return jnp.concatenate([cls, x + pos], axis=1)
+
+  def features(self, images: jax.Array, *, train: bool = False,
+               rng: jax.Array | None = None) -> jax.Array:
+    """Pooled, final-normed features [B, width] in float32 (the head's input)."""
+    layers.check_rng(train, self.drop_path_rates, rng, "VisionTransformer")
+    x = self._tokens(images)
+    for i, block in enumerate(self.blocks):
+      x = block(x, train=train, rng=layers.fold_rng(rng, i))
+    x = self.norm(x)
+    x = x[:, 0] if self.head_type == "token" else jnp.mean(x, axis=1)
+    return x.astype(jnp.float32)
+
+  def __call__(self, images: jax.Array, *, train: bool = False,
+               rng: jax.Array | None = None) -> jax.Array:
+    return self.head(self.features(images, train=train, rng=rng))
+
+
+def resize_pos_embed(pos_embed: jax.Array, old_grid: tuple[int, int],
+                     new_grid: tuple[int, int], num_prefix: int = 0) -> jax.Array:
+  """Bilinearly resizes a [1, prefix + gh*gw, D] position embedding for a new resolution.
+
+  The first `num_prefix` rows (the class token's, when it has one) are kept as they are.
+  """
+  d = pos_embed.shape[-1]
+  prefix, grid = pos_embed[:, :num_prefix], pos_embed[:, num_prefix:]
+  grid = grid.reshape(1, old_grid[0], old_grid[1], d)
+  grid = jax.image.resize(grid, (1, new_grid[0], new_grid[1], d), method="bilinear")
+  return jnp.concatenate([prefix, grid.reshape(1, -1, d)], axis=1)
+
+
+def _variants() -> dict:
+  out = {}
+  for size, (width, depth, heads, mlp_dim) in _SIZES.items():
+    for patch in _PATCHES:
+      out[f"vit_{size}{patch}"] = functools.partial(
+          VisionTransformer, patch_size=patch, width=width, depth=depth, num_heads=heads,
+          mlp_dim=mlp_dim)
+  out["vit_demo"] = vit_demo
+  return out
+
+
+def vit_demo(*, num_classes: int, rngs: nnx.Rngs, image_size=32, **kw) -> VisionTransformer:
+  """Small ViT for the CPU demo configs: patch 4, width 128, depth 4, 4 heads, MLP 256."""
+  return VisionTransformer(num_classes=num_classes, rngs=rngs, patch_size=4, width=128,
+                           depth=4, num_heads=4, mlp_dim=256, image_size=image_size, **kw)
+
+
+MODELS = _variants()

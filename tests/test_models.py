@@ -1,0 +1,313 @@
+"""Tests for the model registry and the models (parameter counts, shapes, stochastic depth)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bigpretrain import models
+from bigpretrain.models import layers
+from bigpretrain.models import vit
+
+
+def _abstract(name, **kw):
+  return nnx.eval_shape(lambda: models.get_model(name, rngs=nnx.Rngs(0), **kw))
+
+
+def _num_params(module) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def _images(batch, size, seed=0):
+  return jax.random.normal(jax.random.key(seed), (batch, size, size, 3), jnp.float32)
+
+
+def _layer_norm(x, eps=1e-6):
+  x = np.asarray(x, np.float64)
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+
+
+# --- registry -------------------------------------------------------------------------------
+
+
+def test_registry_lists_vit_family():
+  names = models.list_models()
+  assert names == sorted(names)
+  for size in ("ti", "s", "b", "l", "h"):
+    for patch in (14, 16, 32):
+      assert f"vit_{size}{patch}" in names
+  assert "vit_demo" in names
+
+
+def test_unknown_model_name_lists_registered():
+  with pytest.raises(ValueError, match=r"vit_nope.*vit_b16"):
+    models.get_model("vit_nope", num_classes=10, rngs=nnx.Rngs(0))
+
+
+def test_unknown_and_fixed_kwargs_are_named():
+  with pytest.raises(TypeError, match="colour"):
+    _abstract("vit_ti16", num_classes=10, colour="red")
+  with pytest.raises(TypeError, match="width"):
+    _abstract("vit_ti16", num_classes=10, width=64)
+  with pytest.raises(TypeError, match="colour"):
+    _abstract("vit_demo", num_classes=10, colour="red")
+
+
+def test_register_decorator_and_duplicate():
+  @models.register("_test_tiny_vit")
+  def _tiny(*, num_classes, rngs, image_size=8):
+    return vit.VisionTransformer(num_classes=num_classes, rngs=rngs, patch_size=4, width=8,
+                                 depth=1, num_heads=2, mlp_dim=16, image_size=image_size)
+
+  try:
+    model = models.get_model("_test_tiny_vit", num_classes=3, rngs=nnx.Rngs(0))
+    assert model(_images(2, 8)).shape == (2, 3)
+    with pytest.raises(TypeError, match="depth"):
+      models.get_model("_test_tiny_vit", num_classes=3, rngs=nnx.Rngs(0), depth=2)
+    with pytest.raises(ValueError, match="already registered"):
+      models.register("_test_tiny_vit", _tiny)
+  finally:
+    models._REGISTRY.pop("_test_tiny_vit")  # pylint: disable=protected-access
+
+
+# --- ViT parameter counts and structure -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("vit_b16", 86_567_656),  # the published 86.6M
+    ("vit_ti16", 5_717_416),
+    ("vit_s16", 22_050_664),
+])
+def test_vit_param_counts(name, expected):
+  assert _num_params(_abstract(name, num_classes=1000)) == expected
+
+
+def test_vit_gap_and_pos_embed_variants_param_counts():
+  # 'gap' has no class token and no position embedding row for it: 2 * width fewer.
+  assert _num_params(_abstract("vit_b16", num_classes=1000, head="gap")) == 86_567_656 - 2 * 768
+  # DeiT-III style: the position embedding covers only the 196 patches.
+  model = _abstract("vit_b16", num_classes=1000, pos_embed_cls=False)
+  assert model.pos_embed.shape == (1, 196, 768)
+  assert _num_params(model) == 86_567_656 - 768
+  # LayerScale adds two width-sized vectors per block.
+  model = _abstract("vit_s16", num_classes=1000, layerscale_init=1e-4)
+  assert _num_params(model) == 22_050_664 + 12 * 2 * 384
+  # Larger models, by formula: 12*D^2 + 13*D per block, plus embeddings and head.
+  d, depth, p = 1024, 24, 14
+  tokens = (224 // p) ** 2 + 1
+  want = (p * p * 3 * d + d) + d + tokens * d + depth * (12 * d * d + 13 * d) + 2 * d
+  want += d * 1000 + 1000
+  assert _num_params(_abstract("vit_l14", num_classes=1000)) == want
+
+
+def test_vit_param_paths_and_logical_axes():
+  model = _abstract("vit_b16", num_classes=1000)
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  flat = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(
+              params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+  names = {k: v.get_metadata().get("out_sharding") for k, v in flat.items()}
+  assert names["patch_embed/kernel"] == (None, None, None, "embed")
+  assert names["cls_token"] == (None, None, "embed")
+  assert names["pos_embed"] == (None, None, "embed")
+  assert names["blocks/3/attn/qkv/kernel"] == ("embed", "heads")
+  assert names["blocks/3/attn/proj/kernel"] == ("heads", "embed")
+  assert names["blocks/11/mlp/fc1/kernel"] == ("embed", "mlp")
+  assert names["blocks/11/mlp/fc2/kernel"] == ("mlp", "embed")
+  assert names["head/kernel"] == ("embed", "classes")
+  assert {"norm/scale", "norm/bias", "head/bias", "blocks/0/norm1/scale"} <= set(names)
+  assert model.depth == model.num_blocks == 12
+  pure = nnx.to_pure_dict(params)
+  assert pure["blocks"][3]["mlp"]["fc1"]["kernel"].shape == (768, 3072)
+
+
+# --- ViT forward ----------------------------------------------------------------------------
+
+
+def test_vit_demo_forward_shape_dtype_and_features():
+  model = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0), head_zeroinit=False)
+  x = _images(2, 32)
+  logits = model(x)
+  assert logits.shape == (2, 10) and logits.dtype == jnp.float32
+  feats = model.features(x)
+  assert feats.shape == (2, 128) and feats.dtype == jnp.float32
+  want = feats @ model.head.kernel[...] + model.head.bias[...]
+  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+  # Zero-initialised head by default: every logit starts at 0.
+  zero_head = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(zero_head(x), np.zeros((2, 10), np.float32))
+  with pytest.raises(ValueError, match="expected images"):
+    model(_images(2, 48))
+
+
+def test_vit_rejects_indivisible_image_size():
+  with pytest.raises(ValueError, match="patch_size"):
+    _abstract("vit_b16", num_classes=10, image_size=100)
+
+
+def test_attention_matches_numpy_reference():
+  dim, heads, n = 8, 2, 5
+  attn = vit.Attention(dim, heads, qkv_bias=True, dtype=jnp.float32,
+                       param_dtype=jnp.float32, rngs=nnx.Rngs(3))
+  attn.qkv.bias[...] = jax.random.normal(jax.random.key(4), (3 * dim,))
+  x = np.asarray(jax.random.normal(jax.random.key(5), (2, n, dim)), np.float64)
+  wqkv = np.asarray(attn.qkv.kernel[...], np.float64)
+  bqkv = np.asarray(attn.qkv.bias[...], np.float64)
+  qkv = (x @ wqkv + bqkv).reshape(2, n, 3, heads, dim // heads)
+  q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # [B, heads, N, hd]
+  logits = q @ k.transpose(0, 1, 3, 2) / np.sqrt(dim // heads)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  out = (probs @ v).transpose(0, 2, 1, 3).reshape(2, n, dim)
+  want = out @ np.asarray(attn.proj.kernel[...]) + np.asarray(attn.proj.bias[...])
+  np.testing.assert_allclose(attn(jnp.asarray(x, jnp.float32)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_layerscale_blocks_are_identities():
+  # With LayerScale 0 every block returns its input, so the class-token feature is
+  # LayerNorm(cls_token + pos_embed[0]) (scale 1, bias 0 at init).
+  model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), layerscale_init=0.0)
+  model.cls_token[...] = jax.random.normal(jax.random.key(9), (1, 1, 128))
+  feats = model.features(_images(3, 32))
+  want = _layer_norm(np.asarray(model.cls_token[...] + model.pos_embed[:, :1])[0, 0])
+  np.testing.assert_allclose(feats, np.broadcast_to(want, (3, 128)), rtol=1e-4, atol=1e-4)
+  assert model.blocks[2].ls2.gamma.shape == (128,)
+
+
+def test_pos_embed_cls_placement():
+  x = _images(2, 32)
+  model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0))
+  model.cls_token[...] = jnp.full((1, 1, 128), 0.5)
+  tokens = model._tokens(x)  # pylint: disable=protected-access
+  np.testing.assert_allclose(tokens[:, 0], np.broadcast_to(0.5 + model.pos_embed[0, 0], (2, 128)))
+  deit3 = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), pos_embed_cls=False)
+  deit3.cls_token[...] = jnp.full((1, 1, 128), 0.5)
+  tokens = deit3._tokens(x)  # pylint: disable=protected-access
+  assert tokens.shape == (2, 65, 128)
+  np.testing.assert_array_equal(tokens[:, 0], np.full((2, 128), 0.5, np.float32))
+  patches = deit3.patch_embed(x).reshape(2, 64, 128)
+  np.testing.assert_allclose(tokens[:, 1:], patches + deit3.pos_embed[...], rtol=1e-6)
+
+
+def test_gap_head_pools_the_mean_token():
+  model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), head="gap")
+  assert model.cls_token is None and model.pos_embed.shape == (1, 64, 128)
+  x = _images(2, 32)
+  tokens = model._tokens(x)  # pylint: disable=protected-access
+  for block in model.blocks:
+    tokens = block(tokens)
+  normed = model.norm(tokens)
+  np.testing.assert_allclose(model.features(x), normed.mean(axis=1), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(model.features(x), normed[:, 0], atol=1e-3)
+
+
+def test_bfloat16_compute_gives_finite_float32_logits():
+  kw = dict(num_classes=10, head_zeroinit=False)
+  model32 = models.get_model("vit_demo", rngs=nnx.Rngs(0), **kw)
+  model16 = models.get_model("vit_demo", rngs=nnx.Rngs(0), dtype=jnp.bfloat16, **kw)
+  assert model16.blocks[0].mlp.fc1.kernel.dtype == jnp.float32  # params stay float32
+  x = _images(2, 32)
+  logits = model16(x, train=True, rng=jax.random.key(0))
+  assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+  np.testing.assert_allclose(model16(x), model32(x), atol=0.1)
+
+
+# --- stochastic depth -----------------------------------------------------------------------
+
+
+def test_drop_path_rate_schedules():
+  np.testing.assert_allclose(layers.drop_path_rates(0.3, 4, "linear"), [0.0, 0.1, 0.2, 0.3])
+  assert layers.drop_path_rates(0.3, 4, "uniform") == [0.3] * 4
+  model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), drop_path_rate=0.15)
+  np.testing.assert_allclose([b.drop_path_rate for b in model.blocks], [0, 0.05, 0.1, 0.15])
+  with pytest.raises(ValueError, match="drop_path_schedule"):
+    layers.drop_path_rates(0.1, 4, "cosine")
+  with pytest.raises(ValueError, match="drop_path_rate"):
+    layers.drop_path_rates(1.5, 4)
+
+
+def test_drop_path_per_row_statistics_and_scaling():
+  x = jnp.ones((4000, 3, 2))
+  y = np.asarray(layers.drop_path(x, 0.3, jax.random.key(0)))
+  row = y[:, 0, 0]
+  assert np.all(y == row[:, None, None])  # one decision per row
+  assert set(np.unique(row).tolist()) <= {0.0, np.float32(1 / 0.7)}
+  assert abs(np.mean(row == 0) - 0.3) < 0.03  # binomial std ~0.007
+  np.testing.assert_array_equal(layers.drop_path(x, 1.0, jax.random.key(0)), np.zeros_like(x))
+  np.testing.assert_array_equal(layers.drop_path(x, 0.0, None), x)
+
+
+def test_block_drops_each_branch_per_row_independently():
+  p, batch = 0.5, 512
+  block = vit.Block(8, 2, 16, qkv_bias=True, layerscale_init=None, drop_path_rate=p,
+                    dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(2), (batch, 3, 8))
+  out = np.asarray(block(x, train=True, rng=jax.random.key(3)))
+  # Every row must equal one of the four keep/drop combinations, with kept branches x1/(1-p).
+  attn_out = block.attn(block.norm1(x))
+  after_attn = {0: x, 1: x + attn_out / (1 - p)}
+  combos = {}
+  for a in (0, 1):
+    h = after_attn[a]
+    mlp_out = block.mlp(block.norm2(h))
+    for m in (0, 1):
+      combos[(a, m)] = np.asarray(h + m * mlp_out / (1 - p))
+  which = np.full((batch, 2), -1)
+  for (a, m), want in combos.items():
+    match = np.all(np.isclose(out, want, rtol=1e-5, atol=1e-5), axis=(1, 2))
+    assert not np.any(match & (which[:, 0] >= 0)), "a row matched two combinations"
+    which[match] = (a, m)
+  assert np.all(which >= 0), "some rows match no keep/drop combination"
+  kept_attn, kept_mlp = which[:, 0], which[:, 1]
+  assert abs(kept_attn.mean() - (1 - p)) < 0.08 and abs(kept_mlp.mean() - (1 - p)) < 0.08
+  # Independent branches: the decisions disagree on about 2p(1-p) = half of the rows.
+  assert abs(np.mean(kept_attn != kept_mlp) - 2 * p * (1 - p)) < 0.08
+  # Eval ignores stochastic depth.
+  h = x + attn_out
+  np.testing.assert_allclose(block(x), h + block.mlp(block.norm2(h)), rtol=1e-5, atol=1e-5)
+
+
+def test_vit_train_without_drop_path_equals_eval():
+  model = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0), head_zeroinit=False)
+  x = _images(2, 32)
+  np.testing.assert_array_equal(model(x, train=True), model(x))
+  np.testing.assert_array_equal(model(x, train=True, rng=jax.random.key(1)), model(x))
+
+
+def test_vit_stochastic_depth_needs_rng_and_is_deterministic_given_rng():
+  model = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0), head_zeroinit=False,
+                           drop_path_rate=0.5, drop_path_schedule="uniform")
+  x = _images(8, 32)
+  with pytest.raises(ValueError, match="rng"):
+    model(x, train=True)
+  a = model(x, train=True, rng=jax.random.key(1))
+  np.testing.assert_array_equal(a, model(x, train=True, rng=jax.random.key(1)))
+  assert not np.allclose(a, model(x, train=True, rng=jax.random.key(2)))
+  assert not np.allclose(a, model(x))
+  np.testing.assert_array_equal(model(x), model(x, train=False, rng=jax.random.key(1)))
+
+
+def test_vit_under_jit_with_split_params():
+  model = models.get_model("vit_demo", num_classes=5, rngs=nnx.Rngs(0), head_zeroinit=False,
+                           drop_path_rate=0.1)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  pure = nnx.to_pure_dict(params)
+
+  @jax.jit
+  def apply(pure_params, images, rng):
+    state = nnx.state(nnx.merge(graphdef, params, rest), nnx.Param)
+    nnx.replace_by_pure_dict(state, pure_params)
+    return nnx.merge(graphdef, state, rest)(images, train=True, rng=rng)
+
+  x = _images(2, 32)
+  np.testing.assert_allclose(apply(pure, x, jax.random.key(0)),
+                             model(x, train=True, rng=jax.random.key(0)), rtol=1e-5, atol=1e-5)
+
+
+def test_resize_pos_embed_keeps_prefix_and_constant_grid():
+  pos = jnp.concatenate([jnp.full((1, 1, 4), 7.0), jnp.full((1, 4, 4), 2.0)], axis=1)
+  out = vit.resize_pos_embed(pos, (2, 2), (3, 3), num_prefix=1)
+  assert out.shape == (1, 10, 4)
+  np.testing.assert_allclose(out[0, 0], np.full(4, 7.0))
+  np.testing.assert_allclose(out[0, 1:], np.full((9, 4), 2.0), rtol=1e-6)
