@@ -1,0 +1,257 @@
+"""The base config every recipe starts from, recipe-argument parsing, and validation.
+
+`base_config()` holds every key the trainer reads. Recipes (configs/*.py) override values and
+add model/data/objective kwargs; `validate()` then catches typos and bad values before any
+compilation, naming the offending key, and locks the config.
+"""
+from collections.abc import Iterable, Mapping
+import difflib
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from bigpretrain import optim
+
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+MESH_AXES = ('data', 'fsdp', 'tensor')
+# Sections whose keys are fixed: a key not in base_config() is a typo.
+_CLOSED_SECTIONS = ('mesh', 'optim')
+# Sections recipes extend with their own kwargs; only their base keys are required.
+_OPEN_SECTIONS = ('model', 'data', 'objective', 'eval')
+_STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key the trainer reads, with its default."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # Duration: total_steps > 0 wins, else num_epochs > 0, else num_examples > 0.
+  c.total_steps = -1
+  c.num_epochs = -1.0
+  c.num_examples = -1
+  c.batch_size = 256  # Global, over all hosts.
+  c.log_every_steps = 50
+  c.eval_every_steps = 1000  # 0 = only at the end.
+  c.ckpt_every_steps = 1000  # 0 = only at the end (and on SIGTERM).
+  c.keep_ckpts = 3
+  c.compute_dtype = 'float32'  # One of COMPUTE_DTYPES.
+  # '' = '<cache>/jax' (see compilation_cache_dir()); 'none' disables the persistent cache.
+  c.compilation_cache_dir = ''
+  c.resume = ''  # Checkpoint dir to resume from when the workdir has none.
+  c.model_init = ''  # Checkpoint to load params from (a teacher, an ImageNet-1K init).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
+  # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
+  c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
+                      ('classes', 'tensor'), ('conv_out', 'tensor'))
+  c.model = ml_collections.ConfigDict(dict(name='vit_demo'))
+  c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
+  c.objective = ml_collections.ConfigDict(dict(name='softmax'))
+  c.optim = optim.optim_defaults()
+  c.eval = ml_collections.ConfigDict(dict(topk=(1, 5)))
+  return c
+
+
+def _parse_bool(key: str, value: str) -> bool:
+  v = value.strip().lower()
+  if v in ('true', '1'):
+    return True
+  if v in ('false', '0'):
+    return False
+  raise ValueError(f'config arg {key}={value!r}: expected a bool (true/false/1/0).')
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """Parses a recipe argument 'k=v,k2=v2' with types taken from `defaults`.
+
+  bool accepts true/false/1/0 (a bare 'k' means k=true), int, float and str values follow
+  their defaults; a None default takes the string. Unknown keys and bad values raise.
+  """
+  out = dict(defaults)
+  seen = set()
+  for token in (arg or '').split(','):
+    token = token.strip()
+    if not token:
+      continue
+    key, sep, value = token.partition('=')
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f'config arg {key!r} is unknown; valid keys: {sorted(defaults)}')
+    if key in seen:
+      raise ValueError(f'config arg {key!r} is given twice in {arg!r}')
+    seen.add(key)
+    default = defaults[key]
+    if not sep:
+      if not isinstance(default, bool):
+        raise ValueError(f'config arg {key!r} needs a value ({key}=...) in {arg!r}')
+      out[key] = True
+      continue
+    if isinstance(default, bool):
+      out[key] = _parse_bool(key, value)
+    elif isinstance(default, (int, float)):
+      kind = type(default)
+      try:
+        out[key] = kind(value)
+      except ValueError:
+        raise ValueError(f'config arg {key}={value!r}: expected {kind.__name__}.') from None
+    elif default is None or isinstance(default, str):
+      out[key] = value
+    else:
+      raise TypeError(f'config arg {key!r}: default {default!r} has unsupported type '
+                      f'{type(default).__name__} (use bool, int, float, str or None).')
+  return ml_collections.ConfigDict(out)
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+  close = difflib.get_close_matches(key, sorted(known), n=1)
+  return f" (did you mean '{close[0]}'?)" if close else ''
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
+                extra_keys: Iterable[str]) -> None:
+  """Missing required keys and unknown top-level / closed-section keys."""
+  extra = set(extra_keys)
+  for key in sorted(config):
+    if key not in base and key not in extra:
+      raise ValueError(f'config.{key} is not a known key{_suggest(key, base)}; valid top-level '
+                       f'keys: {sorted(base)}')
+  for key in sorted(base):
+    if key not in config or config[key] is None:
+      raise ValueError(f'config.{key} is missing (required).')
+  for section in _CLOSED_SECTIONS + _OPEN_SECTIONS:
+    if not hasattr(config[section], 'keys'):
+      raise ValueError(f'config.{section}={config[section]!r} must be a ConfigDict section.')
+    if section == 'optim':
+      continue  # Checked with its values by optim.validate_optim_config.
+    for key in sorted(base[section]):
+      if key not in config[section] or config[section][key] is None:
+        raise ValueError(f'config.{section}.{key} is missing (required).')
+    if section in _CLOSED_SECTIONS:
+      for key in sorted(config[section]):
+        if key not in base[section]:
+          raise ValueError(f'config.{section}.{key} is not a known key'
+                           f'{_suggest(key, base[section])}; valid: {sorted(base[section])}')
+
+
+def _check_values(config: Mapping[str, Any]) -> None:
+  """Types and ranges of the trainer's own keys."""
+  for key in ('seed', 'total_steps', 'num_examples', 'batch_size', 'keep_ckpts') + _STEP_KEYS:
+    if not _is_int(config[key]):
+      raise ValueError(f'config.{key}={config[key]!r} must be an int.')
+  if not _is_number(config.num_epochs):
+    raise ValueError(f'config.num_epochs={config.num_epochs!r} must be a number.')
+  if config.batch_size <= 0:
+    raise ValueError(f'config.batch_size={config.batch_size} must be > 0.')
+  for key in _STEP_KEYS:
+    if config[key] < 0:
+      raise ValueError(f'config.{key}={config[key]} must be >= 0.')
+  if config.keep_ckpts < 1:
+    raise ValueError(f'config.keep_ckpts={config.keep_ckpts} must be >= 1.')
+  if not (config.total_steps > 0 or config.num_epochs > 0 or config.num_examples > 0):
+    raise ValueError('config.total_steps, config.num_epochs and config.num_examples are all '
+                     '<= 0: set one of them to give the run a duration.')
+  if config.compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f'config.compute_dtype={config.compute_dtype!r} must be one of '
+                     f'{COMPUTE_DTYPES}.')
+  for key in ('compilation_cache_dir', 'resume', 'model_init'):
+    if not isinstance(config[key], str):
+      raise ValueError(f'config.{key}={config[key]!r} must be a str.')
+  for section in ('model', 'data', 'objective'):
+    name = config[section].name
+    if not isinstance(name, str) or not name:
+      raise ValueError(f'config.{section}.name={name!r} must be a non-empty str.')
+  if not isinstance(config.data.dir, str):
+    raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
+  sizes = [config.mesh[a] for a in MESH_AXES]
+  for axis, size in zip(MESH_AXES, sizes):
+    if not _is_int(size) or (size < 1 and size != -1):
+      raise ValueError(f'config.mesh.{axis}={size!r} must be an int >= 1, or -1 (= the rest).')
+  if sizes.count(-1) > 1:
+    axes = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
+    raise ValueError(f'config.mesh.{axes[1]}=-1: at most one mesh axis may be -1 '
+                     f'(mesh.{axes[0]} already is).')
+  rules = config.sharding_rules
+  if not isinstance(rules, (tuple, list)):
+    raise ValueError(f'config.sharding_rules={rules!r} must be a tuple of (logical, mesh) pairs.')
+  for rule in rules:
+    if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str)
+        or rule[1] not in MESH_AXES + (None,)):
+      raise ValueError(f'config.sharding_rules: bad rule {rule!r}; each must be a pair '
+                       f'(logical name, one of {MESH_AXES} or None).')
+  topk = config.eval.topk
+  if (not isinstance(topk, (tuple, list)) or not topk
+      or not all(_is_int(k) and k >= 1 for k in topk)):
+    raise ValueError(f'config.eval.topk={topk!r} must be a non-empty tuple of ints >= 1.')
+
+
+def validate(config: ml_collections.ConfigDict, *,
+             extra_keys: Iterable[str] = ()) -> ml_collections.ConfigDict:
+  """Checks keys and values, raising ValueError naming the bad key; then locks the config.
+
+  Call before any compilation. `extra_keys` are top-level keys a caller allows beyond
+  base_config()'s. The warmup-vs-run check needs the dataset size: see resolve_total_steps.
+  """
+  _check_keys(config, base_config(), extra_keys)
+  _check_values(config)
+  optim.validate_optim_config(config.optim)
+  config.lock()
+  return config
+
+
+def resolve_total_steps(config: Mapping[str, Any], num_train_examples: int | None = None) -> int:
+  """Total train steps: total_steps > 0, else ceil(epochs * N / bs), else ceil(examples / bs).
+
+  Also checks that the optimizer's warmup fits in the run.
+  """
+  bs = config['batch_size']
+  if config['total_steps'] > 0:
+    steps = int(config['total_steps'])
+  elif config['num_epochs'] > 0:
+    if not num_train_examples or num_train_examples <= 0:
+      raise ValueError(f'config.num_epochs={config["num_epochs"]} needs the number of training '
+                       f'examples, got {num_train_examples!r}.')
+    steps = math.ceil(config['num_epochs'] * num_train_examples / bs)
+  elif config['num_examples'] > 0:
+    steps = math.ceil(config['num_examples'] / bs)
+  else:
+    raise ValueError('config.total_steps, config.num_epochs and config.num_examples are all '
+                     '<= 0: set one of them to give the run a duration.')
+  optim.resolve_warmup_steps(config['optim']['schedule'], steps)
+  return steps
+
+
+def describe_duration(config: Mapping[str, Any], num_train_examples: int | None = None) -> str:
+  """One line for the log: the resolved steps, where they came from, and epochs seen."""
+  steps = resolve_total_steps(config, num_train_examples)
+  if config['total_steps'] > 0:
+    source = 'config.total_steps'
+  elif config['num_epochs'] > 0:
+    source = f'config.num_epochs={config["num_epochs"]}'
+  else:
+    source = f'config.num_examples={config["num_examples"]}'
+  text = f'{steps} steps at batch size {config["batch_size"]} (from {source})'
+  if num_train_examples and num_train_examples > 0:
+    epochs = steps * config['batch_size'] / num_train_examples
+    text += f' = {epochs:.3g} epochs of {num_train_examples} examples'
+  return text
+
+
+def compilation_cache_dir(config: Mapping[str, Any]) -> str | None:
+  """The persistent JAX compilation cache folder, or None when config says 'none'."""
+  value = config['compilation_cache_dir']
+  if value.lower() == 'none':
+    return None
+  if value:
+    return value
+  root = os.environ.get('BIGPRETRAIN_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'bigpretrain')
+  return os.path.join(root, 'jax')

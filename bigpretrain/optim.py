@@ -1,0 +1,302 @@
+"""Optimizers and learning-rate schedules built from `config.optim` with optax.
+
+One `make_optimizer` covers the four recipes: SGD with Nesterov momentum (semi-supervised,
+SWAG RegNetY), Adam with coupled L2 weight decay (ImageNet-21K: lr 3e-4, wd 1e-4, OneCycle),
+AdamW (DeiT-III / cosub, SWAG ViT) and LAMB. Weight decay skips 0/1-d params (biases, norm
+scales) and the paths matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each
+ViT block's updates geometrically. Params are pure nested dicts, paths are 'a/b/c' strings.
+"""
+from collections.abc import Mapping, Sequence
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+OPTIMIZERS = ('sgd', 'adam', 'adamw', 'lamb')
+SCHEDULES = ('cosine', 'onecycle', 'step', 'constant')
+DEFAULT_WD_EXCLUDE = ('pos_embed', 'cls_token')
+LR_RULES = ('sqrt', 'linear', 'none')
+
+# Paths (matched as whole path components) that LayerDecay puts in layer 0.
+_LAYER0 = re.compile(r'(?:^|/)(?:patch_embed|cls_token|pos_embed)(?:/|$)')
+_BLOCK = re.compile(r'(?:^|/)blocks/(\d+)(?:/|$)')
+
+
+def optim_defaults() -> ml_collections.ConfigDict:
+  """Defaults for `config.optim`; recipes override name, lr, weight_decay and the schedule."""
+  return ml_collections.ConfigDict(dict(
+      name='adamw',  # One of OPTIMIZERS.
+      lr=1e-3,  # Peak learning rate (after warmup).
+      weight_decay=0.05,
+      b1=0.9, b2=0.999, eps=1e-8,  # adam / adamw / lamb.
+      momentum=0.9, nesterov=True,  # sgd.
+      grad_clip_norm=0.0,  # Clip by global norm first in the chain; 0 = off.
+      # Regexes searched in 'a/b/c' param paths; matches get no weight decay. Params with
+      # ndim <= 1 (biases, norm scales) never get weight decay.
+      wd_exclude=DEFAULT_WD_EXCLUDE,
+      layer_decay=0.0,  # LD of LayerDecay; 0 = off.
+      layer_decay_lr_scale=2.0,  # C_LD: lr multiplier when LayerDecay is on.
+      schedule=dict(
+          name='cosine',  # One of SCHEDULES.
+          warmup_steps=-1,  # -1 = use warmup_frac; set at most one of the two.
+          warmup_frac=0.0,  # Fraction of total_steps.
+          warmup_init_factor=0.0,  # Linear warmup starts at lr * this.
+          end_factor=0.0,  # cosine: final lr as a fraction of lr.
+          pct_start=0.2,  # onecycle: fraction of the run spent increasing the lr.
+          div_factor=25.0,  # onecycle: starts at lr / div_factor.
+          final_div_factor=1e4,  # onecycle: ends at lr / (div_factor * final_div_factor).
+          decay_factor=0.5,  # step: lr multiplier at each decay.
+          num_decays=13,  # step: decays evenly spaced over the post-warmup run.
+      ),
+  ))
+
+
+def _err(key: str, value: Any, why: str) -> ValueError:
+  return ValueError(f'config.{key}={value!r}: {why}')
+
+
+def _check_type(key: str, value: Any, default: Any) -> None:
+  """Raises unless `value` has the kind of type its default has (number, bool, str, regexes)."""
+  if isinstance(default, bool):
+    ok = isinstance(value, bool)
+  elif isinstance(default, (int, float)):
+    kinds = int if isinstance(default, int) else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+  elif isinstance(default, str):
+    ok = isinstance(value, str)
+  else:  # wd_exclude: a sequence of regex strings.
+    ok = isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
+  if not ok:
+    raise _err(key, value, f'has the wrong type; expected a value like {default!r}')
+
+
+def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None:
+  """Raises ValueError naming the key for unknown keys or out-of-range values."""
+  defaults = optim_defaults()
+  if not hasattr(cfg.get('schedule'), 'keys'):
+    raise _err(f'{prefix}.schedule', cfg.get('schedule'), 'must be a ConfigDict of schedule keys')
+  for section, known, keys in ((prefix, defaults, cfg),
+                               (f'{prefix}.schedule', defaults.schedule, cfg['schedule'])):
+    for k in sorted(keys):
+      if k not in known:
+        raise ValueError(f'config.{section}.{k} is not a known key; valid keys: '
+                         f'{sorted(known)}')
+    for k in sorted(known):
+      if k not in keys or keys[k] is None:
+        raise ValueError(f'config.{section}.{k} is missing (required).')
+      if k != 'schedule':
+        _check_type(f'{section}.{k}', keys[k], known[k])
+  s = cfg['schedule']
+  p, ps = prefix, f'{prefix}.schedule'
+  checks = [
+      (f'{p}.name', cfg['name'], cfg['name'] in OPTIMIZERS, f'must be one of {OPTIMIZERS}'),
+      (f'{p}.lr', cfg['lr'], cfg['lr'] > 0, 'must be > 0'),
+      (f'{p}.weight_decay', cfg['weight_decay'], cfg['weight_decay'] >= 0, 'must be >= 0'),
+      (f'{p}.b1', cfg['b1'], 0 <= cfg['b1'] < 1, 'must be in [0, 1)'),
+      (f'{p}.b2', cfg['b2'], 0 <= cfg['b2'] < 1, 'must be in [0, 1)'),
+      (f'{p}.eps', cfg['eps'], cfg['eps'] >= 0, 'must be >= 0'),
+      (f'{p}.momentum', cfg['momentum'], 0 <= cfg['momentum'] < 1, 'must be in [0, 1)'),
+      (f'{p}.grad_clip_norm', cfg['grad_clip_norm'], cfg['grad_clip_norm'] >= 0,
+       'must be >= 0 (0 = off)'),
+      (f'{p}.layer_decay', cfg['layer_decay'], 0 <= cfg['layer_decay'] <= 1,
+       'must be in [0, 1] (0 = off)'),
+      (f'{p}.layer_decay_lr_scale', cfg['layer_decay_lr_scale'],
+       cfg['layer_decay_lr_scale'] > 0, 'must be > 0'),
+      (f'{ps}.name', s['name'], s['name'] in SCHEDULES, f'must be one of {SCHEDULES}'),
+      (f'{ps}.warmup_steps', s['warmup_steps'], s['warmup_steps'] >= -1,
+       'must be >= 0, or -1 to use warmup_frac'),
+      (f'{ps}.warmup_frac', s['warmup_frac'], 0 <= s['warmup_frac'] <= 1, 'must be in [0, 1]'),
+      (f'{ps}.warmup_init_factor', s['warmup_init_factor'], 0 <= s['warmup_init_factor'] <= 1,
+       'must be in [0, 1]'),
+      (f'{ps}.end_factor', s['end_factor'], 0 <= s['end_factor'] <= 1, 'must be in [0, 1]'),
+      (f'{ps}.pct_start', s['pct_start'], 0 <= s['pct_start'] < 1, 'must be in [0, 1)'),
+      (f'{ps}.div_factor', s['div_factor'], s['div_factor'] > 0, 'must be > 0'),
+      (f'{ps}.final_div_factor', s['final_div_factor'], s['final_div_factor'] > 0,
+       'must be > 0'),
+      (f'{ps}.decay_factor', s['decay_factor'], 0 < s['decay_factor'] <= 1, 'must be in (0, 1]'),
+      (f'{ps}.num_decays', s['num_decays'], s['num_decays'] >= 0, 'must be >= 0'),
+  ]
+  for key, value, ok, why in checks:
+    if not ok:
+      raise _err(key, value, why)
+  if s['warmup_steps'] >= 0 and s['warmup_frac'] > 0:
+    raise _err(f'{ps}.warmup_frac', s['warmup_frac'],
+               f'set either warmup_steps ({s["warmup_steps"]}) or warmup_frac, not both')
+  if s['name'] == 'onecycle' and (s['warmup_steps'] >= 0 or s['warmup_frac'] > 0):
+    key = 'warmup_steps' if s['warmup_steps'] >= 0 else 'warmup_frac'
+    raise _err(f'{ps}.{key}', s[key], 'onecycle warms up over pct_start; leave warmup unset')
+  for k in sorted(cfg.get('wd_exclude', ())):
+    try:
+      re.compile(k)
+    except re.error as e:
+      raise _err(f'{p}.wd_exclude', k, f'not a valid regex ({e})') from e
+
+
+def resolve_warmup_steps(schedule_cfg: Mapping[str, Any], total_steps: int,
+                         prefix: str = 'optim.schedule') -> int:
+  """Warmup length in steps; raises if it is longer than the run."""
+  if total_steps <= 0:
+    raise ValueError(f'total_steps={total_steps} must be > 0.')
+  if schedule_cfg['name'] == 'onecycle':
+    return int(schedule_cfg['pct_start'] * total_steps)
+  if schedule_cfg['warmup_steps'] >= 0:
+    key, warmup = 'warmup_steps', int(schedule_cfg['warmup_steps'])
+  else:
+    key, warmup = 'warmup_frac', int(round(schedule_cfg['warmup_frac'] * total_steps))
+  if warmup > total_steps:
+    raise _err(f'{prefix}.{key}', schedule_cfg[key],
+               f'warmup of {warmup} steps is longer than the run ({total_steps} steps)')
+  return warmup
+
+
+def make_schedule(schedule_cfg: Mapping[str, Any], *, lr: float,
+                  total_steps: int) -> optax.Schedule:
+  """The learning-rate schedule peaking at `lr`: optional linear warmup, then the decay."""
+  s = schedule_cfg
+  name = s['name']
+  if name == 'onecycle':
+    # Cosine rise from lr/div over pct_start, then cosine fall to lr/(div*final_div).
+    return optax.cosine_onecycle_schedule(total_steps, lr, pct_start=s['pct_start'],
+                                          div_factor=s['div_factor'],
+                                          final_div_factor=s['final_div_factor'])
+  warmup = resolve_warmup_steps(s, total_steps)
+  rest = max(total_steps - warmup, 1)
+  if name == 'cosine':
+    main = optax.cosine_decay_schedule(lr, decay_steps=rest, alpha=s['end_factor'])
+  elif name == 'constant':
+    main = optax.constant_schedule(lr)
+  elif name == 'step':
+    # num_decays decays evenly spaced: rest is split into num_decays + 1 equal segments.
+    scales = {}
+    for k in range(1, s['num_decays'] + 1):
+      b = int(round(k * rest / (s['num_decays'] + 1)))
+      scales[b] = scales.get(b, 1.0) * s['decay_factor']
+    main = optax.piecewise_constant_schedule(lr, scales)
+  else:
+    raise _err('optim.schedule.name', name, f'must be one of {SCHEDULES}')
+  if warmup == 0:
+    return main
+  ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
+  return optax.join_schedules([ramp, main], [warmup])
+
+
+def scale_lr(base_lr: float, batch_size: int, *, rule: str = 'sqrt',
+             base_batch: int | None = None) -> float:
+  """Scales a reference lr to `batch_size`.
+
+  'sqrt': base_lr * sqrt(bs / base_batch), base_batch 2048 (cosub A.1, for AdamW);
+  'linear': base_lr * bs / base_batch, base_batch 256 (Goyal et al., for SGD); 'none'.
+  """
+  if rule not in LR_RULES:
+    raise ValueError(f'scale_lr rule={rule!r} must be one of {LR_RULES}')
+  if batch_size <= 0:
+    raise ValueError(f'scale_lr batch_size={batch_size} must be > 0')
+  if rule == 'none':
+    return float(base_lr)
+  if base_batch is None:
+    base_batch = 2048 if rule == 'sqrt' else 256
+  ratio = batch_size / base_batch
+  return float(base_lr * (math.sqrt(ratio) if rule == 'sqrt' else ratio))
+
+
+def _path_str(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator='/')
+
+
+def weight_decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_WD_EXCLUDE) -> Any:
+  """True where weight decay applies: ndim >= 2 and no `exclude` regex found in the path."""
+  patterns = [re.compile(p) for p in exclude]
+
+  def decays(path, x):
+    p = _path_str(path)
+    return bool(np.ndim(x) > 1 and not any(r.search(p) for r in patterns))
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def layer_decay_multipliers(params: Any, layer_decay: float) -> Any:
+  """LayerDecay lr multipliers: layer l of L blocks gets LD^(L + 1 - l).
+
+  patch_embed / cls_token / pos_embed are layer 0, 'blocks/i/...' is layer i + 1, everything
+  else (final norm, head) is layer L + 1 with multiplier 1. L = number of distinct blocks.
+  """
+  paths = [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  blocks = sorted({int(m.group(1)) for p in paths if (m := _BLOCK.search(p))})
+  if not blocks:
+    raise ValueError('optim.layer_decay needs params with "blocks/<i>/" paths (a ViT); '
+                     f'none found among {paths[:5]}...')
+  if blocks != list(range(len(blocks))):
+    raise ValueError(f'optim.layer_decay: block indices {blocks} are not 0..L-1.')
+  num_layers = len(blocks)
+
+  def multiplier(path, _):
+    p = _path_str(path)
+    if m := _BLOCK.search(p):
+      layer = int(m.group(1)) + 1
+    elif _LAYER0.search(p):
+      layer = 0
+    else:
+      layer = num_layers + 1
+    return float(layer_decay ** (num_layers + 1 - layer))
+
+  return jax.tree_util.tree_map_with_path(multiplier, params)
+
+
+def scale_by_layer_decay(layer_decay: float) -> optax.GradientTransformation:
+  """Multiplies each update by its LayerDecay multiplier (paths read from the update tree)."""
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    mults = layer_decay_multipliers(updates, layer_decay)
+    updates = jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults)
+    return updates, state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def make_optimizer(optim_cfg: Mapping[str, Any], *,
+                   total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Builds (optax transformation, lr schedule) from `config.optim`.
+
+  Chain: clip by global norm -> [coupled L2 for sgd/adam] -> sgd/adam moments -> [decoupled
+  weight decay for adamw/lamb] -> [trust ratio for lamb] -> LayerDecay -> -lr(step).
+  The returned schedule is the lr actually applied (times C_LD when LayerDecay is on).
+  """
+  validate_optim_config(optim_cfg)
+  c = optim_cfg
+  lr = c['lr'] * (c['layer_decay_lr_scale'] if c['layer_decay'] > 0 else 1.0)
+  schedule = make_schedule(c['schedule'], lr=lr, total_steps=total_steps)
+  exclude = tuple(c['wd_exclude'])
+  wd = c['weight_decay']
+
+  def decay():
+    if wd == 0:
+      return []
+    return [optax.add_decayed_weights(wd, mask=lambda p: weight_decay_mask(p, exclude))]
+
+  chain = []
+  if c['grad_clip_norm'] > 0:
+    chain.append(optax.clip_by_global_norm(c['grad_clip_norm']))
+  adam = optax.scale_by_adam(b1=c['b1'], b2=c['b2'], eps=c['eps'])
+  if c['name'] == 'sgd':
+    chain += decay() + [optax.trace(decay=c['momentum'], nesterov=c['nesterov'])]
+  elif c['name'] == 'adam':
+    chain += decay() + [adam]  # Coupled L2: the decay goes through Adam's normalisation.
+  elif c['name'] == 'adamw':
+    chain += [adam] + decay()
+  elif c['name'] == 'lamb':
+    chain += [adam] + decay() + [optax.scale_by_trust_ratio()]
+  if c['layer_decay'] > 0:
+    chain.append(scale_by_layer_decay(c['layer_decay']))
+  chain.append(optax.scale_by_learning_rate(schedule))
+  return optax.chain(*chain), schedule
+
