@@ -1,0 +1,353 @@
+"""grain train/eval iterators: decode, augment, skip corrupt records, batch per host.
+
+Sources are random-access (len + __getitem__) and yield dicts with 'image' (encoded PNG/JPEG
+bytes) and 'label' (int); other keys are ignored. Decoding happens in the pipeline (in grain
+worker processes when data.num_workers > 0).
+
+Train: MapDataset.source -> seed -> shuffle -> repeat (infinite) -> decode + augment
+(random_map: each record's generator comes from the seed and its position in the global
+stream, so augmentations do not depend on worker or host count) -> host slice
+[process_index::process_count] (all hosts share the shuffle; host shares are disjoint) ->
+to_iter_dataset -> skip and count corrupt records -> batch -> normalise -> mp_prefetch.
+
+Checkpointing: the train iterator is a `grain.DatasetIterator`; `it.get_state()` is a
+JSON-serialisable dict and `it.set_state(state)` resumes with exactly the batches the
+uninterrupted run would have produced (also with mp_prefetch workers). With Orbax
+(grain 0.2.18 ships `grain.checkpoint.CheckpointHandler` plus the args classes
+`grain.checkpoint.CheckpointSave` / `grain.checkpoint.CheckpointRestore`, registered with
+that handler), save it next to the train state in one CheckpointManager:
+
+  mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(it)))
+  mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data=grain.checkpoint.CheckpointRestore(it)))  # restores `it` in place.
+
+The handler writes one `process_<i>-of-<n>.json` per host (jax.process_index/count), so a
+restore needs the same host count.
+"""
+import dataclasses
+import io
+import math
+from typing import Any, Mapping
+
+from absl import logging
+import grain
+import ml_collections
+import numpy as np
+from PIL import Image
+
+from input_pipeline import augment
+
+# A corrupt record travels to the skip step as {_CORRUPT: source_index}.
+_CORRUPT = "_corrupt_index"
+# This many corrupt records in a row means the data is broken, not a few bad files.
+_MAX_CONSECUTIVE_CORRUPT = 10_000
+
+
+def data_defaults() -> ml_collections.ConfigDict:
+  """The `config.data` keys this module reads, with their defaults."""
+  return ml_collections.ConfigDict(dict(
+      name="demo",
+      dir="",
+      image_size=224,
+      train_split="train",
+      eval_split="validation",
+      # '|'-separated ops applied in order; see augment.TRAIN_OPS.
+      train_augment="flip",
+      # 'squish' or 'center_crop'; see augment.EVAL_RESIZES.
+      eval_resize="squish",
+      # '0_1', 'imagenet' or 'minus1_1'; see augment.normalize.
+      normalize="0_1",
+      # 0 decodes in-process (threads); > 0 starts grain mp_prefetch worker processes.
+      num_workers=0,
+      # Batches read ahead (per worker process when num_workers > 0).
+      prefetch=2,
+      # True: a corrupt image raises; False: it is skipped and counted in '_skipped'.
+      fail_on_corrupt=False,
+  ))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """Validated data settings (what the workers need, picklable)."""
+  image_size: int
+  train_ops: tuple[str, ...]
+  train_augment: str
+  eval_resize: str
+  normalize: str
+  num_workers: int
+  prefetch: int
+  fail_on_corrupt: bool
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Settings:
+  """Reads and checks the data config; missing keys take data_defaults() values."""
+  cfg = data_defaults().to_dict()
+  cfg.update(data_cfg.to_dict() if isinstance(data_cfg, ml_collections.ConfigDict)
+             else dict(data_cfg))
+  if not _is_int(cfg["image_size"]) or cfg["image_size"] <= 0:
+    raise ValueError(f"data.image_size must be a positive int, got {cfg['image_size']!r}")
+  if not isinstance(cfg["train_augment"], str):
+    raise ValueError(f"data.train_augment must be a str, got {cfg['train_augment']!r}")
+  train_ops = augment.parse_train_ops(cfg["train_augment"])
+  if cfg["eval_resize"] not in augment.EVAL_RESIZES:
+    raise ValueError(f"unknown data.eval_resize={cfg['eval_resize']!r}; "
+                     f"expected one of {sorted(augment.EVAL_RESIZES)}")
+  if cfg["normalize"] not in augment.NORMALIZE_PRESETS:
+    raise ValueError(f"unknown data.normalize={cfg['normalize']!r}; "
+                     f"expected one of {augment.NORMALIZE_PRESETS}")
+  if not _is_int(cfg["num_workers"]) or cfg["num_workers"] < 0:
+    raise ValueError(f"data.num_workers must be an int >= 0, got {cfg['num_workers']!r}")
+  if not _is_int(cfg["prefetch"]) or cfg["prefetch"] < 1:
+    raise ValueError(f"data.prefetch must be an int >= 1, got {cfg['prefetch']!r}")
+  if not isinstance(cfg["fail_on_corrupt"], bool):
+    raise ValueError(f"data.fail_on_corrupt must be a bool, got {cfg['fail_on_corrupt']!r}")
+  return _Settings(
+      image_size=int(cfg["image_size"]), train_ops=train_ops,
+      train_augment=cfg["train_augment"], eval_resize=cfg["eval_resize"],
+      normalize=cfg["normalize"], num_workers=int(cfg["num_workers"]),
+      prefetch=int(cfg["prefetch"]), fail_on_corrupt=cfg["fail_on_corrupt"])
+
+
+def _per_host_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
+  """Checks the batch/host arguments and returns the per-host batch size."""
+  if not _is_int(process_count) or process_count < 1:
+    raise ValueError(f"process_count must be a positive int, got {process_count!r}")
+  if not _is_int(process_index) or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index must be in [0, {process_count}), got {process_index!r}")
+  if not _is_int(global_batch_size) or global_batch_size <= 0:
+    raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+  if global_batch_size % process_count:
+    raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                     f"process_count={process_count}")
+  return global_batch_size // process_count
+
+
+def num_eval_batches(n: int, global_batch_size: int) -> int:
+  """Batches every host yields for an eval set of n examples: ceil(n / global_batch_size)."""
+  return math.ceil(n / global_batch_size)
+
+
+def decode_image(data: bytes) -> np.ndarray:
+  """Decodes PNG/JPEG bytes to uint8 [H, W, 3] RGB; raises if the bytes are not an image."""
+  with Image.open(io.BytesIO(data)) as image:
+    image.load()  # Decode now, so truncated files fail here.
+    return np.asarray(image.convert("RGB"))
+
+
+def _decode_or_none(record: Mapping[str, Any], index: int, fail: bool) -> np.ndarray | None:
+  """Decodes record['image']; None (logged) for a corrupt image, or raises when `fail`."""
+  if "image" not in record:
+    raise KeyError(f"record {index} has no 'image' key (keys: {sorted(record)})")
+  try:
+    return decode_image(record["image"])
+  except Exception as e:  # pylint: disable=broad-except
+    # PIL reports bad data through many types (OSError, SyntaxError, ValueError,
+    # DecompressionBombError, ...); any of them means this record is unusable.
+    if fail:
+      raise ValueError(f"corrupt image in record {index}: {type(e).__name__}: {e}") from e
+    logging.log_every_n_seconds(logging.WARNING, "Skipping corrupt image in record %d: %s: %s",
+                                10, index, type(e).__name__, e)
+    return None
+
+
+class _WithSourceIndex(grain.transforms.MapWithIndex):
+  """record -> (source index, record); indices past the end wrap (grain's repeat)."""
+
+  def __init__(self, num_records: int):
+    self._n = num_records
+
+  def map_with_index(self, index: int, record):
+    return index % self._n, record
+
+
+class _TrainDecode(grain.transforms.RandomMap):
+  """(source index, record) -> {'image' uint8, 'label' int32} or a corrupt marker."""
+
+  def __init__(self, settings: _Settings):
+    self._s = settings
+
+  def random_map(self, element, rng: np.random.Generator):
+    index, record = element
+    image = _decode_or_none(record, index, self._s.fail_on_corrupt)
+    if image is None:
+      return {_CORRUPT: index}
+    size = self._s.image_size
+    image = augment.apply_train_ops(image, self._s.train_ops, rng, size)
+    if image.shape != (size, size, 3):
+      raise ValueError(
+          f"data.train_augment={self._s.train_augment!r} made a {image.shape} image from "
+          f"record {index}, expected ({size}, {size}, 3); include a resizing op "
+          "('squish', 'inception_crop' or 'resize_crop')")
+    return {"image": image, "label": np.int32(record["label"])}
+
+
+class _SkipCorruptIterator(grain.DatasetIterator):
+  """Drops corrupt markers and stores how many preceded each element in '_skipped'."""
+
+  def __init__(self, parent: grain.DatasetIterator, max_consecutive: int):
+    super().__init__(parent)
+    self._max_consecutive = max_consecutive
+
+  def __next__(self):
+    skipped = 0
+    while True:
+      element = next(self._parent)
+      if _CORRUPT not in element:
+        element["_skipped"] = np.int32(skipped)
+        return element
+      skipped += 1
+      if skipped >= self._max_consecutive:
+        raise RuntimeError(
+            f"{skipped} corrupt records in a row (last: record {element[_CORRUPT]}); "
+            "the data source looks broken")
+
+  # The skip step holds no state between elements: the parent's state is the whole state.
+  def get_state(self):
+    return self._parent.get_state()
+
+  def set_state(self, state):
+    self._parent.set_state(state)
+
+
+class _SkipCorruptIterDataset(grain.IterDataset):
+  """IterDataset wrapper for _SkipCorruptIterator."""
+
+  def __init__(self, parent: grain.IterDataset, max_consecutive: int):
+    super().__init__(parent)
+    self._max_consecutive = max_consecutive
+
+  def __iter__(self):
+    return _SkipCorruptIterator(self._parent.__iter__(), self._max_consecutive)
+
+
+class _FinishTrainBatch(grain.transforms.Map):
+  """Normalises images and sums the per-row skip counts to one int32 scalar."""
+
+  def __init__(self, normalize: str):
+    self._normalize = normalize
+
+  def map(self, batch):
+    return {"image": augment.normalize(batch["image"], self._normalize),
+            "label": batch["label"].astype(np.int32),
+            "_skipped": np.int32(batch["_skipped"].sum())}
+
+
+def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.IterDataset:
+  if settings.num_workers == 0:
+    return ds
+  return ds.mp_prefetch(grain.MultiprocessingOptions(
+      num_workers=settings.num_workers, per_worker_buffer_size=settings.prefetch))
+
+
+def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
+                   process_index: int, process_count: int) -> grain.DatasetIterator:
+  """Infinite, shuffled, augmented, checkpointable iterator over this host's batches.
+
+  Batches: 'image' float32 [b, S, S, 3] (normalised), 'label' int32 [b], '_skipped' int32
+  scalar (corrupt records this host skipped while making the batch), with
+  b = global_batch_size // process_count.
+  """
+  settings = _settings(data_cfg)
+  per_host = _per_host_batch(global_batch_size, process_index, process_count)
+  if not _is_int(seed) or seed < 0:
+    raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+  if len(source) == 0:
+    raise ValueError("train source is empty")
+  ds = grain.MapDataset.source(source).seed(int(seed))
+  ds = ds.map_with_index(_WithSourceIndex(len(source)))
+  ds = ds.shuffle().repeat()
+  ds = ds.random_map(_TrainDecode(settings))
+  ds = ds[process_index::process_count]
+  read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch * per_host)
+  it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
+  it_ds = it_ds.batch(per_host, drop_remainder=True)
+  it_ds = it_ds.map(_FinishTrainBatch(settings.normalize))
+  return iter(_maybe_mp_prefetch(it_ds, settings))
+
+
+class _PaddedHostSource:
+  """Host p's eval rows: row k is source[p + k * process_count], or padding past the end."""
+
+  def __init__(self, source, process_index: int, process_count: int, num_rows: int):
+    self._source = source
+    self._n = len(source)
+    self._p = process_index
+    self._count = process_count
+    self._num_rows = num_rows
+
+  def __len__(self) -> int:
+    return self._num_rows
+
+  def __getitem__(self, k: int) -> tuple[int, Mapping[str, Any] | None]:
+    g = self._p + k * self._count
+    return (g, self._source[g]) if g < self._n else (-1, None)
+
+
+class _EvalDecode(grain.transforms.Map):
+  """(index, record) -> eval row; padding and corrupt rows are zeros with mask 0."""
+
+  def __init__(self, settings: _Settings):
+    self._s = settings
+
+  def map(self, element):
+    index, record = element
+    size = self._s.image_size
+    image = None
+    if record is not None:
+      image = _decode_or_none(record, index, self._s.fail_on_corrupt)
+    if image is None:
+      return {"image": np.zeros((size, size, 3), np.uint8), "label": np.int32(0),
+              "mask": np.float32(0), "index": np.int64(-1),
+              "_skipped": np.int32(record is not None)}
+    image = augment.EVAL_RESIZES[self._s.eval_resize](image, size)
+    return {"image": image, "label": np.int32(record["label"]), "mask": np.float32(1),
+            "index": np.int64(index), "_skipped": np.int32(0)}
+
+
+class _FinishEvalBatch(grain.transforms.Map):
+  """Normalises images and sums the per-row skip counts to one int32 scalar."""
+
+  def __init__(self, normalize: str):
+    self._normalize = normalize
+
+  def map(self, batch):
+    return {"image": augment.normalize(batch["image"], self._normalize),
+            "label": batch["label"].astype(np.int32),
+            "mask": batch["mask"].astype(np.float32),
+            "index": batch["index"].astype(np.int64),
+            "_skipped": np.int32(batch["_skipped"].sum())}
+
+
+def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: int,
+                  process_count: int) -> grain.IterDataset:
+  """Re-iterable eval batches of this host; every host yields the same number of batches.
+
+  Host p takes source rows p, p + P, p + 2P, ... (P = process_count) and pads them to
+  num_eval_batches(len(source), global_batch_size) batches of global_batch_size // P rows.
+  Batches: 'image' float32 [b, S, S, 3], 'label' int32 [b], 'mask' float32 [b] (1 = real
+  example, 0 = padding or corrupt), 'index' int64 [b] (source index, -1 for mask-0 rows),
+  '_skipped' int32 scalar (corrupt records in the batch). Across hosts every source record
+  appears exactly once.
+  """
+  settings = _settings(data_cfg)
+  per_host = _per_host_batch(global_batch_size, process_index, process_count)
+  num_rows = num_eval_batches(len(source), global_batch_size) * per_host
+  ds = grain.MapDataset.source(
+      _PaddedHostSource(source, process_index, process_count, num_rows))
+  ds = ds.map(_EvalDecode(settings))
+  finish = _FinishEvalBatch(settings.normalize)
+  if settings.num_workers == 0:
+    # In-process: threads decode single records, then rows are grouped into batches.
+    read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch * per_host)
+    return ds.to_iter_dataset(read).batch(per_host).map(finish)
+  # With workers, batch the MapDataset so each worker builds whole batches: the batch count
+  # and order stay those of the in-process path.
+  ds = ds.batch(per_host).map(finish)
+  read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch)
+  return _maybe_mp_prefetch(ds.to_iter_dataset(read), settings)

@@ -1,0 +1,300 @@
+"""Tests for input_pipeline/pipeline.py: host slicing, eval padding, state, corrupt records."""
+import io
+import json
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from PIL import Image
+
+from input_pipeline import pipeline
+
+
+def _png(image: np.ndarray) -> bytes:
+  buf = io.BytesIO()
+  Image.fromarray(image).save(buf, format="PNG")
+  return buf.getvalue()
+
+
+def _constant_source(n, corrupt=(), shape=(6, 9)):
+  """Record i: a constant image of value 10 * i + 5 (survives any resize) and label i."""
+  records = []
+  for i in range(n):
+    data = b"not an image" if i in corrupt else _png(np.full(shape + (3,), 10 * i + 5, np.uint8))
+    records.append({"image": data, "label": i, "other": "ignored"})
+  return records
+
+
+def _noise_source(n):
+  """Record i: a random image (so crops and flips show) with label i."""
+  rng = np.random.default_rng(0)
+  return [{"image": _png(rng.integers(0, 256, (7 + i % 3, 9, 3), dtype=np.uint8)), "label": i}
+          for i in range(n)]
+
+
+def _cfg(**overrides):
+  cfg = pipeline.data_defaults()
+  cfg.image_size = 4
+  cfg.train_augment = "squish|flip"
+  cfg.update(overrides)
+  return cfg
+
+
+def _train(source, cfg, *, gbs=4, seed=0, p=0, count=1):
+  return pipeline.train_iterator(source, cfg, global_batch_size=gbs, seed=seed,
+                                 process_index=p, process_count=count)
+
+
+def _take(it, k):
+  return [next(it) for _ in range(k)]
+
+
+def _rows(batches):
+  """Flattens batches to a list of (label, image) rows."""
+  return [(int(l), img) for b in batches for l, img in zip(b["label"], b["image"])]
+
+
+def _assert_same_batches(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert set(x) == set(y)
+    for key in x:
+      np.testing.assert_array_equal(np.asarray(x[key]), np.asarray(y[key]), err_msg=key)
+
+
+def test_data_defaults():
+  cfg = pipeline.data_defaults()
+  assert (cfg.name, cfg.image_size, cfg.train_augment, cfg.eval_resize, cfg.normalize) == (
+      "demo", 224, "flip", "squish", "0_1")
+  assert (cfg.num_workers, cfg.prefetch, cfg.fail_on_corrupt) == (0, 2, False)
+
+
+def test_train_batch_format_and_image_label_pairs():
+  source = _constant_source(10)
+  it = _train(source, _cfg(normalize="minus1_1"), gbs=4)
+  for batch in _take(it, 5):
+    assert batch["image"].shape == (4, 4, 4, 3) and batch["image"].dtype == np.float32
+    assert batch["label"].shape == (4,) and batch["label"].dtype == np.int32
+    assert batch["_skipped"].dtype == np.int32 and batch["_skipped"].shape == ()
+    assert batch["_skipped"] == 0
+    expected = (10 * batch["label"] + 5) / 127.5 - 1  # Record i is filled with 10 i + 5.
+    np.testing.assert_allclose(batch["image"], np.broadcast_to(
+        expected[:, None, None, None], batch["image"].shape), rtol=1e-6, atol=1e-6)
+
+
+def test_train_epochs_are_shuffled_permutations():
+  it = _train(_constant_source(12), _cfg(), gbs=4)
+  labels = np.concatenate([b["label"] for b in _take(it, 6)])
+  first, second = labels[:12], labels[12:]
+  assert sorted(first) == list(range(12)) and sorted(second) == list(range(12))
+  assert list(first) != list(range(12)) and list(first) != list(second)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_train_hosts_share_one_shuffle_and_split_it(count):
+  n, gbs = 12, 6
+  source = _noise_source(n)
+  cfg = _cfg(train_augment="inception_crop|flip")
+  stream = _rows(_take(_train(source, cfg, gbs=gbs), 2 * n // gbs))  # One host: 2 epochs.
+  per_host = [_rows(_take(_train(source, cfg, gbs=gbs, p=p, count=count), 2 * n // gbs))
+              for p in range(count)]
+  # Host p takes global positions p, p + count, ...: same labels and same augmented pixels.
+  for p, rows in enumerate(per_host):
+    for k, (label, image) in enumerate(rows):
+      ref_label, ref_image = stream[p + k * count]
+      assert label == ref_label
+      np.testing.assert_array_equal(image, ref_image)
+  # In the first epoch the hosts' shares are disjoint and together are the whole dataset.
+  shares = [{label for label, _ in rows[:n // count]} for rows in per_host]
+  assert sum(len(s) for s in shares) == n
+  assert set().union(*shares) == set(range(n))
+
+
+def test_train_seed_determinism():
+  source = _noise_source(10)
+  cfg = _cfg(train_augment="inception_crop|flip")
+  a = _take(_train(source, cfg, seed=7), 4)
+  b = _take(_train(source, cfg, seed=7), 4)
+  c = _take(_train(source, cfg, seed=8), 4)
+  _assert_same_batches(a, b)
+  assert not all(np.array_equal(x["label"], y["label"]) for x, y in zip(a, c))
+
+
+def test_train_state_restore_in_process():
+  source = _noise_source(10)
+  cfg = _cfg(train_augment="resize_crop|flip")
+  it = _train(source, cfg, gbs=4)
+  _take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))  # What a checkpoint stores.
+  expected = _take(it, 4)
+  resumed = _train(source, cfg, gbs=4)
+  resumed.set_state(state)
+  _assert_same_batches(_take(resumed, 4), expected)
+
+
+def test_train_state_restore_through_orbax(tmp_path):
+  source = _noise_source(10)
+  cfg = _cfg()
+  it = _train(source, cfg, gbs=4)
+  _take(it, 2)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.wait_until_finished()
+  expected = _take(it, 3)
+  resumed = _train(source, cfg, gbs=4)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
+  _assert_same_batches(_take(resumed, 3), expected)
+
+
+def test_train_workers_same_records_and_state_restore():
+  source = _noise_source(8)
+  cfg = _cfg(train_augment="inception_crop|flip")
+  in_process = _rows(_take(_train(source, cfg, gbs=4), 6))
+  cfg.num_workers = 2
+  it = _train(source, cfg, gbs=4)
+  try:
+    with_workers = _rows(_take(it, 6))
+    # Workers regroup rows into batches, but each stream position keeps its augmentation.
+    key = lambda row: (row[0], row[1].tobytes())
+    assert sorted(map(key, with_workers)) == sorted(map(key, in_process))
+    state = json.loads(json.dumps(it.get_state()))
+    expected = _take(it, 3)
+  finally:
+    it.close()
+  resumed = _train(source, cfg, gbs=4)
+  try:
+    resumed.set_state(state)
+    _assert_same_batches(_take(resumed, 3), expected)
+  finally:
+    resumed.close()
+
+
+def test_train_skips_and_counts_corrupt_records():
+  n, b, corrupt = 8, 3, 5
+  clean = _take(_train(_constant_source(n), _cfg(), gbs=b), 12)
+  stream = [int(l) for batch in clean for l in batch["label"]]  # Same shuffle: same seed, n.
+  # Expected batches: drop label 5, count drops since the previous emitted batch.
+  want_labels, want_skipped, row, skipped = [], [], [], 0
+  for label in stream:
+    if label == corrupt:
+      skipped += 1
+      continue
+    row.append(label)
+    if len(row) == b:
+      want_labels.append(row)
+      want_skipped.append(skipped)
+      row, skipped = [], 0
+  assert sum(want_skipped) >= 3  # The test exercises several skips.
+  it = _train(_constant_source(n, corrupt=(corrupt,)), _cfg(), gbs=b)
+  got = _take(it, len(want_labels))
+  assert [list(x["label"]) for x in got] == want_labels
+  assert [int(x["_skipped"]) for x in got] == want_skipped
+
+
+def test_train_fail_on_corrupt_names_the_record():
+  it = _train(_constant_source(6, corrupt=(4,)), _cfg(fail_on_corrupt=True), gbs=2)
+  with pytest.raises(ValueError, match="corrupt image in record 4"):
+    _take(it, 6)
+
+
+def test_train_all_corrupt_raises(monkeypatch):
+  monkeypatch.setattr(pipeline, "_MAX_CONSECUTIVE_CORRUPT", 5)
+  it = _train(_constant_source(3, corrupt=(0, 1, 2)), _cfg(), gbs=2)
+  with pytest.raises(RuntimeError, match="5 corrupt records in a row"):
+    next(it)
+
+
+def test_train_ops_must_produce_image_size():
+  it = _train(_constant_source(4), _cfg(train_augment="flip"), gbs=2)
+  with pytest.raises(ValueError, match=r"made a \(6, 9, 3\) image"):
+    next(it)
+
+
+def _eval_batches(source, cfg, gbs, p, count):
+  return list(pipeline.eval_iterator(source, cfg, global_batch_size=gbs, process_index=p,
+                                     process_count=count))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_eval_every_example_once_and_equal_batch_counts(count):
+  n, gbs = 10, 6  # ceil(10 / 6) = 2 batches per host, the last one partly padding.
+  source = _constant_source(n)
+  seen = []
+  for p in range(count):
+    batches = _eval_batches(source, _cfg(), gbs, p, count)
+    assert len(batches) == pipeline.num_eval_batches(n, gbs) == 2
+    for batch in batches:
+      assert batch["image"].shape == (gbs // count, 4, 4, 3)
+      assert batch["mask"].dtype == np.float32 and batch["label"].dtype == np.int32
+      real = batch["mask"] == 1
+      assert set(np.unique(batch["mask"])) <= {0.0, 1.0}
+      np.testing.assert_array_equal(batch["index"][real], batch["label"][real])
+      np.testing.assert_array_equal(batch["index"][~real], -1)
+      np.testing.assert_array_equal(batch["image"][~real], 0)
+      np.testing.assert_allclose(batch["image"][real][:, 0, 0, 0],
+                                 (10 * batch["label"][real] + 5) / 255, rtol=1e-6)
+      seen.extend(int(i) for i in batch["label"][real])
+  assert sorted(seen) == list(range(n))
+
+
+def test_eval_is_reiterable_and_center_crops():
+  # Image 8 x 12 and image_size 7: the shorter side is already round(7 / 0.875) = 8.
+  rng = np.random.default_rng(1)
+  images = [rng.integers(0, 256, (8, 12, 3), dtype=np.uint8) for _ in range(3)]
+  source = [{"image": _png(im), "label": i} for i, im in enumerate(images)]
+  cfg = _cfg(image_size=7, eval_resize="center_crop")
+  ds = pipeline.eval_iterator(source, cfg, global_batch_size=4, process_index=0,
+                              process_count=1)
+  first, second = list(ds), list(ds)
+  _assert_same_batches(first, second)
+  assert len(first) == 1
+  for i, im in enumerate(images):
+    np.testing.assert_allclose(first[0]["image"][i], im[0:7, 2:9] / 255, rtol=1e-6)
+  assert list(first[0]["mask"]) == [1, 1, 1, 0]
+
+
+def test_eval_corrupt_record_is_masked_and_counted():
+  source = _constant_source(5, corrupt=(2,))
+  batches = _eval_batches(source, _cfg(), 4, 0, 1)
+  mask = np.concatenate([b["mask"] for b in batches])
+  labels = np.concatenate([b["label"] for b in batches])
+  np.testing.assert_array_equal(mask, [1, 1, 0, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(labels[mask == 1], [0, 1, 3, 4])
+  assert [int(b["_skipped"]) for b in batches] == [1, 0]
+  with pytest.raises(ValueError, match="corrupt image in record 2"):
+    _eval_batches(source, _cfg(fail_on_corrupt=True), 4, 0, 1)
+
+
+def test_eval_workers_match_in_process():
+  source = _constant_source(11)
+  expected = _eval_batches(source, _cfg(), 4, 1, 2)
+  got = _eval_batches(source, _cfg(num_workers=2), 4, 1, 2)
+  _assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(train_augment="squish|solarize"), "'solarize'"),
+    (dict(eval_resize="crop"), "eval_resize='crop'"),
+    (dict(normalize="0_255"), "normalize='0_255'"),
+    (dict(image_size=0), "image_size"),
+    (dict(num_workers=-1), "num_workers"),
+    (dict(prefetch=0), "prefetch"),
+])
+def test_bad_config_values(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    _train(_constant_source(2), _cfg(**overrides))
+  with pytest.raises(ValueError, match=match):
+    _eval_batches(_constant_source(2), _cfg(**overrides), 2, 0, 1)
+
+
+def test_bad_batch_and_host_arguments():
+  with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by process_count=4"):
+    _train(_constant_source(2), _cfg(), gbs=6, count=4)
+  with pytest.raises(ValueError, match="not divisible"):
+    _eval_batches(_constant_source(2), _cfg(), 6, 0, 4)
+  with pytest.raises(ValueError, match="process_index"):
+    _train(_constant_source(2), _cfg(), gbs=4, p=2, count=2)
+  with pytest.raises(ValueError, match="seed"):
+    _train(_constant_source(2), _cfg(), seed=-1)
