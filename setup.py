@@ -7,7 +7,7 @@ setuptools.setup(
     description="JAX/Flax large-scale image pretraining: semantic softmax, cosub, "
     "semi-supervised teacher/student and SWAG recipes on one sharded trainer.",
     python_requires=">=3.10",
-    packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*"]),
+    packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
     package_data={"bigpretrain.semantic": ["data/*.txt"]},
     install_requires=[
         "jax>=0.10",

@@ -1,0 +1,101 @@
+"""Orbax checkpoints: params, optimizer state and the grain iterator, saved asynchronously.
+
+Items: 'params' ({'params', 'extra'}: what model_init and teachers load), 'train' ({'step',
+'opt_state', 'skipped_records'}) and 'data' (the grain iterator, one file per process). A
+checkpoint that fails to restore is moved aside to `<dir>_corrupt/` and the previous one used.
+"""
+import os
+import shutil
+
+from absl import logging
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+def _abstract(tree):
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def _train_item(state):
+  return {k: state[k] for k in ("step", "opt_state", "skipped_records")}
+
+
+class Checkpointer:
+  """Saves and restores the train state and the data iterator under `directory`."""
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                             enable_async_checkpointing=async_save),
+    )
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: dict, data_iter=None) -> None:
+    items = {
+        "params": ocp.args.StandardSave({"params": state["params"], "extra": state["extra"]}),
+        "train": ocp.args.StandardSave(_train_item(state)),
+    }
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
+    """Restores the newest readable checkpoint into `state`'s structure and shardings."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      items = {
+          "params": ocp.args.StandardRestore(
+              _abstract({"params": state["params"], "extra": state["extra"]})),
+          "train": ocp.args.StandardRestore(
+              _abstract(_train_item(state))),
+      }
+      if data_iter is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+      try:
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("Checkpoint %s/%d cannot be restored (%s: %s); falling back to the "
+                      "previous one.", self.directory, step, type(e).__name__, e)
+        print(f"WARNING: checkpoint step {step} is unreadable ({type(e).__name__}); "
+              "moved aside, falling back to the previous checkpoint.", flush=True)
+        self._move_aside(step)
+        continue
+      restored = {**out["params"], **out["train"]}
+      logging.info("Restored checkpoint %s/%d", self.directory, step)
+      return restored, step
+    return None
+
+  def _move_aside(self, step: int) -> None:
+    """Keeps a corrupt checkpoint for inspection, out of the manager's way."""
+    if jax.process_index() == 0:
+      src = os.path.join(self.directory, str(step))
+      dst = os.path.join(self.directory + "_corrupt", str(step))
+      if os.path.exists(src):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.move(src, dst)
+    self.manager.reload()
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def load_params(directory: str, abstract_params: dict, step: int | None = None) -> dict:
+  """Loads {'params', 'extra'} from a bigpretrain checkpoint dir (model_init, teachers)."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
+  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+    out = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(_abstract(abstract_params))))
+  logging.info("Loaded params from %s step %d", directory, step)
+  return out["params"]

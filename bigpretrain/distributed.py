@@ -1,0 +1,52 @@
+"""Multi-controller start-up: one `jax.distributed.initialize` for TPU pods, SLURM and flags.
+
+Detection order: explicit coordinator (flags, or BIGPRETRAIN_COORDINATOR_ADDRESS /
+BIGPRETRAIN_NUM_PROCESSES / BIGPRETRAIN_PROCESS_ID), then a multi-host TPU slice, then a
+multi-task SLURM job (JAX reads SLURM_* itself). A single process needs no initialisation.
+"""
+import os
+
+from absl import logging
+import jax
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value not in (None, "") else None
+
+
+def detect() -> tuple[str, dict]:
+  """Returns (kind, kwargs for jax.distributed.initialize) from the environment."""
+  address = os.environ.get("BIGPRETRAIN_COORDINATOR_ADDRESS")
+  if address:
+    kwargs = {"coordinator_address": address,
+              "num_processes": _env_int("BIGPRETRAIN_NUM_PROCESSES"),
+              "process_id": _env_int("BIGPRETRAIN_PROCESS_ID")}
+    if kwargs["num_processes"] is None or kwargs["process_id"] is None:
+      raise ValueError("BIGPRETRAIN_COORDINATOR_ADDRESS is set: also set BIGPRETRAIN_NUM_PROCESSES "
+                       "and BIGPRETRAIN_PROCESS_ID.")
+    return "explicit", kwargs
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if len([h for h in hosts.split(",") if h]) > 1 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+    return "tpu_pod", {}
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+    return "slurm", {}
+  return "single", {}
+
+
+def maybe_initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> str:
+  """Initialises jax.distributed when running on several processes; returns what was found."""
+  if coordinator_address:
+    kind, kwargs = "explicit", {"coordinator_address": coordinator_address,
+                                "num_processes": num_processes, "process_id": process_id}
+    if num_processes is None or process_id is None:
+      raise ValueError("--coordinator_address needs --num_processes and --process_id.")
+  else:
+    kind, kwargs = detect()
+  if kind != "single":
+    jax.distributed.initialize(**kwargs)
+  logging.info("distributed: %s, process %d of %d, %d local / %d global devices", kind,
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return kind

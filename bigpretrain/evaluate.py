@@ -1,0 +1,36 @@
+"""Evaluation over a whole split: every example counted once, on any number of hosts."""
+import jax
+
+from bigpretrain import sharding
+from input_pipeline import pipeline
+
+
+def make_eval_step(model_def, objective, shardings, mesh):
+  """(params, extra, batch) -> {name: (numerator, denominator)} summed over the global batch."""
+
+  def eval_step(params, extra, batch):
+    return objective.eval_metrics(model_def.merge(params, extra), batch)
+
+  return jax.jit(eval_step,
+                 in_shardings=(shardings["params"], shardings["extra"],
+                               sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def evaluate(eval_step, state, dataset, config, mesh, split: str | None = None) -> dict:
+  """Runs `eval_step` over `split` (default config.data.eval_split); returns ratios."""
+  split = split or config.data.eval_split
+  batches = pipeline.eval_iterator(
+      dataset.source(split), config.data, global_batch_size=config.batch_size,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  totals = None
+  for batch in batches:
+    out = eval_step(state["params"], state["extra"], sharding.global_batch(batch, mesh))
+    totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+  if totals is None:
+    raise ValueError(f"Split {split!r} of {config.data.name!r} is empty.")
+  totals = jax.device_get(totals)
+  results = {k: float(num) / float(den) for k, (num, den) in totals.items() if den > 0}
+  if "eval/top1" in totals:
+    results["eval/num_examples"] = float(totals["eval/top1"][1])
+  return results

@@ -1,0 +1,44 @@
+"""Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics.jsonl, "
+                               "TensorBoard events. A fresh temp folder when unset.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  # Imported here so that jax sees XLA_FLAGS and the flags above first.
+  from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  workdir = _WORKDIR.value
+  if not workdir:
+    workdir = tempfile.mkdtemp(prefix="bigpretrain_")
+    print(f"--workdir not given: writing to {workdir}", flush=True)
+  os.makedirs(workdir, exist_ok=True)
+  logging.get_absl_handler().use_absl_log_file("log", workdir)
+  try:
+    train.train_and_evaluate(_CONFIG.value, workdir)
+  except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as e:
+    # Configuration and data errors: one clear line, not a traceback through jit.
+    logging.exception("Run failed")
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,25 @@
+"""Training objectives: what a step computes from a batch. One module per objective.
+
+An objective is built once from its config section and the dataset info, and exposes
+`loss(model, batch, rng) -> (loss, aux)` (traced inside the jitted train step; `model` is the
+merged NNX module) and `eval_metrics(model, batch) -> {name: (numerator, denominator)}`
+(sums over the batch, padded rows masked out).
+"""
+from bigpretrain.objectives import semantic_softmax
+from bigpretrain.objectives import softmax
+
+_REGISTRY = {
+    "softmax": softmax.Softmax,
+    "semantic_softmax": semantic_softmax.SemanticSoftmax,
+}
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get_objective(cfg, info, topk=(1, 5)):
+  """Builds the objective named by `cfg.name` (config.objective) for dataset `info`."""
+  if cfg.name not in _REGISTRY:
+    raise ValueError(f"config.objective.name={cfg.name!r} is unknown; known: {names()}.")
+  return _REGISTRY[cfg.name](cfg, info, tuple(topk))

@@ -1,0 +1,106 @@
+"""Device mesh, logical-axis -> mesh-axis rules, and placement of params and batches.
+
+Parameters carry logical axis names (`nnx.with_partitioning`); `config.sharding_rules` maps
+each logical name to a mesh axis, MaxText style. A dimension whose size does not divide its
+mesh axis stays replicated rather than failing, so small heads and odd widths still work.
+"""
+from collections.abc import Mapping, Sequence
+import math
+
+from absl import logging
+from flax import nnx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# The batch is split over every data-parallel axis: FSDP is data parallelism too.
+BATCH_AXES = ("data", "fsdp")
+
+
+def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """Resolves `-1` in {'data','fsdp','tensor'} to the remaining devices; checks the product."""
+  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+  if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+    raise ValueError(f"config.mesh={dict(zip(MESH_AXES, sizes))}: each axis must be a positive "
+                     "int, with at most one -1 (= all remaining devices).")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"config.mesh={dict(zip(MESH_AXES, sizes))}: {num_devices} devices are not "
+                       f"divisible by the fixed axes' product {known}.")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"config.mesh={dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                     f"but {num_devices} are available.")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh over all (or the given) devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  if devices == jax.devices():
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_mesh(logical: Sequence[str | None], shape: Sequence[int],
+                    rules: Sequence[tuple[str, str | None]], mesh: Mesh) -> P:
+  """PartitionSpec for one array from its logical axis names and the rules."""
+  rule_map = dict(rules)
+  used, spec = set(), []
+  for name, dim in zip(logical, shape):
+    axis = rule_map.get(name) if name is not None else None
+    if axis is None or axis in used or mesh.shape[axis] == 1 or dim % mesh.shape[axis]:
+      spec.append(None)
+      continue
+    used.add(axis)
+    spec.append(axis)
+  return P(*spec)
+
+
+def state_shardings(abstract_state: nnx.State, rules, mesh: Mesh):
+  """Pure-dict pytree of NamedShardings for an (abstract) nnx.State with logical metadata."""
+  def one(var):
+    names = var.get_metadata().get("out_sharding") or ()
+    names = tuple(names) + (None,) * (var.value.ndim - len(names))
+    return NamedSharding(mesh, logical_to_mesh(names, var.value.shape, rules, mesh))
+  shardings = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
+  """The global batch must split evenly over data-parallel devices and over processes."""
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  if global_batch_size % dp:
+    raise ValueError(f"config.batch_size={global_batch_size} is not divisible by the "
+                     f"{dp} data-parallel devices (mesh data={mesh.shape['data']} x "
+                     f"fsdp={mesh.shape['fsdp']}).")
+  if global_batch_size % jax.process_count():
+    raise ValueError(f"config.batch_size={global_batch_size} is not divisible by the "
+                     f"{jax.process_count()} processes.")
+
+
+def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Stitches each host's rows into global arrays sharded along the batch axes."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in local_batch.items()}
+
+
+def log_shardings(shardings, abstract) -> None:
+  """Logs each parameter's shape and PartitionSpec once (the 'golden' view of a run)."""
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  shapes = jax.tree.leaves(abstract)
+  for (path, s), a in zip(flat, shapes):
+    logging.info("param %-60s %-20s %s", jax.tree_util.keystr(path, simple=True, separator="/"),
+                 str(a.shape), s.spec)

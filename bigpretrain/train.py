@@ -1,0 +1,303 @@
+"""The one trainer: every recipe is a config plus an objective, never a fork of this loop.
+
+State is a plain pytree {'step', 'params', 'extra', 'opt_state'} ('extra' holds non-parameter
+model state such as BatchNorm statistics), created already sharded on a ('data', 'fsdp',
+'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
+"""
+import dataclasses
+import os
+import signal
+import time
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bigpretrain import checkpoint as ckpt_lib
+from bigpretrain import config_lib
+from bigpretrain import evaluate
+from bigpretrain import metrics as metrics_lib
+from bigpretrain import models
+from bigpretrain import objectives
+from bigpretrain import optim
+from bigpretrain import sharding
+from input_pipeline import datasets
+from input_pipeline import pipeline
+
+
+class Preemption:
+  """Turns SIGTERM into a flag the loop checks each step (then saves and exits 0)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    logging.warning("SIGTERM received: saving a checkpoint and exiting.")
+    self.requested = True
+
+  def __exit__(self, *exc):
+    signal.signal(signal.SIGTERM, self._previous)
+
+  def agreed(self) -> bool:
+    """True on every process once any process got SIGTERM, so all save the same step."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    flags = multihost_utils.process_allgather(np.array(self.requested, np.int32))
+    return bool(np.max(flags))
+
+
+@dataclasses.dataclass
+class ModelDef:
+  """How to build, split and merge the model; shared by the train and eval steps."""
+  name: str
+  kwargs: dict
+  graphdef: nnx.GraphDef
+  abstract_params: nnx.State
+  abstract_extra: nnx.State
+
+  @classmethod
+  def from_config(cls, config, num_classes: int) -> "ModelDef":
+    kwargs = {k: v for k, v in config.model.items() if k != "name"}
+    kwargs["dtype"] = jnp.dtype(config.compute_dtype)
+    kwargs["num_classes"] = num_classes
+    abstract = nnx.eval_shape(
+        lambda: models.get_model(config.model.name, rngs=nnx.Rngs(0), **kwargs))
+    graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
+    return cls(config.model.name, kwargs, graphdef, params, extra)
+
+  def create(self, rng):
+    """Concrete (params, extra) as pure dicts."""
+    model = models.get_model(self.name, rngs=nnx.Rngs(rng), **self.kwargs)
+    _, params, extra = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(extra)
+
+  def merge(self, params, extra):
+    return nnx.merge(self.graphdef, params, extra)
+
+
+def state_shardings(model_def: ModelDef, tx, config, mesh):
+  """NamedShardings of the train state: params by logical rules, optimizer state alike."""
+  rules = tuple(tuple(r) for r in config.sharding_rules)
+  params = sharding.state_shardings(model_def.abstract_params, rules, mesh)
+  extra = sharding.state_shardings(model_def.abstract_extra, (), mesh)
+  abstract_params = nnx.to_pure_dict(model_def.abstract_params)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  repl = sharding.replicated(mesh)
+  opt = optax.tree_utils.tree_map_params(
+      tx, lambda _, s: s, abstract_opt, params, transform_non_params=lambda _: repl)
+  return {"step": repl, "params": params, "extra": extra, "opt_state": opt,
+          "skipped_records": repl}
+
+
+def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int):
+  """(state, batch) -> (state, metrics): loss, gradients, update, and norms, all on device."""
+  base_rng = jax.random.key(seed)
+
+  def train_step(state, batch):
+    rng = jax.random.fold_in(base_rng, state["step"])
+
+    def loss_fn(params):
+      model = model_def.merge(params, state["extra"])
+      loss, aux = objective.loss(model, batch, rng)
+      extra = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+      return loss, (aux, extra)
+
+    (loss, (aux, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {
+        "train/loss": loss,
+        "train/lr": schedule(state["step"]),
+        "train/grad_norm": optax.global_norm(grads),
+        "train/update_norm": optax.global_norm(updates),
+        "train/param_norm": optax.global_norm(params),
+        **aux,
+    }
+    skipped = state["skipped_records"] + jnp.sum(batch.get("_skipped", 0))
+    metrics["data/skipped_records"] = skipped
+    new_state = {"step": state["step"] + 1, "params": params, "extra": extra,
+                 "opt_state": opt_state, "skipped_records": skipped}
+    return new_state, metrics
+
+  return train_step
+
+
+def setup_compilation_cache(config) -> None:
+  """Persistent XLA cache: a second run of the same config compiles in a fraction of the time."""
+  path = config_lib.compilation_cache_dir(config)
+  if path is None:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+class _Pending:
+  """Per-step device metrics awaiting the next log step (no host sync in between)."""
+
+  def __init__(self):
+    self.rows, self.start_time, self.images = [], time.perf_counter(), 0
+
+  def add(self, step, metrics, images):
+    self.rows.append((step, metrics))
+    self.images += images
+
+  def check(self):
+    """Raises on the first non-finite loss since the last flush, naming its step."""
+    for step, m in self.rows:
+      loss = float(m["train/loss"])
+      if not np.isfinite(loss):
+        raise FloatingPointError(
+            f"Non-finite loss ({loss}) at step {step}: stopping the run. Lower the learning "
+            "rate, enable grad clipping, or resume from an earlier checkpoint.")
+
+  def flush(self):
+    """Host values averaged over the interval; raises on the first non-finite loss."""
+    self.check()
+    rows = jax.device_get(self.rows)
+    elapsed = time.perf_counter() - self.start_time
+    # Running counters ('data/...') report their latest value; the rest, the interval mean.
+    out = {k: float(rows[-1][1][k] if k.startswith("data/") else np.mean([m[k] for _, m in rows]))
+           for k in rows[-1][1]}
+    out["train/images_per_sec"] = self.images / max(elapsed, 1e-9)
+    self.rows, self.start_time, self.images = [], time.perf_counter(), 0
+    return out
+
+
+def _every(step: int, every: int, last: int) -> bool:
+  return step == last or (every > 0 and step % every == 0)
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything a run needs before its first step; shared by the trainer and the benchmarks."""
+  config: object
+  mesh: jax.sharding.Mesh
+  dataset: datasets.Dataset
+  objective: object
+  model_def: ModelDef
+  tx: optax.GradientTransformation
+  schedule: object
+  shardings: dict
+  total_steps: int
+
+  def init_state(self) -> dict:
+    """The train state, created directly with its shardings (no host copy of the params)."""
+    def init(rng):
+      params, extra = self.model_def.create(rng)
+      return {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
+              "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
+    return jax.jit(init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
+
+  def train_step(self):
+    fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
+                         self.config.seed)
+    return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh)),
+                   out_shardings=(self.shardings, sharding.replicated(self.mesh)),
+                   donate_argnums=(0,))
+
+
+def build(config, devices=None) -> Experiment:
+  """Validates the config, then builds mesh, data, objective, model and optimizer."""
+  config_lib.validate(config)
+  setup_compilation_cache(config)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  sharding.check_batch_size(config.batch_size, mesh)
+  dataset = datasets.get_dataset(config.data)
+  info = dataset.info
+  objective = objectives.get_objective(config.objective, info, config.eval.topk)
+  total_steps = config_lib.resolve_total_steps(config, info.num_examples[config.data.train_split])
+  model_def = ModelDef.from_config(config, info.num_classes)
+  tx, schedule = optim.make_optimizer(config.optim, total_steps=total_steps)
+  shardings = state_shardings(model_def, tx, config, mesh)
+  sharding.log_shardings(shardings["params"], nnx.to_pure_dict(model_def.abstract_params))
+  return Experiment(config, mesh, dataset, objective, model_def, tx, schedule, shardings,
+                    total_steps)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics."""
+  exp = build(config)
+  mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
+  is_main = jax.process_index() == 0
+  state = exp.init_state()
+  train_iter = pipeline.train_iterator(
+      dataset.source(config.data.train_split), config.data,
+      global_batch_size=config.batch_size, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=config.keep_ckpts)
+  restored = checkpointer.restore(state, train_iter)
+  if restored is None and config.resume:
+    with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False)
+    restored = with_resume.restore(state, train_iter)
+    if restored is None:
+      raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
+  if restored is not None:
+    state, start = restored
+    print(f"Resuming from step {start} in {workdir}", flush=True)
+  else:
+    start = 0
+    if config.model_init:
+      loaded = ckpt_lib.load_params(
+          config.model_init, {"params": state["params"], "extra": state["extra"]})
+      state = {**state, **loaded}
+
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+  step_fn = exp.train_step()
+  eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh)
+
+  def run_eval(step, state):
+    results = evaluate.evaluate(eval_fn, state, dataset, config, mesh)
+    writer.write(step, results)
+    return results
+
+  pending = _Pending()
+  bar = metrics_lib.progress_bar(total_steps, start, enabled=is_main)
+  results = {}
+  with Preemption() as preemption:
+    for step in range(start + 1, total_steps + 1):
+      batch = next(train_iter)
+      # Per-host count of corrupt records, put in row 0 so the step sums it over all hosts.
+      skipped = np.zeros(len(batch["label"]), np.int32)
+      skipped[0] = batch.pop("_skipped", 0)
+      batch["_skipped"] = skipped
+      state, step_metrics = step_fn(state, sharding.global_batch(batch, mesh))
+      pending.add(step, step_metrics, config.batch_size)
+      bar.update(1)
+      stop = preemption.agreed()
+      if _every(step, config.log_every_steps, total_steps) or stop:
+        row = pending.flush()
+        writer.write(step, row)
+        bar.set_postfix(loss=f"{row['train/loss']:.4f}",
+                        img_s=f"{row['train/images_per_sec']:.0f}")
+      if stop:
+        checkpointer.save(step, state, train_iter)
+        checkpointer.wait()
+        print(f"Preempted: saved checkpoint at step {step}; exiting.", flush=True)
+        writer.close()
+        return {}
+      if _every(step, config.eval_every_steps, total_steps):
+        results = run_eval(step, state)
+      if _every(step, config.ckpt_every_steps, total_steps):
+        pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
+        checkpointer.save(step, state, train_iter)
+  bar.close()
+  checkpointer.wait()
+  checkpointer.close()
+  if not results and start >= total_steps:
+    results = run_eval(total_steps, state)
+  writer.close()
+  summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items()) if "level" not in k)
+  if is_main:
+    print(f"Final eval at step {total_steps}: {summary}", flush=True)
+  return results

@@ -1,0 +1,14 @@
+"""Test setup: 8 fake CPU devices, caches inside the workspace, absl flags parsed."""
+import os
+import pathlib
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain"))
+
+import jax  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", str(_ROOT / ".cache" / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags.

@@ -1,0 +1,55 @@
+"""Small configs and subprocess runners shared by the trainer tests."""
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+JAX_CACHE = str(ROOT / ".cache" / "jax")
+
+
+def tiny_config(recipe: str = "semantic_softmax", **overrides):
+  """The recipe's demo config, shortened for tests."""
+  module = __import__(f"configs.{recipe}", fromlist=["get_config"])
+  config = module.get_config()
+  config.batch_size = 16
+  config.total_steps = 6
+  config.log_every_steps = 1
+  config.eval_every_steps = 0
+  config.ckpt_every_steps = 0
+  config.compilation_cache_dir = JAX_CACHE
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def main_args(workdir, recipe="semantic_softmax", **overrides) -> list[str]:
+  """Command-line args for `python -m bigpretrain.main` with test-sized overrides."""
+  base = {"batch_size": 16, "total_steps": 6, "log_every_steps": 1, "eval_every_steps": 0,
+          "ckpt_every_steps": 0, "compilation_cache_dir": JAX_CACHE}
+  base.update(overrides)
+  return [f"--config={ROOT / 'configs' / (recipe + '.py')}", f"--workdir={workdir}"] + [
+      f"--config.{k}={v}" for k, v in base.items()]
+
+
+def env(num_devices: int = 1) -> dict:
+  e = dict(os.environ)
+  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+  e["JAX_PLATFORMS"] = "cpu"
+  e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+  return e
+
+
+def run_main(args, num_devices=1, timeout=600, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "bigpretrain.main"] + args, env=env(num_devices),
+                        cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def popen_main(args, num_devices=1) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "bigpretrain.main"] + args,
+                          env=env(num_devices), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)

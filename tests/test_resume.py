@@ -1,0 +1,115 @@
+"""Runs of `python -m bigpretrain.main` as a user starts them: resume, preemption, corruption,
+bad flags, and two processes against one."""
+import json
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bigpretrain import metrics
+from tests import helpers
+
+
+def _losses(workdir) -> dict[int, float]:
+  return {r["step"]: r["train/loss"] for r in metrics.read_metrics(str(workdir))
+          if "train/loss" in r}
+
+
+def _wait_for_step(workdir, step, proc, timeout=300):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended early:\n{proc.stdout.read()}")
+    if os.path.exists(path):
+      with open(path) as f:
+        steps = [json.loads(l)["step"] for l in f if l.strip().endswith("}")]
+      if steps and max(steps) >= step:
+        return
+    time.sleep(0.05)
+  raise AssertionError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted 10-step run checkpointing every 3 steps."""
+  workdir = tmp_path_factory.mktemp("ref")
+  r = helpers.run_main(helpers.main_args(workdir, total_steps=10, ckpt_every_steps=3))
+  assert r.returncode == 0, r.stderr[-3000:]
+  return workdir, _losses(workdir)
+
+
+def test_resume_after_sigkill_gives_identical_losses(reference, tmp_path):
+  _, ref = reference
+  args = helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3)
+  proc = helpers.popen_main(args)
+  _wait_for_step(tmp_path, 7, proc)  # Past the step-6 checkpoint, before the step-9 one.
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  r = helpers.run_main(args)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Resuming from step" in r.stdout
+  got = _losses(tmp_path)
+  assert sorted(got) == list(range(1, 11))
+  for step in range(1, 11):
+    assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+  args = helpers.main_args(tmp_path, total_steps=100000, ckpt_every_steps=0)
+  proc = helpers.popen_main(args)
+  _wait_for_step(tmp_path, 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  saved = [int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+  assert saved and "Preempted: saved checkpoint at step" in out
+  assert max(saved) >= 3 and max(saved) == max(_losses(tmp_path))
+
+
+def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
+  ref_dir, ref = reference
+  shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
+  ckpts = tmp_path / "checkpoints"
+  latest = max(int(p) for p in os.listdir(ckpts) if p.isdigit())
+  for root, _, files in os.walk(ckpts / str(latest) / "params"):
+    for f in files:  # Garble every file of the params item.
+      with open(os.path.join(root, f), "wb") as fh:
+        fh.write(b"garbage")
+  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=12, ckpt_every_steps=3))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"checkpoint step {latest} is unreadable" in r.stdout + r.stderr
+  assert (tmp_path / "checkpoints_corrupt" / str(latest)).exists()  # Kept, not deleted.
+  got = _losses(tmp_path)
+  for step in range(1, 11):  # Steps after the fallback are recomputed identically.
+    assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
+
+
+def test_unknown_config_key_is_rejected_before_training(tmp_path):
+  r = helpers.run_main(helpers.main_args(tmp_path) + ["--config.batchsize=3"])
+  assert r.returncode != 0
+  assert "batchsize" in r.stderr
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_two_processes_match_one_process(tmp_path):
+  one = tmp_path / "one"
+  r = helpers.run_main(helpers.main_args(one, total_steps=4), num_devices=4)
+  assert r.returncode == 0, r.stderr[-3000:]
+  two = tmp_path / "two"
+  cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=2", "--"]
+  cmd += helpers.main_args(two, total_steps=4)
+  env = helpers.env()
+  env.pop("XLA_FLAGS")
+  env["PYTHON"] = sys.executable
+  r2 = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                      timeout=600)
+  assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+  a, b = _losses(one), _losses(two)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for step in a:
+    assert b[step] == pytest.approx(a[step], rel=2e-5, abs=2e-5), step

@@ -1,0 +1,106 @@
+"""The trainer in-process: sharding equivalence, eval counting, and clear errors."""
+import jax
+import numpy as np
+import pytest
+
+from bigpretrain import evaluate
+from bigpretrain import metrics
+from bigpretrain import sharding
+from bigpretrain import train
+from input_pipeline import pipeline
+from tests import helpers
+
+
+def _losses(config, devices, steps=3):
+  """Losses of the first steps on `devices`, fed by the real pipeline."""
+  exp = train.build(config, devices=devices)
+  state = exp.init_state()
+  step_fn = exp.train_step()
+  it = pipeline.train_iterator(exp.dataset.source("train"), config.data,
+                               global_batch_size=config.batch_size, seed=config.seed,
+                               process_index=0, process_count=1)
+  out = []
+  for _ in range(steps):
+    batch = next(it)
+    batch.pop("_skipped")
+    state, m = step_fn(state, sharding.global_batch(batch, exp.mesh))
+    out.append(float(m["train/loss"]))
+  return np.array(out)
+
+
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_losses_match_one_device(mesh):
+  one = helpers.tiny_config(**{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1})
+  ref = _losses(one, jax.devices()[:1])
+  config = helpers.tiny_config(**{"mesh.data": mesh[0], "mesh.fsdp": mesh[1],
+                                  "mesh.tensor": mesh[2]})
+  got = _losses(config, jax.devices())
+  assert np.all(np.isfinite(ref)) and len(set(ref.tolist())) == len(ref)
+  np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_params_are_sharded_by_logical_rules():
+  config = helpers.tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+  exp = train.build(config)
+  specs = exp.shardings["params"]
+  # ViT MLP: fc1 kernel is ('embed', 'mlp') -> ('fsdp', 'tensor'); LayerNorm scales replicated.
+  fc1 = specs["blocks"][0]["mlp"]["fc1"]["kernel"].spec
+  assert tuple(fc1) == ("fsdp", "tensor"), fc1
+  state = exp.init_state()
+  kernel = state["params"]["blocks"][0]["mlp"]["fc1"]["kernel"]
+  assert kernel.sharding.spec == fc1
+  # Adam moments follow the parameter they belong to.
+  mu = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape == kernel.shape]
+  assert mu and all(x.sharding.spec == fc1 for x in mu)
+
+
+def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
+  config = helpers.tiny_config(batch_size=48)  # The validation split is not a multiple of 48.
+  exp = train.build(config)
+  n = exp.dataset.info.num_examples["validation"]
+  assert n % 48 != 0
+  state = exp.init_state()
+  step = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, exp.mesh)
+  results = evaluate.evaluate(step, state, exp.dataset, config, exp.mesh)
+  assert results["eval/num_examples"] == n
+  assert 0.0 <= results["eval/top1"] <= results["eval/top5"] <= 1.0
+
+
+def test_train_and_evaluate_writes_metrics(tmp_path):
+  config = helpers.tiny_config(total_steps=4, eval_every_steps=2)
+  results = train.train_and_evaluate(config, str(tmp_path))
+  rows = metrics.read_metrics(str(tmp_path))
+  train_rows = [r for r in rows if "train/loss" in r]
+  eval_rows = [r for r in rows if "eval/top1" in r]
+  assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+  assert [r["step"] for r in eval_rows] == [2, 4]
+  for key in ("train/grad_norm", "train/param_norm", "train/update_norm", "train/lr",
+              "train/images_per_sec", "data/skipped_records"):
+    assert key in train_rows[-1], key
+  assert results["eval/semantic_top1"] == eval_rows[-1]["eval/semantic_top1"]
+  assert list(tmp_path.glob("events.out.tfevents*")), "no TensorBoard event file"
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path):
+  config = helpers.tiny_config(**{"optim.lr": 1e30, "optim.schedule.name": "constant"})
+  with pytest.raises(FloatingPointError, match=r"Non-finite loss .* at step \d+"):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / "checkpoints" / "6").exists()
+
+
+def test_batch_size_must_divide_data_parallel_devices(tmp_path):
+  config = helpers.tiny_config(batch_size=12)
+  with pytest.raises(ValueError, match="batch_size=12 is not divisible by the 8 data-parallel"):
+    train.build(config)
+
+
+def test_mesh_must_match_device_count():
+  config = helpers.tiny_config(**{"mesh.data": 3})
+  with pytest.raises(ValueError, match="needs 3 devices, but 8 are available"):
+    train.build(config)
+
+
+def test_missing_dataset_dir_is_a_clear_error(tmp_path):
+  config = helpers.tiny_config(**{"data.name": "tfds:cifar100", "data.dir": str(tmp_path / "no")})
+  with pytest.raises(FileNotFoundError, match="no"):
+    train.build(config)
