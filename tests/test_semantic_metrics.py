@@ -1,0 +1,81 @@
+"""Tests for bigpretrain.semantic.metrics against numpy loops."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bigpretrain.semantic import metrics
+from bigpretrain.semantic.tree import SemanticTree
+
+# 0 (root) -> 1, 2;  1 -> 3, 4;  3 -> 5;  2 -> 7;  6 is a lone root.
+# Levels by hand: [0, 6], [1, 2], [3, 4, 7], [5].
+_PARENT = [-1, 0, 0, 1, 1, 3, -1, 2]
+_LEVELS = [[0, 6], [1, 2], [3, 4, 7], [5]]
+_CHAINS = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 1, 3, 5],
+           6: [6], 7: [0, 2, 7]}
+
+
+def _targets(labels):
+  """Semantic targets from the hand-written ancestor chains."""
+  out = np.full((len(labels), len(_LEVELS)), -1, dtype=np.int32)
+  for b, label in enumerate(labels):
+    for k, c in enumerate(_CHAINS[label]):
+      out[b, k] = c
+  return out
+
+
+def _numpy_per_level(logits, targets):
+  correct = np.zeros(len(_LEVELS), dtype=np.int64)
+  valid = np.zeros(len(_LEVELS), dtype=np.int64)
+  for b in range(logits.shape[0]):
+    for k, classes in enumerate(_LEVELS):
+      t = targets[b, k]
+      if t == -1:
+        continue
+      valid[k] += 1
+      best = max(classes, key=lambda c: logits[b, c])
+      correct[k] += int(best == t)
+  return correct, valid
+
+
+def test_per_level_and_pooled_accuracy_match_numpy_loops():
+  tree = SemanticTree.from_parents(_PARENT)
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 8, size=64)
+  targets = _targets(labels)
+  np.testing.assert_array_equal(targets, tree.semantic_targets(labels))
+  logits = rng.normal(size=(64, 8)).astype(np.float32)
+  correct, valid = metrics.per_level_accuracy(jnp.asarray(logits), jnp.asarray(targets), tree)
+  want_correct, want_valid = _numpy_per_level(logits, targets)
+  np.testing.assert_array_equal(correct, want_correct)
+  np.testing.assert_array_equal(valid, want_valid)
+  assert 0 < want_correct[:3].sum() < want_valid[:3].sum()  # Non-trivial data.
+  num_correct, num_valid = metrics.semantic_accuracy(logits, targets, tree)
+  assert int(num_correct) == want_correct.sum() and int(num_valid) == want_valid.sum()
+
+
+def test_prediction_is_restricted_to_the_level():
+  tree = SemanticTree.from_parents(_PARENT)
+  # Image labelled 3 (targets 0, 1, 3). Global argmax is class 7 (level 2), but inside level 0
+  # class 0 beats 6 and inside level 1 class 2 beats 1; at level 2 class 7 beats 3.
+  logits = np.array([[0.5, 0.1, 0.9, 0.3, 0.0, 0.0, 0.2, 5.0]], np.float32)
+  targets = _targets([3])
+  correct, valid = metrics.per_level_accuracy(logits, targets, tree)
+  assert correct.tolist() == [1, 0, 0, 0]
+  assert valid.tolist() == [1, 1, 1, 0]
+  assert [int(x) for x in metrics.semantic_accuracy(logits, targets, tree)] == [1, 3]
+
+
+def test_jit_with_tree_closed_over_and_static():
+  tree = SemanticTree.from_parents(_PARENT)
+  rng = np.random.default_rng(1)
+  labels = rng.integers(0, 8, size=16)
+  logits = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+  targets = jnp.asarray(_targets(labels))
+  want = _numpy_per_level(np.asarray(logits), np.asarray(targets))
+  closed = jax.jit(functools.partial(metrics.per_level_accuracy, tree=tree))(logits, targets)
+  static = jax.jit(metrics.semantic_accuracy, static_argnums=2)(logits, targets, tree)
+  np.testing.assert_array_equal(closed[0], want[0])
+  np.testing.assert_array_equal(closed[1], want[1])
+  assert int(static[0]) == want[0].sum() and int(static[1]) == want[1].sum()
