@@ -55,20 +55,20 @@ def test_unknown_and_fixed_kwargs_are_named():
 
 
 def test_register_decorator_and_duplicate():
-  @models.register("_test_tiny_vit")
-  def _tiny(*, num_classes, rngs, image_size=8):
-    return vit.VisionTransformer(num_classes=num_classes, rngs=rngs, patch_size=4, width=8,
-                                 depth=1, num_heads=2, mlp_dim=16, image_size=image_size)
+  @models.register("_test_linear")
+  def _linear(*, num_classes, rngs, width=4):
+    return nnx.Linear(width, num_classes, rngs=rngs)
 
   try:
-    model = models.get_model("_test_tiny_vit", num_classes=3, rngs=nnx.Rngs(0))
-    assert model(_images(2, 8)).shape == (2, 3)
+    assert "_test_linear" in models.list_models()
+    model = models.get_model("_test_linear", num_classes=3, rngs=nnx.Rngs(0), width=5)
+    assert model.kernel.shape == (5, 3)
     with pytest.raises(TypeError, match="depth"):
-      models.get_model("_test_tiny_vit", num_classes=3, rngs=nnx.Rngs(0), depth=2)
+      models.get_model("_test_linear", num_classes=3, rngs=nnx.Rngs(0), depth=2)
     with pytest.raises(ValueError, match="already registered"):
-      models.register("_test_tiny_vit", _tiny)
+      models.register("_test_linear", _linear)
   finally:
-    models._REGISTRY.pop("_test_tiny_vit")  # pylint: disable=protected-access
+    models._REGISTRY.pop("_test_linear")  # pylint: disable=protected-access
 
 
 # --- ViT parameter counts and structure -----------------------------------------------------
@@ -311,3 +311,182 @@ def test_resize_pos_embed_keeps_prefix_and_constant_grid():
   assert out.shape == (1, 10, 4)
   np.testing.assert_allclose(out[0, 0], np.full(4, 7.0))
   np.testing.assert_allclose(out[0, 1:], np.full((9, 4), 2.0), rtol=1e-6)
+
+
+# --- convnets and mixer ---------------------------------------------------------------------
+
+
+def _materialize(build, seed=0):
+  """Builds a module abstractly, then fills it with cheap numpy values (no XLA init compiles).
+
+  Kernels get N(0, 1/fan_in); BatchNorm/LayerNorm scales and running variances 1; the rest 0.
+  """
+  abstract = nnx.eval_shape(build)
+  graphdef, state = nnx.split(abstract)
+  rs = np.random.RandomState(seed)
+
+  def fill(path, x):
+    if len(x.shape) >= 2:
+      fan_in = int(np.prod(x.shape[:-1]))
+      return rs.normal(0, 1 / np.sqrt(fan_in), x.shape).astype(x.dtype)
+    ones = path[-1].key in ("scale", "var")
+    return (np.ones if ones else np.zeros)(x.shape, x.dtype)
+
+  pure = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def _logical_names(module):
+  _, params, _ = nnx.split(module, nnx.Param, ...)
+  flat = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  return {jax.tree_util.keystr(path, simple=True, separator="/"):
+          leaf.get_metadata().get("out_sharding") for path, leaf in flat}
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("resnet50", 25_557_032),
+    ("resnet101", 44_549_160),
+    ("mobilenetv3_large_100", 5_483_032),  # timm's count
+    ("mixer_b16", 59_880_472),
+    ("mixer_s16", 18_528_264),
+])
+def test_convnet_and_mixer_param_counts(name, expected):
+  assert _num_params(_abstract(name, num_classes=1000)) == expected
+
+
+def test_resnet50_structure_batch_stats_and_axes():
+  model = _abstract("resnet50", num_classes=1000)
+  # Running mean + variance for every BatchNorm: stem 64, each bottleneck w + w + 4w,
+  # plus 4w for each stage's projection shortcut.
+  channels = 64 + sum(n * 6 * w + 4 * w for n, w in zip((3, 4, 6, 3), (64, 128, 256, 512)))
+  stats = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
+  assert sum(int(np.prod(x.shape)) for x in stats) == 2 * channels
+  first_of_stage2 = model.blocks[3]  # v1.5: the stride is on the 3x3 conv
+  assert first_of_stage2.conv1.kernel.shape == (1, 1, 256, 128)
+  assert first_of_stage2.conv1.strides == 1
+  assert first_of_stage2.conv2.kernel.shape == (3, 3, 128, 128)
+  assert first_of_stage2.conv2.strides == 2
+  assert first_of_stage2.downsample_conv.strides == 2
+  assert model.blocks[4].downsample_conv is None
+  names = _logical_names(model)
+  assert names["blocks/3/conv2/kernel"] == (None, None, "conv_in", "conv_out")
+  assert names["stem_conv/kernel"] == (None, None, None, "conv_out")
+  assert names["head/kernel"] == ("embed", "classes")
+  assert "blocks/0/bn1/mean" not in names  # batch statistics are not parameters
+
+
+def test_bottleneck_starts_as_identity():
+  from bigpretrain.models import resnet  # pylint: disable=g-import-not-at-top
+  block = resnet.Bottleneck(16, 4, stride=1, dtype=jnp.float32, param_dtype=jnp.float32,
+                            rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 5, 5, 16))
+  np.testing.assert_array_equal(block.bn3.scale[...], np.zeros(16))
+  np.testing.assert_allclose(block(x, train=False), np.maximum(x, 0), atol=1e-6)
+
+
+def test_small_resnet_forward_and_batch_norm_modes():
+  from bigpretrain.models import resnet  # pylint: disable=g-import-not-at-top
+  model = _materialize(lambda: resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0),
+                                             stage_sizes=(1, 1, 1, 1)))
+  x = _images(4, 32)
+  logits = nnx.jit(lambda m, v: m(v))(model, x)
+  assert logits.shape == (4, 6) and logits.dtype == jnp.float32
+  np.testing.assert_array_equal(model.stem_bn.mean[...], np.zeros(64))  # eval: no update
+  conv_out = np.asarray(model.stem_conv(x), np.float64)
+  nnx.jit(lambda m, v: m(v, train=True))(model, x)
+  # One training step moves the running mean 10% of the way to the batch mean.
+  np.testing.assert_allclose(model.stem_bn.mean[...], 0.1 * conv_out.mean(axis=(0, 1, 2)),
+                             rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="drop_path_rate"):
+    resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0), stage_sizes=(1,), drop_path_rate=0.1)
+  bf16 = _materialize(lambda: resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0),
+                                            stage_sizes=(1, 1), dtype=jnp.bfloat16,
+                                            drop_path_rate=0.0))
+  out = nnx.jit(lambda m, v: m(v, train=True))(bf16, x)
+  assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_make_divisible_by_hand():
+  from bigpretrain.models import mobilenet_v3  # pylint: disable=g-import-not-at-top
+  # 72/4 = 18 -> 16 is more than 10% below 18, so 24; 120/4 = 30 -> 32; 480/4 = 120 -> 120.
+  assert [mobilenet_v3.make_divisible(v) for v in (18, 30, 120, 168, 3)] == [24, 32, 120, 168, 8]
+
+
+def test_mobilenet_v3_squeeze_excite_widths_and_forward():
+  model = _abstract("mobilenetv3_large_100", num_classes=1000)
+  se_widths = [(b.se.conv_reduce.kernel.shape[2], b.se.conv_reduce.kernel.shape[3])
+               for b in model.blocks[1:] if b.se is not None]
+  assert se_widths == [(72, 24), (120, 32), (120, 32), (480, 120), (672, 168), (672, 168),
+                       (960, 240), (960, 240)]
+  assert [b.has_skip for b in model.blocks[1:]] == [
+      False, True, False, True, True, False, True, True, True, False, True, False, True, True]
+  assert _logical_names(model)["blocks/4/conv_dw/kernel"] == (None, None, None, "conv_out")
+  small = _materialize(lambda: models.get_model("mobilenetv3_large_100", num_classes=5,
+                                                rngs=nnx.Rngs(0), image_size=64,
+                                                drop_path_rate=0.0))
+  x = _images(2, 64)
+  outs = nnx.jit(lambda m, v: (m(v), m.features(v), m(v, train=True)))(small, x)
+  for out in (outs[0], outs[2]):
+    assert out.shape == (2, 5) and out.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(out)))
+  assert outs[1].shape == (2, 1280)
+  assert not np.allclose(outs[0], outs[2])  # batch vs running statistics
+
+
+def test_squeeze_excite_matches_numpy():
+  from bigpretrain.models import mobilenet_v3  # pylint: disable=g-import-not-at-top
+  ops = mobilenet_v3._Ops(jnp.float32, jnp.float32, nnx.Rngs(0))  # pylint: disable=protected-access
+  se = mobilenet_v3.SqueezeExcite(16, ops)
+  se.conv_reduce.bias[...] = jnp.linspace(-1, 1, 8)
+  se.conv_expand.bias[...] = jnp.linspace(-4, 4, 16)
+  x = np.asarray(jax.random.normal(jax.random.key(0), (2, 3, 3, 16)), np.float64)
+  w1 = np.asarray(se.conv_reduce.kernel[...])[0, 0]
+  w2 = np.asarray(se.conv_expand.kernel[...])[0, 0]
+  s = x.mean(axis=(1, 2))
+  r = np.maximum(s @ w1 + np.asarray(se.conv_reduce.bias[...]), 0)
+  gate = np.clip(r @ w2 + np.asarray(se.conv_expand.bias[...]) + 3, 0, 6) / 6
+  np.testing.assert_allclose(se(jnp.asarray(x, jnp.float32)), x * gate[:, None, None, :],
+                             rtol=1e-5, atol=1e-6)
+
+
+def _gelu_np(x):
+  from scipy.special import erf  # pylint: disable=g-import-not-at-top
+  return 0.5 * x * (1 + erf(x / np.sqrt(2)))
+
+
+def test_mixer_block_matches_numpy():
+  from bigpretrain.models import mixer  # pylint: disable=g-import-not-at-top
+  block = mixer.MixerBlock(4, 6, 5, 7, dtype=jnp.float32, param_dtype=jnp.float32,
+                           rngs=nnx.Rngs(0))
+  x = np.asarray(jax.random.normal(jax.random.key(1), (2, 4, 6)), np.float64)
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(block, nnx.Param)))
+
+  def mlp(v, q):
+    return _gelu_np(v @ q["fc1"]["kernel"] + q["fc1"]["bias"]) @ q["fc2"]["kernel"] + \
+        q["fc2"]["bias"]
+
+  y = _layer_norm(x).transpose(0, 2, 1)  # LN scale 1, bias 0 at init
+  h = x + mlp(y, p["token_mixing"]).transpose(0, 2, 1)
+  want = h + mlp(_layer_norm(h), p["channel_mixing"])
+  np.testing.assert_allclose(block(jnp.asarray(x, jnp.float32)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_small_mixer_forward_and_axes():
+  from bigpretrain.models import mixer  # pylint: disable=g-import-not-at-top
+  model = mixer.MlpMixer(num_classes=3, rngs=nnx.Rngs(0), patch_size=8, width=16, depth=2,
+                         tokens_mlp_dim=8, channels_mlp_dim=32, image_size=32)
+  x = _images(2, 32)
+  out = model(x, train=True)
+  assert out.shape == (2, 3) and out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, np.zeros((2, 3)))  # zero-initialised head
+  assert model.features(x).shape == (2, 16)
+  names = _logical_names(model)
+  assert names["blocks/1/channel_mixing/fc1/kernel"] == ("embed", "mlp")
+  assert names["blocks/1/token_mixing/fc1/kernel"] == (None, None)
+  assert names["patch_embed/kernel"] == (None, None, None, "embed")
+  with pytest.raises(TypeError, match="patch_size"):
+    _abstract("mixer_b16", num_classes=3, patch_size=32)
+  with pytest.raises(ValueError, match="drop_path_rate"):
+    _abstract("mixer_b16", num_classes=3, drop_path_rate=0.1)

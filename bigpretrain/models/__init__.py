@@ -70,8 +70,11 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Modul
 
 def _register_all():
   # pylint: disable=g-import-not-at-top
+  from bigpretrain.models import mixer
+  from bigpretrain.models import mobilenet_v3
+  from bigpretrain.models import resnet
   from bigpretrain.models import vit
-  modules = [vit]
+  modules = [mixer, mobilenet_v3, resnet, vit]
   for module in modules:
     for model_name, factory in sorted(module.MODELS.items()):
       register(model_name, factory)
