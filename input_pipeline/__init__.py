@@ -1,0 +1,1 @@
+"""Input pipelines: datasets (tfds builders on ArrayRecord), grain pipelines, augmentations."""

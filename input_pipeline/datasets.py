@@ -1,0 +1,158 @@
+"""Dataset lookup: `config.data` -> class list, split sizes and random-access record sources.
+
+Names (`config.data.name`):
+  'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
+                         into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
+                         the share of truncated train labels (percent, default 20).
+  'tfds:NAME[/CONFIG]'   any tfds dataset already prepared as ArrayRecord in data.dir (or the
+                         default cache), e.g. by `tfds build NAME --data_dir=DIR
+                         --file_format=array_record` or the project's Beam preparation jobs.
+                         The builder code is not needed: tfds reads the prepared files.
+
+A source record is a dict with 'image' (the ENCODED PNG/JPEG bytes; grain workers decode
+them), 'label' (int), 'hashtags' (list of str) when the dataset has them, and the dataset's
+other scalar features (e.g. the demo's 'true_label').
+"""
+import dataclasses
+import pathlib
+import re
+from typing import Any, Mapping
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from input_pipeline import demo
+
+KNOWN_NAMES = ("demo", "demo/truncPERCENT", "tfds:NAME[/CONFIG]")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """What the trainer needs to know about a dataset before reading it."""
+  name: str
+  num_classes: int
+  class_names: list[str]  # wnids for WordNet-labelled datasets (demo, ImageNet).
+  num_examples: dict[str, int]  # split -> examples.
+  image_size: int | None  # Side of the stored square images; None if they vary.
+  splits: tuple[str, ...]
+
+
+class RecordSource:
+  """Random-access records of one split (len + __getitem__), picklable for grain workers.
+
+  Wraps a tfds ArrayRecord data source read with image decoding skipped, and turns tfds's
+  byte strings and numpy scalars into str and int.
+  """
+
+  def __init__(self, source, split: str):
+    self._source = source
+    self.split = split
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    return _clean(self._source[index])
+
+  def __getitems__(self, indices) -> list[dict[str, Any]]:
+    return [_clean(r) for r in self._source.__getitems__(indices)]
+
+  def __repr__(self) -> str:
+    return f"RecordSource(split={self.split!r}, len={len(self)})"
+
+
+def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
+  """tfds record -> plain Python values (image stays encoded bytes)."""
+  out = {}
+  for key, value in record.items():
+    if key == "hashtags":
+      out[key] = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in value]
+    elif isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+      out[key] = value.item()
+    else:
+      out[key] = value
+  return out
+
+
+class Dataset:
+  """A prepared dataset: its `info` and per-split record `source`s."""
+
+  def __init__(self, name: str, builder: tfds.core.DatasetBuilder):
+    self.builder = builder
+    features = builder.info.features
+    if "image" not in features or "label" not in features:
+      raise ValueError(f"Dataset {name!r} needs 'image' and 'label' features; it has "
+                       f"{sorted(features.keys())}.")
+    label = features["label"]
+    names = list(label.names) if hasattr(label, "names") else []
+    shape = getattr(features["image"], "shape", (None, None, None))
+    size = shape[0] if shape[0] is not None and shape[0] == shape[1] else None
+    splits = tuple(sorted(builder.info.splits.keys()))
+    self.info = DatasetInfo(
+        name=name,
+        num_classes=int(label.num_classes),
+        class_names=names,
+        num_examples={s: int(builder.info.splits[s].num_examples) for s in splits},
+        image_size=size,
+        splits=splits,
+    )
+
+  def source(self, split: str) -> RecordSource:
+    """Random-access source over `split` ('train', 'validation', ...)."""
+    if split not in self.info.splits:
+      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
+                       f"splits: {list(self.info.splits)}.")
+    decoders = {"image": tfds.decode.SkipDecoding()}
+    try:
+      source = self.builder.as_data_source(split, decoders=decoders)
+    except NotImplementedError as e:  # Prepared as TFRecord: not random-access.
+      raise ValueError(
+          f"Dataset {self.info.name!r} in {self.builder.data_dir} is not stored as "
+          "ArrayRecord; re-prepare it with --file_format=array_record.") from e
+    return RecordSource(source, split)
+
+
+def _data_dir(data_cfg) -> str:
+  return str(data_cfg.get("dir", "") or "")
+
+
+def _demo(name: str, data_dir: str) -> Dataset:
+  """'demo' or 'demo/truncNN' -> the generated demo dataset."""
+  truncation = demo.DEFAULT_TRUNCATION
+  if name != "demo":
+    match = re.fullmatch(r"demo/trunc(\d+(?:\.\d+)?)", name)
+    if not match or float(match.group(1)) > 100:
+      raise ValueError(f"Unknown demo variant {name!r}; use 'demo' or 'demo/truncNN' with NN "
+                       "the percent (0-100) of train labels truncated to an ancestor.")
+    truncation = float(match.group(1)) / 100.0
+  return Dataset(name, demo.prepare(data_dir or None, truncation=truncation))
+
+
+def _tfds(name: str, data_dir: str) -> Dataset:
+  """'tfds:NAME[/CONFIG]' -> a dataset already prepared in data_dir."""
+  tfds_name = name[len("tfds:"):]
+  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  how = (f"Prepare it first, e.g. `tfds build {tfds_name.split('/')[0]} --data_dir={root} "
+         "--file_format=array_record`, or point --config.data.dir at the folder holding it.")
+  if not root.is_dir():
+    raise FileNotFoundError(f"Data dir {root} for dataset {name!r} does not exist. {how}")
+  try:
+    builder = tfds.builder(tfds_name, data_dir=str(root))
+  except Exception as e:  # tfds raises several types for unknown, unprepared names.
+    first_line = str(e).strip().split("\n")[0]
+    raise FileNotFoundError(f"No prepared dataset {tfds_name!r} in {root} "
+                            f"({type(e).__name__}: {first_line}). {how}") from e
+  if not builder.is_prepared():
+    raise FileNotFoundError(f"Dataset {tfds_name!r} is not prepared in {root}. {how}")
+  return Dataset(name, builder)
+
+
+def get_dataset(data_cfg) -> Dataset:
+  """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
+  name = str(data_cfg.get("name", ""))
+  data_dir = _data_dir(data_cfg)
+  if name == "demo" or name.startswith("demo/"):
+    return _demo(name, data_dir)
+  if name.startswith("tfds:") and len(name) > len("tfds:"):
+    return _tfds(name, data_dir)
+  raise ValueError(f"Unknown dataset name {name!r}; known: {list(KNOWN_NAMES)}.")
