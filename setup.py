@@ -8,7 +8,7 @@ setuptools.setup(
     "semi-supervised teacher/student and SWAG recipes on one sharded trainer.",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
-    package_data={"bigpretrain.semantic": ["data/*.txt"]},
+    package_data={"bigpretrain.semantic": ["data/*.txt"], "input_pipeline": ["demo_wnids.txt"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -38,7 +38,8 @@ def measure(config, steps: int) -> dict:
   batch = sharding.global_batch(synthetic_batch(exp), exp.mesh)
   step_fn = exp.train_step()
   t0 = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
+  with jax.set_mesh(exp.mesh):
+    compiled = step_fn.lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
   state, m = compiled(state, batch)  # Warm-up.
   jax.block_until_ready(m)

@@ -17,7 +17,7 @@ from bigpretrain import optim
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
-_CLOSED_SECTIONS = ('mesh', 'optim')
+_CLOSED_SECTIONS = ('mesh', 'optim', 'mixup')
 # Sections recipes extend with their own kwargs; only their base keys are required.
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'eval')
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
@@ -50,6 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
   c.eval = ml_collections.ConfigDict(dict(topk=(1, 5)))
+  # On-device mixup/cutmix inside the train step (timm semantics); both 0 = off.
+  c.mixup = ml_collections.ConfigDict(dict(mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.5,
+                                           label_smoothing=0.0))
   return c
 
 

@@ -23,14 +23,17 @@ def evaluate(eval_step, state, dataset, config, mesh, split: str | None = None) 
   batches = pipeline.eval_iterator(
       dataset.source(split), config.data, global_batch_size=config.batch_size,
       process_index=jax.process_index(), process_count=jax.process_count())
-  totals = None
+  totals, skipped = None, 0
   for batch in batches:
+    skipped += int(batch.pop("_skipped"))  # Corrupt records arrive as masked rows.
+    batch.pop("index", None)
     out = eval_step(state["params"], state["extra"], sharding.global_batch(batch, mesh))
     totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
   if totals is None:
     raise ValueError(f"Split {split!r} of {config.data.name!r} is empty.")
   totals = jax.device_get(totals)
   results = {k: float(num) / float(den) for k, (num, den) in totals.items() if den > 0}
+  results["eval/skipped_records"] = skipped
   if "eval/top1" in totals:
     results["eval/num_examples"] = float(totals["eval/top1"][1])
   return results

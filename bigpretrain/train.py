@@ -98,12 +98,25 @@ def state_shardings(model_def: ModelDef, tx, config, mesh):
           "skipped_records": repl}
 
 
-def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int):
-  """(state, batch) -> (state, metrics): loss, gradients, update, and norms, all on device."""
+def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int,
+                    mixup_cfg=None, num_classes: int = 0):
+  """(state, batch) -> (state, metrics): loss, gradients, update, and norms, all on device.
+
+  With mixup/cutmix on, the batch gains 'targets' [B, C] (soft labels) before the objective.
+  """
   base_rng = jax.random.key(seed)
+  use_mixup = mixup_cfg is not None and (mixup_cfg.mixup_alpha > 0 or mixup_cfg.cutmix_alpha > 0)
 
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
+    if use_mixup:
+      from bigpretrain import mixup  # pylint: disable=import-outside-toplevel
+      rng, mix_rng = jax.random.split(rng)
+      images, targets = mixup.mix_batch(
+          mix_rng, batch["image"], batch["label"], num_classes=num_classes,
+          mixup_alpha=mixup_cfg.mixup_alpha, cutmix_alpha=mixup_cfg.cutmix_alpha,
+          switch_prob=mixup_cfg.switch_prob, label_smoothing=mixup_cfg.label_smoothing)
+      batch = {**batch, "image": images, "targets": targets}
 
     def loss_fn(params):
       model = model_def.merge(params, state["extra"])
@@ -199,7 +212,7 @@ class Experiment:
 
   def train_step(self):
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
-                         self.config.seed)
+                         self.config.seed, self.config.mixup, self.dataset.info.num_classes)
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh)),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,))
@@ -264,7 +277,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   pending = _Pending()
   bar = metrics_lib.progress_bar(total_steps, start, enabled=is_main)
   results = {}
-  with Preemption() as preemption:
+  # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
+  with Preemption() as preemption, jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
       batch = next(train_iter)
       # Per-host count of corrupt records, put in row 0 so the step sums it over all hosts.

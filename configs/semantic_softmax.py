@@ -41,7 +41,6 @@ def get_config(arg=None):
   config.data.normalize = "0_1"  # The recipe feeds [0, 1] pixels, no mean/std.
   config.optim.name = "adam"  # Adam with coupled L2 weight decay.
   config.optim.weight_decay = 1e-4
-  config.optim.schedule = dict(config.optim.schedule)
   config.optim.schedule.name = "onecycle"
   config.optim.schedule.pct_start = 0.1
 

@@ -208,8 +208,8 @@ def _variants() -> dict:
 
 
 def vit_demo(*, num_classes: int, rngs: nnx.Rngs, image_size=32, **kw) -> VisionTransformer:
-  """Small ViT for the CPU demo configs: patch 4, width 128, depth 4, 4 heads, MLP 256."""
-  return VisionTransformer(num_classes=num_classes, rngs=rngs, patch_size=4, width=128,
+  """Small ViT for the CPU demo configs: patch 8, width 128, depth 4, 4 heads, MLP 256."""
+  return VisionTransformer(num_classes=num_classes, rngs=rngs, patch_size=8, width=128,
                            depth=4, num_heads=4, mlp_dim=256, image_size=image_size, **kw)
 
 

@@ -78,9 +78,19 @@ def load():
   root = materialise()
   if str(root) not in nltk.data.path:
     nltk.data.path.insert(0, str(root))
+
+  class Reader(WordNetCorpusReader):
+    """nltk maps OMW data onto the loaded WordNet; for 3.0 itself that map is the identity,
+    yet nltk builds it by re-reading index.sense (half the load time). Skip it."""
+
+    def map_wn(self, version="wordnet"):
+      if version == "wordnet" and self.get_version() == "3.0":
+        return None
+      return super().map_wn(version)
+
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "multilingual functions not available": no OMW here.
-    reader = WordNetCorpusReader(str(root / "corpora" / "wordnet"), None)
+    reader = Reader(str(root / "corpora" / "wordnet"), None)
   if reader.get_version() != "3.0":
     raise RuntimeError(f"Expected WordNet 3.0, got {reader.get_version()} from {root}.")
   return reader
