@@ -4,6 +4,7 @@ Items: 'params' ({'params', 'extra'}: what model_init and teachers load), 'train
 'opt_state', 'skipped_records'}) and 'data' (the grain iterator, one file per process). A
 checkpoint that fails to restore is moved aside to `<dir>_corrupt/` and the previous one used.
 """
+import json
 import os
 import shutil
 
@@ -15,6 +16,17 @@ import orbax.checkpoint as ocp
 
 def _abstract(tree):
   return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+class _IteratorSnapshot:
+  """The iterator's state taken now, in the training thread. Orbax may write an item later,
+  from its background thread, while the loop already pulls the next batches."""
+
+  def __init__(self, iterator):
+    self._state = json.dumps(iterator.get_state(), indent=2).encode()
+
+  def get_state(self) -> bytes:
+    return self._state
 
 
 def _train_item(state):
@@ -41,7 +53,7 @@ class Checkpointer:
         "train": ocp.args.StandardSave(_train_item(state)),
     }
     if data_iter is not None:
-      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+      items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
