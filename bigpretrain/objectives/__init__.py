@@ -5,10 +5,12 @@ An objective is built once from its config section and the dataset info, and exp
 merged NNX module) and `eval_metrics(model, batch) -> {name: (numerator, denominator)}`
 (sums over the batch, padded rows masked out).
 """
+from bigpretrain.objectives import cosub
 from bigpretrain.objectives import semantic_softmax
 from bigpretrain.objectives import softmax
 
 _REGISTRY = {
+    "cosub": cosub.Cosub,
     "softmax": softmax.Softmax,
     "semantic_softmax": semantic_softmax.SemanticSoftmax,
 }

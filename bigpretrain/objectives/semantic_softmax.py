@@ -7,8 +7,6 @@ import jax.numpy as jnp
 
 from bigpretrain import losses
 from bigpretrain.objectives import base
-from bigpretrain.semantic import metrics as semantic_metrics
-from bigpretrain.semantic import tree as semantic_tree
 
 
 class SemanticSoftmax:
@@ -17,10 +15,10 @@ class SemanticSoftmax:
   def __init__(self, cfg, info, topk=(1, 5)):
     self.topk = topk
     base.check_keys(cfg, {"label_smoothing", "max_weight"})
-    if not info.class_names:
-      raise ValueError(f"Dataset {info.name!r} has no class wnids: semantic_softmax needs them "
-                       "to build the WordNet tree.")
-    self.tree = semantic_tree.SemanticTree.from_wnids(list(info.class_names))
+    self.tree = base.class_tree(info)
+    if self.tree is None:
+      raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
+                       "semantic_softmax needs them to build the semantic tree.")
     self.label_smoothing = float(cfg.get("label_smoothing", 0.2))
     self.max_weight = float(cfg.get("max_weight", 20.0))
     self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.
@@ -36,10 +34,6 @@ class SemanticSoftmax:
   def eval_metrics(self, model, batch):
     logits = model(batch["image"], train=False)
     mask = base.eval_mask(batch, logits.shape[0])
-    targets = jnp.where(mask[:, None] > 0, self.targets[batch["label"]], -1)
     out = base.topk_metrics(logits, batch["label"], mask, self.topk)
-    out["eval/semantic_top1"] = semantic_metrics.semantic_accuracy(logits, targets, self.tree)
-    correct, valid = semantic_metrics.per_level_accuracy(logits, targets, self.tree)
-    for k in range(self.tree.num_levels):
-      out[f"eval/level{k}_top1"] = (correct[k], valid[k])
+    out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
     return out

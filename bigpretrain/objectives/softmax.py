@@ -10,7 +10,7 @@ class Softmax:
     self.topk = topk
     base.check_keys(cfg, {"label_smoothing"})
     self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
-    self.num_classes = info.num_classes
+    self.tree = base.class_tree(info)  # For semantic metrics, comparable across objectives.
 
   def loss(self, model, batch, rng):
     logits = model(batch["image"], train=True, rng=rng)
@@ -20,4 +20,7 @@ class Softmax:
   def eval_metrics(self, model, batch):
     logits = model(batch["image"], train=False)
     mask = base.eval_mask(batch, logits.shape[0])
-    return base.topk_metrics(logits, batch["label"], mask, self.topk)
+    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
+    if self.tree is not None:
+      out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
+    return out
