@@ -39,13 +39,13 @@ def measure(config, steps: int) -> dict:
   step_fn = exp.train_step()
   t0 = time.perf_counter()
   with jax.set_mesh(exp.mesh):
-    compiled = step_fn.lower(state, batch).compile()
+    compiled = step_fn.lower(state, batch, exp.frozen).compile()
   compile_s = time.perf_counter() - t0
-  state, m = compiled(state, batch)  # Warm-up.
+  state, m = compiled(state, batch, exp.frozen)  # Warm-up.
   jax.block_until_ready(m)
   t0 = time.perf_counter()
   for _ in range(steps):
-    state, m = compiled(state, batch)
+    state, m = compiled(state, batch, exp.frozen)
   jax.block_until_ready(m)
   step_s = (time.perf_counter() - t0) / steps
   out = {"config": config.objective.name, "model": config.model.name,

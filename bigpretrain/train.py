@@ -55,41 +55,12 @@ class Preemption:
     return bool(np.max(flags))
 
 
-@dataclasses.dataclass
-class ModelDef:
-  """How to build, split and merge the model; shared by the train and eval steps."""
-  name: str
-  kwargs: dict
-  graphdef: nnx.GraphDef
-  abstract_params: nnx.State
-  abstract_extra: nnx.State
-
-  @classmethod
-  def from_config(cls, config, num_classes: int) -> "ModelDef":
-    kwargs = {k: v for k, v in config.model.items() if k != "name"}
-    kwargs["dtype"] = jnp.dtype(config.compute_dtype)
-    kwargs["num_classes"] = num_classes
-    abstract = nnx.eval_shape(
-        lambda: models.get_model(config.model.name, rngs=nnx.Rngs(0), **kwargs))
-    graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
-    return cls(config.model.name, kwargs, graphdef, params, extra)
-
-  def create(self, rng):
-    """Concrete (params, extra) as pure dicts."""
-    model = models.get_model(self.name, rngs=nnx.Rngs(rng), **self.kwargs)
-    _, params, extra = nnx.split(model, nnx.Param, ...)
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(extra)
-
-  def merge(self, params, extra):
-    return nnx.merge(self.graphdef, params, extra)
-
-
-def state_shardings(model_def: ModelDef, tx, config, mesh):
+def state_shardings(model_def: models.ModelDef, tx, config, mesh):
   """NamedShardings of the train state: params by logical rules, optimizer state alike."""
   rules = tuple(tuple(r) for r in config.sharding_rules)
   params = sharding.state_shardings(model_def.abstract_params, rules, mesh)
   extra = sharding.state_shardings(model_def.abstract_extra, (), mesh)
-  abstract_params = nnx.to_pure_dict(model_def.abstract_params)
+  abstract_params = model_def.abstract_pure_params()
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   repl = sharding.replicated(mesh)
   opt = optax.tree_utils.tree_map_params(
@@ -98,7 +69,7 @@ def state_shardings(model_def: ModelDef, tx, config, mesh):
           "skipped_records": repl}
 
 
-def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int,
+def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
                     mixup_cfg=None, num_classes: int = 0):
   """(state, batch) -> (state, metrics): loss, gradients, update, and norms, all on device.
 
@@ -107,7 +78,7 @@ def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int,
   base_rng = jax.random.key(seed)
   use_mixup = mixup_cfg is not None and (mixup_cfg.mixup_alpha > 0 or mixup_cfg.cutmix_alpha > 0)
 
-  def train_step(state, batch):
+  def train_step(state, batch, frozen):
     rng = jax.random.fold_in(base_rng, state["step"])
     if use_mixup:
       from bigpretrain import mixup  # pylint: disable=import-outside-toplevel
@@ -120,7 +91,7 @@ def make_train_step(model_def: ModelDef, objective, tx, schedule, seed: int,
 
     def loss_fn(params):
       model = model_def.merge(params, state["extra"])
-      loss, aux = objective.loss(model, batch, rng)
+      loss, aux = objective.loss(model, batch, rng, frozen)
       extra = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
       return loss, (aux, extra)
 
@@ -196,11 +167,13 @@ class Experiment:
   mesh: jax.sharding.Mesh
   dataset: datasets.Dataset
   objective: object
-  model_def: ModelDef
+  model_def: models.ModelDef
   tx: optax.GradientTransformation
   schedule: object
   shardings: dict
   total_steps: int
+  frozen: object = None  # The objective's fixed inputs (a KD teacher), already sharded.
+  frozen_shardings: object = None
 
   def init_state(self) -> dict:
     """The train state, created directly with its shardings (no host copy of the params)."""
@@ -211,9 +184,11 @@ class Experiment:
     return jax.jit(init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
 
   def train_step(self):
+    """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
                          self.config.seed, self.config.mixup, self.dataset.info.num_classes)
-    return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh)),
+    return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
+                                     self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,))
 
@@ -228,12 +203,16 @@ def build(config, devices=None) -> Experiment:
   info = dataset.info
   objective = objectives.get_objective(config.objective, info, config.eval.topk)
   total_steps = config_lib.resolve_total_steps(config, info.num_examples[config.data.train_split])
-  model_def = ModelDef.from_config(config, info.num_classes)
+  model_def = models.ModelDef.from_config(config.model, info.num_classes, config.compute_dtype)
   tx, schedule = optim.make_optimizer(config.optim, total_steps=total_steps)
   shardings = state_shardings(model_def, tx, config, mesh)
-  sharding.log_shardings(shardings["params"], nnx.to_pure_dict(model_def.abstract_params))
+  sharding.log_shardings(shardings["params"], model_def.abstract_pure_params())
+  frozen, frozen_shardings = None, None
+  if hasattr(objective, "load_frozen"):  # E.g. a distillation teacher, sharded like the student.
+    frozen, frozen_shardings = objective.load_frozen(
+        mesh, tuple(tuple(r) for r in config.sharding_rules), config.compute_dtype)
   return Experiment(config, mesh, dataset, objective, model_def, tx, schedule, shardings,
-                    total_steps)
+                    total_steps, frozen, frozen_shardings)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -285,7 +264,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       skipped = np.zeros(len(batch["label"]), np.int32)
       skipped[0] = batch.pop("_skipped", 0)
       batch["_skipped"] = skipped
-      state, step_metrics = step_fn(state, sharding.global_batch(batch, mesh))
+      state, step_metrics = step_fn(state, sharding.global_batch(batch, mesh), exp.frozen)
       pending.add(step, step_metrics, config.batch_size)
       bar.update(1)
       stop = preemption.agreed()

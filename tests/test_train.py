@@ -23,7 +23,7 @@ def _losses(config, devices, steps=3):
   for _ in range(steps):
     batch = next(it)
     batch.pop("_skipped")
-    state, m = step_fn(state, sharding.global_batch(batch, exp.mesh))
+    state, m = step_fn(state, sharding.global_batch(batch, exp.mesh), exp.frozen)
     out.append(float(m["train/loss"]))
   return np.array(out)
 

@@ -6,10 +6,12 @@ returning float32 logits [B, num_classes]. A registered factory is a callable ta
 architecture (its bound keywords cannot be overridden through get_model).
 """
 from collections.abc import Callable
+import dataclasses
 import functools
 import inspect
 
 from flax import nnx
+import jax.numpy as jnp
 
 _REGISTRY: dict[str, Callable[..., nnx.Module]] = {}
 _RESERVED = ("num_classes", "rngs")
@@ -66,6 +68,45 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Modul
       raise TypeError(f"model {name!r} got unknown option(s) {unknown}; "
                       f"accepted: {sorted(accepted)}")
   return factory(num_classes=num_classes, rngs=rngs, **kw)
+
+
+@dataclasses.dataclass
+class ModelDef:
+  """A registered model with its options: builds, splits and merges it for jitted steps.
+
+  The trainer keeps params and the rest of the model state ('extra', e.g. BatchNorm
+  statistics) as pure dicts; `merge` turns them back into a callable module inside jit.
+  """
+  name: str
+  kwargs: dict
+  graphdef: nnx.GraphDef
+  abstract_params: nnx.State
+  abstract_extra: nnx.State
+
+  @classmethod
+  def from_config(cls, model_cfg, num_classes: int, compute_dtype: str = "float32"):
+    """From a `config.model`-style mapping: 'name' plus the model's keyword options."""
+    kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
+    kwargs["dtype"] = jnp.dtype(compute_dtype)
+    kwargs["num_classes"] = num_classes
+    abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0), **kwargs))
+    graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
+    return cls(model_cfg["name"], kwargs, graphdef, params, extra)
+
+  def create(self, rng):
+    """Concrete (params, extra) as pure dicts."""
+    model = get_model(self.name, rngs=nnx.Rngs(rng), **self.kwargs)
+    _, params, extra = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(extra)
+
+  def merge(self, params, extra):
+    return nnx.merge(self.graphdef, params, extra)
+
+  def abstract_pure_params(self):
+    return nnx.to_pure_dict(self.abstract_params)
+
+  def abstract_pure_extra(self):
+    return nnx.to_pure_dict(self.abstract_extra)
 
 
 def _register_all():

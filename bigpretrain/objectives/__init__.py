@@ -1,11 +1,14 @@
 """Training objectives: what a step computes from a batch. One module per objective.
 
 An objective is built once from its config section and the dataset info, and exposes
-`loss(model, batch, rng) -> (loss, aux)` (traced inside the jitted train step; `model` is the
-merged NNX module) and `eval_metrics(model, batch) -> {name: (numerator, denominator)}`
-(sums over the batch, padded rows masked out).
+`loss(model, batch, rng, frozen) -> (loss, aux)` (traced inside the jitted train step; `model`
+is the merged NNX module, `frozen` what the objective's optional `load_frozen(mesh, rules,
+compute_dtype) -> (tree, shardings)` returned, e.g. a teacher's params) and
+`eval_metrics(model, batch) -> {name: (numerator, denominator)}` (sums over the batch, padded
+rows masked out).
 """
 from bigpretrain.objectives import cosub
+from bigpretrain.objectives import semantic_kd
 from bigpretrain.objectives import semantic_softmax
 from bigpretrain.objectives import softmax
 
@@ -13,6 +16,7 @@ _REGISTRY = {
     "cosub": cosub.Cosub,
     "softmax": softmax.Softmax,
     "semantic_softmax": semantic_softmax.SemanticSoftmax,
+    "semantic_kd": semantic_kd.SemanticKD,
 }
 
 

@@ -87,7 +87,8 @@ class Cosub:
           "config.model.drop_path_rate (tau) is 0, so every submodel is the whole network and "
           "the cosub terms vanish. Set tau > 0 (Table A.1) or num_submodels=1.")
 
-  def loss(self, model, batch, rng):
+  def loss(self, model, batch, rng, frozen=None):
+    del frozen  # cosub has no frozen teacher: the submodels teach each other.
     self._check_model(model)
     images, n = batch["image"], self.num_submodels
     b = images.shape[0]

@@ -12,9 +12,9 @@ from bigpretrain.objectives import base
 class SemanticSoftmax:
   """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k."""
 
-  def __init__(self, cfg, info, topk=(1, 5)):
+  def __init__(self, cfg, info, topk=(1, 5), allowed=("label_smoothing", "max_weight")):
     self.topk = topk
-    base.check_keys(cfg, {"label_smoothing", "max_weight"})
+    base.check_keys(cfg, set(allowed))
     self.tree = base.class_tree(info)
     if self.tree is None:
       raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
@@ -23,7 +23,8 @@ class SemanticSoftmax:
     self.max_weight = float(cfg.get("max_weight", 20.0))
     self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.
 
-  def loss(self, model, batch, rng):
+  def loss(self, model, batch, rng, frozen=None):
+    del frozen
     logits = model(batch["image"], train=True, rng=rng)
     targets = self.targets[batch["label"]]
     loss, aux = losses.semantic_softmax_loss(logits, targets, self.tree,

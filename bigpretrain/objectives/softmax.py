@@ -12,7 +12,8 @@ class Softmax:
     self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
     self.tree = base.class_tree(info)  # For semantic metrics, comparable across objectives.
 
-  def loss(self, model, batch, rng):
+  def loss(self, model, batch, rng, frozen=None):
+    del frozen
     logits = model(batch["image"], train=True, rng=rng)
     loss = losses.cross_entropy(logits, batch["label"], label_smoothing=self.label_smoothing)
     return loss, {}
