@@ -17,8 +17,13 @@ def make_eval_step(model_def, objective, shardings, mesh):
                  out_shardings=sharding.replicated(mesh))
 
 
-def evaluate(eval_step, state, dataset, config, mesh, split: str | None = None) -> dict:
-  """Runs `eval_step` over `split` (default config.data.eval_split); returns ratios."""
+def evaluate(eval_step, state, dataset, config, mesh, split: str | None = None,
+             objective=None) -> dict:
+  """Runs `eval_step` over `split` (default config.data.eval_split).
+
+  Returns numerator / denominator for each (num, den) metric, plus what the objective's
+  optional `finalize_eval(totals)` derives from the summed totals (e.g. mAP from histograms).
+  """
   split = split or config.data.eval_split
   batches = pipeline.eval_iterator(
       dataset.source(split), config.data, global_batch_size=config.batch_size,
@@ -32,7 +37,10 @@ def evaluate(eval_step, state, dataset, config, mesh, split: str | None = None) 
   if totals is None:
     raise ValueError(f"Split {split!r} of {config.data.name!r} is empty.")
   totals = jax.device_get(totals)
-  results = {k: float(num) / float(den) for k, (num, den) in totals.items() if den > 0}
+  results = {k: float(num) / float(den) for k, (num, den) in totals.items()
+             if k.startswith("eval/") and den > 0}
+  if hasattr(objective, "finalize_eval"):
+    results.update(objective.finalize_eval(totals))
   results["eval/skipped_records"] = skipped
   if "eval/top1" in totals:
     results["eval/num_examples"] = float(totals["eval/top1"][1])

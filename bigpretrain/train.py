@@ -249,7 +249,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh)
 
   def run_eval(step, state):
-    results = evaluate.evaluate(eval_fn, state, dataset, config, mesh)
+    results = evaluate.evaluate(eval_fn, state, dataset, config, mesh, objective=exp.objective)
     writer.write(step, results)
     return results
 

@@ -8,6 +8,7 @@ compute_dtype) -> (tree, shardings)` returned, e.g. a teacher's params) and
 rows masked out).
 """
 from bigpretrain.objectives import cosub
+from bigpretrain.objectives import multi_label
 from bigpretrain.objectives import semantic_kd
 from bigpretrain.objectives import semantic_softmax
 from bigpretrain.objectives import softmax
@@ -17,6 +18,7 @@ _REGISTRY = {
     "softmax": softmax.Softmax,
     "semantic_softmax": semantic_softmax.SemanticSoftmax,
     "semantic_kd": semantic_kd.SemanticKD,
+    "multi_label": multi_label.MultiLabel,
 }
 
 

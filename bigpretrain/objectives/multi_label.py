@@ -1,0 +1,88 @@
+"""Multi-label baseline (ImageNet-21K Pretraining for the Masses, section 3.2).
+
+Each image's positives are its label and all the label's ancestors in the semantic tree; one
+sigmoid per class, trained with the asymmetric loss (ASL, the paper's choice) or plain BCE.
+Evaluated by mAP over classes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bigpretrain import losses
+from bigpretrain.objectives import base
+
+
+def average_precision_from_histograms(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+  """Per-class AP from score histograms [C, bins] of positives and negatives.
+
+  Equals average precision over scores quantised to the bins, ties within a bin counted
+  together (sklearn's average_precision_score on the quantised scores); NaN for classes
+  without positives.
+  """
+  pos = np.asarray(pos, np.float64)[:, ::-1]  # Highest scores first.
+  neg = np.asarray(neg, np.float64)[:, ::-1]
+  tp, fp = np.cumsum(pos, 1), np.cumsum(neg, 1)
+  total = tp[:, -1]
+  precision = np.divide(tp, tp + fp, out=np.zeros_like(tp), where=(tp + fp) > 0)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return (precision * pos).sum(1) / total
+
+
+class MultiLabel:
+  """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1."""
+
+  KEYS = {"loss", "gamma_neg", "gamma_pos", "clip", "map_bins"}
+
+  def __init__(self, cfg, info, topk=(1, 5)):
+    base.check_keys(cfg, self.KEYS)
+    self.topk = topk
+    self.tree = base.class_tree(info)
+    if self.tree is None:
+      raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
+                       "multi_label needs the semantic tree to add ancestors as positives.")
+    self.kind = cfg.get("loss", "asl")
+    if self.kind not in ("asl", "bce"):
+      raise ValueError(f"config.objective.loss={self.kind!r}: expected 'asl' or 'bce'.")
+    self.gamma_neg = float(cfg.get("gamma_neg", 4.0))
+    self.gamma_pos = float(cfg.get("gamma_pos", 0.0))
+    self.clip = float(cfg.get("clip", 0.05))
+    self.bins = int(cfg.get("map_bins", 1000))
+    self.num_classes = info.num_classes
+    self.targets = jnp.asarray(self.tree.target_table)
+
+  def multi_hot(self, labels):
+    """[B] labels -> [B, C] with the label and each of its ancestors set to 1."""
+    ids = self.targets[labels]  # [B, L], -1 where the label has no class at that level.
+    return jnp.sum(jax.nn.one_hot(ids, self.num_classes), axis=1)  # one_hot(-1) is all zero.
+
+  def loss(self, model, batch, rng, frozen=None):
+    del frozen
+    logits = model(batch["image"], train=True, rng=rng)
+    y = self.multi_hot(batch["label"])
+    if self.kind == "asl":
+      loss = losses.asymmetric_loss(logits, y, gamma_neg=self.gamma_neg,
+                                    gamma_pos=self.gamma_pos, clip=self.clip)
+    else:
+      loss = losses.binary_cross_entropy(logits, y)
+    return loss, {}
+
+  def eval_metrics(self, model, batch):
+    logits = model(batch["image"], train=False)
+    mask = base.eval_mask(batch, logits.shape[0])
+    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
+    out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
+    # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.
+    y = self.multi_hot(batch["label"]) * mask[:, None]
+    bins = jnp.clip((jax.nn.sigmoid(logits) * self.bins).astype(jnp.int32), 0, self.bins - 1)
+    index = (jnp.arange(self.num_classes)[None, :] * self.bins + bins).reshape(-1)
+    size = self.num_classes * self.bins
+    pos = jax.ops.segment_sum(y.reshape(-1), index, num_segments=size)
+    neg = jax.ops.segment_sum(((1 - y) * mask[:, None]).reshape(-1), index, num_segments=size)
+    out["ap_hist"] = (pos.reshape(self.num_classes, self.bins),
+                      neg.reshape(self.num_classes, self.bins))
+    return out
+
+  def finalize_eval(self, totals) -> dict:
+    pos, neg = totals["ap_hist"]
+    ap = average_precision_from_histograms(pos, neg)
+    return {"eval/mAP": float(np.nanmean(ap))}

@@ -1,0 +1,84 @@
+"""Objectives beyond the loss math: multi-label targets, mAP, and semantic KD end to end."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bigpretrain import metrics
+from bigpretrain import train
+from bigpretrain.objectives import multi_label
+from input_pipeline import datasets
+from tests import helpers
+
+
+def _sklearn_style_ap(scores, y):
+  """AP = sum_n (R_n - R_{n-1}) P_n over distinct score thresholds, highest first."""
+  order = np.argsort(-scores, kind="stable")
+  s, y = scores[order], y[order]
+  ap, tp, fp, prev_recall = 0.0, 0, 0, 0.0
+  for thr in np.unique(s)[::-1]:
+    sel = s == thr
+    tp += int(y[sel].sum())
+    fp += int((1 - y[sel]).sum())
+    recall = tp / y.sum()
+    ap += (recall - prev_recall) * tp / (tp + fp)
+    prev_recall = recall
+  return ap
+
+
+def test_average_precision_from_histograms_matches_reference():
+  rng = np.random.default_rng(0)
+  num_classes, n, bins = 5, 200, 50
+  y = (rng.random((n, num_classes)) < 0.3).astype(np.float64)
+  scores = np.clip(0.6 * y + 0.7 * rng.random((n, num_classes)), 0, 0.999)
+  q = np.floor(scores * bins).astype(int)
+  pos = np.zeros((num_classes, bins))
+  neg = np.zeros((num_classes, bins))
+  for c in range(num_classes):
+    np.add.at(pos[c], q[:, c], y[:, c])
+    np.add.at(neg[c], q[:, c], 1 - y[:, c])
+  got = multi_label.average_precision_from_histograms(pos, neg)
+  want = [_sklearn_style_ap(q[:, c].astype(float), y[:, c]) for c in range(num_classes)]
+  np.testing.assert_allclose(got, want, rtol=1e-12)
+  assert np.isnan(multi_label.average_precision_from_histograms(
+      np.zeros((1, bins)), np.ones((1, bins))))[0]
+
+
+def test_multi_hot_is_label_plus_ancestors():
+  from ml_collections import ConfigDict
+  info = datasets.get_dataset(ConfigDict(dict(name="demo", dir=""))).info
+  obj = multi_label.MultiLabel(ConfigDict(dict(name="multi_label")), info)
+  labels = np.arange(info.num_classes)
+  got = np.asarray(obj.multi_hot(jnp.asarray(labels)))
+  parent = obj.tree.parent
+  for c in labels:
+    want = np.zeros(info.num_classes)
+    node = c
+    while node >= 0:
+      want[node] = 1
+      node = parent[node]
+    np.testing.assert_array_equal(got[c], want)
+  assert got.sum(1).max() == obj.tree.num_levels  # The deepest classes have every level.
+
+
+def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path):
+  teacher = tmp_path / "teacher"
+  train.train_and_evaluate(helpers.tiny_config(total_steps=2), str(teacher))
+  from configs import semantic_kd
+  config = semantic_kd.get_config(f"teacher={teacher}")
+  for key, value in helpers.tiny_config(total_steps=3).items():
+    if key not in ("objective",):
+      config[key] = value
+  train.train_and_evaluate(config, str(tmp_path / "student"))
+  rows = [r for r in metrics.read_metrics(str(tmp_path / "student")) if "train/kd_loss" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for r in rows:  # Total = semantic + 1.0 * KD, and KD is a real, positive distance.
+    assert r["train/loss"] == pytest.approx(r["train/semantic_loss"] + r["train/kd_loss"],
+                                            rel=1e-5)
+    assert r["train/kd_loss"] > 0
+
+
+def test_semantic_kd_without_teacher_is_a_clear_error(tmp_path):
+  from configs import semantic_kd
+  config = semantic_kd.get_config()
+  with pytest.raises(ValueError, match="teacher_checkpoint is empty"):
+    train.build(config)
