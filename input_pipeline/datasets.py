@@ -8,10 +8,17 @@ Names (`config.data.name`):
                          default cache), e.g. by `tfds build NAME --data_dir=DIR
                          --file_format=array_record` or the project's Beam preparation jobs.
                          The builder code is not needed: tfds reads the prepared files.
+  'imagenet21k_p'        ImageNet-21K-P prepared in data.dir by `python -m input_pipeline.prepare
+                         imagenet21k_p --manual_dir=RAW --data_dir=DIR` (imagenet21k_p.py);
+                         class_names are the kept wnids, splits 'train' and 'validation'.
+  'folder:NAME'          an ImageFolder tree converted into data.dir by `python -m
+                         input_pipeline.prepare folder --manual_dir=RAW --data_dir=DIR
+                         --name=NAME` (image_folder.py); class_names are the folder names.
 
 A source record is a dict with 'image' (the ENCODED PNG/JPEG bytes; grain workers decode
 them), 'label' (int), 'hashtags' (list of str) when the dataset has them, and the dataset's
-other scalar features (e.g. the demo's 'true_label').
+other scalar features (e.g. the demo's 'true_label'; 'file_name' as str for the prepared
+datasets).
 """
 import dataclasses
 import pathlib
@@ -20,10 +27,17 @@ from typing import Any, Mapping
 
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import read_only_builder
 
 from input_pipeline import demo
 
-KNOWN_NAMES = ("demo", "demo/truncPERCENT", "tfds:NAME[/CONFIG]")
+KNOWN_NAMES = ("demo", "demo/truncPERCENT", "tfds:NAME[/CONFIG]", "imagenet21k_p",
+               "folder:NAME")
+# tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
+# imported from there, so that reading needs no Apache Beam).
+IMAGENET21K_P = "imagenet21k_p"
+FOLDER_BUILDER = "bigpretrain_folder"
+_TEXT_KEYS = ("file_name",)  # tfds Text features: bytes -> str.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +81,8 @@ def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
   for key, value in record.items():
     if key == "hashtags":
       out[key] = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in value]
+    elif key in _TEXT_KEYS and isinstance(value, (bytes, np.bytes_)):
+      out[key] = bytes(value).decode("utf-8")
     elif isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
       out[key] = value.item()
     else:
@@ -147,6 +163,20 @@ def _tfds(name: str, data_dir: str) -> Dataset:
   return Dataset(name, builder)
 
 
+def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset:
+  """A dataset made by input_pipeline.prepare, read from its files (no builder code)."""
+  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  how = f"Prepare it with `python -m input_pipeline.prepare {command}` (--data_dir={root})."
+  if not root.is_dir():
+    raise FileNotFoundError(f"Data dir {root} for dataset {name!r} does not exist. {how}")
+  try:
+    builder = read_only_builder.builder_from_files(tfds_name, data_dir=str(root))
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise FileNotFoundError(f"No prepared dataset {name!r} ({tfds_name}) in {root}. "
+                            f"{how}") from e
+  return Dataset(name, builder)
+
+
 def get_dataset(data_cfg) -> Dataset:
   """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
   name = str(data_cfg.get("name", ""))
@@ -155,4 +185,14 @@ def get_dataset(data_cfg) -> Dataset:
     return _demo(name, data_dir)
   if name.startswith("tfds:") and len(name) > len("tfds:"):
     return _tfds(name, data_dir)
+  if name == IMAGENET21K_P:
+    return _prepared(name, IMAGENET21K_P, data_dir,
+                     "imagenet21k_p --manual_dir=RAW --data_dir=DIR")
+  if name.startswith("folder:"):
+    folder = name[len("folder:"):]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-]*", folder):
+      raise ValueError(f"Bad dataset name {name!r}: use 'folder:NAME' with NAME the --name "
+                       "given to `python -m input_pipeline.prepare folder`.")
+    return _prepared(name, f"{FOLDER_BUILDER}/{folder}", data_dir,
+                     f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
   raise ValueError(f"Unknown dataset name {name!r}; known: {list(KNOWN_NAMES)}.")

@@ -1,0 +1,109 @@
+"""Command line of the offline data preparation jobs (Apache Beam, written as tfds ArrayRecord).
+
+  python -m input_pipeline.prepare imagenet21k_p --manual_dir=RAW --data_dir=OUT \
+      [--beam_runner=...] [--min_images=500] [--val_per_class=50] [--image_size=224] \
+      [--jpeg_quality=75]
+  python -m input_pipeline.prepare folder --manual_dir=RAW --data_dir=OUT --name=NAME \
+      [--val_per_class=0] [--min_images=0] [--image_size=S] [--jpeg_quality=75]
+
+imagenet21k_p: input_pipeline/imagenet21k_p.py (the paper's three steps); folder: any
+ImageFolder tree, input_pipeline/image_folder.py. Train on the result with
+`--config.data.name=imagenet21k_p` (or `folder:NAME`) and `--config.data.dir=OUT`.
+
+The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
+FlinkRunner, SparkRunner, ...). Flags this command does not define are handed to Beam as
+pipeline options, e.g. `--direct_num_workers=8 --direct_running_mode=multi_processing` (all
+local cores), or `--project=P --region=R --temp_location=gs://... --setup_file=./setup.py`
+(Dataflow). A finished dataset in OUT is reused, not regenerated. Prints a summary at the end.
+"""
+import argparse
+import sys
+from typing import Sequence
+
+from absl import logging
+
+from input_pipeline import image_folder
+from input_pipeline import imagenet21k_p
+
+
+def _size(text: str) -> int | None:
+  return None if text.lower() in ("", "none", "keep") else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="python -m input_pipeline.prepare",
+      description="Prepare a dataset with Apache Beam into tfds ArrayRecord files. Unknown "
+      "--flags are passed to Beam as pipeline options.")
+  sub = parser.add_subparsers(dest="dataset", required=True)
+
+  def common(p, min_images, val_per_class, image_size):
+    p.add_argument("--manual_dir", required=True, help="Raw data folder.")
+    p.add_argument("--data_dir", required=True, help="tfds data dir to write into.")
+    p.add_argument("--beam_runner", default=None,
+                   help="Beam runner (default: DirectRunner on this machine).")
+    p.add_argument("--min_images", type=int, default=min_images,
+                   help="Keep a class only if it has MORE files than this.")
+    p.add_argument("--val_per_class", type=int, default=val_per_class,
+                   help="Validation images per class (sha256 rule).")
+    p.add_argument("--image_size", type=_size, default=image_size,
+                   help="Squish side; 'keep' (or none) keeps sizes.")
+    p.add_argument("--jpeg_quality", type=int, default=imagenet21k_p.JPEG_QUALITY,
+                   help="Quality of re-encoded JPEGs.")
+
+  p21k = sub.add_parser("imagenet21k_p", help="ImageNet-21K-P from the raw ImageNet-21K.")
+  common(p21k, imagenet21k_p.MIN_IMAGES, imagenet21k_p.VAL_PER_CLASS, imagenet21k_p.IMAGE_SIZE)
+  pfolder = sub.add_parser("folder", help="Any ImageFolder tree, as folder:NAME.")
+  common(pfolder, 0, 0, None)
+  pfolder.add_argument("--name", required=True, help="Dataset name (read as folder:NAME).")
+  return parser
+
+
+def summary(builder) -> str:
+  """Human-readable summary of a prepared dataset and its preparation report."""
+  meta = imagenet21k_p.report(builder)
+  splits = {s: builder.info.splits[s].num_examples for s in sorted(builder.info.splits.keys())}
+  dropped = meta.get("dropped_classes", {})
+  corrupt = meta.get("corrupt_files", [])
+  params = meta.get("params", {})
+  lines = [
+      f"Dataset {builder.info.full_name} in {builder.data_dir}",
+      f"  examples: {splits}",
+      f"  classes: {builder.info.features['label'].num_classes} kept; {len(dropped)} dropped "
+      f"with <= {params.get('min_images')} files"
+      + (f", e.g. {dict(list(dropped.items())[:5])}" if dropped else ""),
+      f"  corrupt/unreadable files skipped: {len(corrupt)}"
+      + (f", e.g. {corrupt[:3]}" if corrupt else ""),
+  ]
+  if meta.get("unreadable_classes"):
+    lines.append(f"  unreadable class sources: {meta['unreadable_classes']}")
+  if meta.get("counters"):
+    lines.append(f"  Beam counters: {meta['counters']}")
+  lines.append(f"  full report: {builder.data_dir}/metadata.json")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Parses argv (without the program name), runs the job, prints the summary."""
+  args, beam_options = build_parser().parse_known_args(argv)
+  bad = [a for a in beam_options if not a.startswith("--")]
+  if bad:
+    raise SystemExit(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
+  if beam_options:
+    logging.info("Passing to Beam: %s", beam_options)
+  kwargs = dict(beam_runner=args.beam_runner, beam_options=beam_options,
+                min_images=args.min_images, val_per_class=args.val_per_class,
+                image_size=args.image_size, jpeg_quality=args.jpeg_quality)
+  if args.dataset == "imagenet21k_p":
+    if args.image_size is None:
+      raise SystemExit("imagenet21k_p always squishes images; give --image_size as an int.")
+    builder = imagenet21k_p.prepare(args.manual_dir, args.data_dir, **kwargs)
+  else:
+    builder = image_folder.prepare(args.manual_dir, args.data_dir, args.name, **kwargs)
+  print(summary(builder), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  logging.set_verbosity(logging.INFO)
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,505 @@
+"""Tests for the Beam preparation jobs: imagenet21k_p.py, image_folder.py, prepare.py and their
+lookup in datasets.py.
+
+A small raw ImageNet-21K tree (real wnids, a few classes on each side of a tiny threshold, a
+corrupt JPEG, a tiny image, a grayscale one, a wide one) is prepared in the winter21 folder
+layout and again as one tar per class; every rule of the issue is checked against values
+computed here independently (sha256 ranking, PIL resizing, the threshold by hand).
+"""
+import hashlib
+import io
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+
+import ml_collections
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow_datasets as tfds
+
+from bigpretrain.semantic import tree as tree_lib
+from input_pipeline import datasets
+from input_pipeline import image_folder
+from input_pipeline import imagenet21k_p as i21k
+from input_pipeline import prepare
+
+MIN_IMAGES = 4  # Keep a class only with MORE than 4 files.
+VAL = 2
+ANIMAL, BIRD, MAMMAL, DOG = "n00015388", "n01503061", "n01861778", "n02084071"
+TENCH, TABLE, CAT = "n01440764", "n04379243", "n02121808"
+# Files per class (corrupt ones included): dog has 5 (> 4, kept), tench exactly 4 (dropped).
+COUNTS = {ANIMAL: 7, BIRD: 6, MAMMAL: 6, DOG: 5, TENCH: 4, TABLE: 2}
+KEPT = sorted([ANIMAL, BIRD, MAMMAL, DOG])
+CORRUPT = f"{ANIMAL}/{ANIMAL}_3.JPEG"
+TINY = f"{MAMMAL}/{MAMMAL}_1.JPEG"  # 40 x 30: below 224, never upscaled.
+WIDE = f"{MAMMAL}/{MAMMAL}_2.JPEG"  # 300 x 120: squished to 224 x 224.
+GRAY = f"{BIRD}/{BIRD}_0.JPEG"  # Grayscale JPEG: stored as RGB.
+BEAM_THREADS = ["--direct_num_workers=2", "--direct_running_mode=multi_threading"]
+
+
+def _smooth_image(seed: int, width: int, height: int) -> np.ndarray:
+  """uint8 [H, W, 3] smooth colour gradients (JPEG keeps them nearly exact)."""
+  rng = np.random.default_rng(seed)
+  y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+  base = rng.uniform(40, 200, size=3)
+  slope = rng.uniform(-0.4, 0.4, size=(2, 3))
+  img = base + x[..., None] * slope[0] * (120 / width) + y[..., None] * slope[1] * (120 / height)
+  return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _raw_files() -> dict[str, bytes]:
+  """'wnid/name' -> file bytes of the raw tree."""
+  files = {}
+  for c, (wnid, n) in enumerate(sorted(COUNTS.items())):
+    for i in range(n):
+      key = f"{wnid}/{wnid}_{i}.JPEG"
+      buf = io.BytesIO()
+      if key == CORRUPT:
+        files[key] = b"\xff\xd8\xff\xe0 this is not a JPEG"
+        continue
+      size = {TINY: (40, 30), WIDE: (300, 120)}.get(key, (256, 240))
+      image = Image.fromarray(_smooth_image(100 * c + i, *size))
+      if key == GRAY:
+        image = image.convert("L")
+      image.save(buf, format="JPEG", quality=95)
+      files[key] = buf.getvalue()
+  return files
+
+
+def _expected_validation(wnid: str, names) -> set[str]:
+  """The hash rule, computed here: smallest sha256('wnid/name') hex digests."""
+  ranked = sorted(names, key=lambda n: (hashlib.sha256(f"{wnid}/{n}".encode()).hexdigest(), n))
+  return set(ranked[:VAL])
+
+
+def _expected_splits(files) -> dict[str, set[str]]:
+  """Split -> file keys, corrupt file excluded, for the kept classes."""
+  out = {"train": set(), "validation": set()}
+  for wnid in KEPT:
+    names = [k.split("/", 1)[1] for k in files if k.startswith(wnid + "/")]
+    val = _expected_validation(wnid, names)
+    for n in names:
+      key = f"{wnid}/{n}"
+      if key != CORRUPT:
+        out["validation" if n in val else "train"].add(key)
+  return out
+
+
+def _records(builder, split: str) -> list[dict]:
+  source = datasets.RecordSource(
+      builder.as_data_source(split, decoders={"image": tfds.decode.SkipDecoding()}), split)
+  return [source[i] for i in range(len(source))]
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+  """Both raw layouts of the same files: winter21 train/ folders and fall11 tars."""
+  root = tmp_path_factory.mktemp("raw")
+  files = _raw_files()
+  for key, data in files.items():
+    path = root / "folders" / "train" / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+  (root / "folders" / "train" / "README.txt").write_text("not a class")
+  tars = root / "tars"
+  tars.mkdir()
+  for wnid in COUNTS:
+    with tarfile.open(tars / f"{wnid}.tar", "w") as tar:
+      for key in sorted(k for k in files if k.startswith(wnid + "/")):
+        info = tarfile.TarInfo(("./" if wnid == BIRD else "") + key.split("/", 1)[1])
+        info.size = len(files[key])
+        tar.addfile(info, io.BytesIO(files[key]))
+  (tars / f"{CAT}.tar").write_bytes(b"this is no tar archive" * 40)  # Unreadable class.
+  return {"folders": root / "folders", "tars": tars, "files": files}
+
+
+@pytest.fixture(scope="module")
+def prepared(raw, tmp_path_factory):
+  """imagenet21k_p prepared from each layout: folders by the command line, tars through the
+  Python API with two Beam worker threads and a stale incomplete folder left in OUT."""
+  out = tmp_path_factory.mktemp("out")
+  folder_dir, tar_dir = out / "from_folders", out / "from_tars"
+  assert prepare.main([
+      "imagenet21k_p", f"--manual_dir={raw['folders']}", f"--data_dir={folder_dir}",
+      f"--min_images={MIN_IMAGES}", f"--val_per_class={VAL}"]) == 0
+  stale = tar_dir / "imagenet21k_p" / "incomplete.ABC123_1.0.0"
+  stale.mkdir(parents=True)
+  (stale / "imagenet21k_p-train.array_record-00000-of-00001").write_bytes(b"half written")
+  tar_builder = i21k.prepare(raw["tars"], tar_dir, min_images=MIN_IMAGES, val_per_class=VAL,
+                             beam_options=BEAM_THREADS)
+  return {"folders": (folder_dir, datasets.get_dataset({"name": "imagenet21k_p",
+                                                        "dir": str(folder_dir)})),
+          "tars": (tar_dir, tar_builder), "stale": stale}
+
+
+# ------------------------------------------------------------------------------------------
+# Pure pieces (no Beam).
+
+
+def test_validation_names_rule_and_independence_of_order():
+  names = [f"img_{i}.JPEG" for i in range(20)]
+  digests = {n: hashlib.sha256(f"n01440764/{n}".encode()).hexdigest() for n in names}
+  expected = set(sorted(names, key=digests.get)[:5])
+  assert i21k.validation_names("n01440764", names, 5) == expected
+  assert i21k.validation_names("n01440764", list(reversed(names)), 5) == expected
+  assert i21k.validation_names("n01440764", names, 0) == set()
+  # The class is part of the hashed string: another wnid ranks the same names differently.
+  assert i21k.validation_names("n04379243", names, 5) != expected
+
+
+@pytest.mark.parametrize("size, expected", [
+    ((300, 120), (224, 224)),  # Squished, aspect ratio not kept.
+    ((224, 100), (224, 224)),  # Longer side not below 224: squished.
+    ((223, 50), (223, 50)),  # Longer side below 224: kept.
+    ((1000, 900), (224, 224)),  # Big: decoded at reduced scale (draft), then squished.
+])
+def test_squish_jpeg_sizes(size, expected):
+  buf = io.BytesIO()
+  Image.fromarray(_smooth_image(0, *size)).save(buf, format="PNG")
+  out = i21k.squish_jpeg(buf.getvalue(), 224, 80)
+  with Image.open(io.BytesIO(out)) as image:
+    assert (image.format, image.mode, image.size) == ("JPEG", "RGB", expected)
+
+
+def test_squish_jpeg_matches_pil_resize_and_quality_matters():
+  buf = io.BytesIO()
+  Image.fromarray(_smooth_image(3, 1000, 700)).save(buf, format="PNG")
+  reference = np.asarray(Image.open(io.BytesIO(buf.getvalue())).resize(
+      (224, 224), Image.Resampling.BICUBIC), dtype=np.float32)
+  out = np.asarray(Image.open(io.BytesIO(i21k.squish_jpeg(buf.getvalue(), 224, 95))),
+                   dtype=np.float32)
+  assert np.abs(out - reference).mean() < 2.0
+  noisy = io.BytesIO()
+  Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 300, 3), np.uint8)).save(
+      noisy, format="PNG")
+  assert len(i21k.squish_jpeg(noisy.getvalue(), 224, 30)) < len(
+      i21k.squish_jpeg(noisy.getvalue(), 224, 95))
+
+
+def test_corrupt_bytes_raise():
+  with pytest.raises(Exception):
+    i21k.squish_jpeg(b"\xff\xd8\xff garbage", 224, 75)
+  with pytest.raises(Exception):
+    i21k.verified_image(b"GIF89a garbage")
+
+
+def test_choose_classes_threshold_is_strict():
+  sources = [i21k.ClassSource(w, f"/x/{w}", "dir") for w in ("n1", "n2", "n3", "n4")]
+  counts = [(501, ""), (500, ""), (0, "ReadError: bad tar"), (900, "")]
+  kept, dropped, unreadable = i21k.choose_classes(sources, counts, 500)
+  assert kept == ["n1", "n4"]
+  assert dropped == {"n2": 500, "n3": 0}
+  assert unreadable == {"n3": "ReadError: bad tar"}
+
+
+def test_detect_layout(raw, tmp_path):
+  layout, sources, ignored = i21k.detect_layout(raw["folders"])
+  assert layout == "folders" and ignored == ["README.txt"]
+  assert [s.class_name for s in sources] == sorted(COUNTS)
+  assert all(s.kind == "dir" and s.split == "" for s in sources)
+  layout, sources, _ = i21k.detect_layout(raw["tars"])
+  assert layout == "tars" and [s.class_name for s in sources] == sorted([*COUNTS, CAT])
+  mixed = tmp_path / "mixed"
+  (mixed / TENCH).mkdir(parents=True)
+  (mixed / f"{TABLE}.tar").write_bytes(b"")
+  with pytest.raises(ValueError, match="both wnid folders"):
+    i21k.detect_layout(mixed)
+  (tmp_path / "empty" / "cats").mkdir(parents=True)
+  with pytest.raises(ValueError, match="No class found"):
+    i21k.detect_layout(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    i21k.detect_layout(tmp_path / "nowhere")
+
+
+def test_list_files_tar_offsets(raw):
+  source = i21k.ClassSource(BIRD, str(raw["tars"] / f"{BIRD}.tar"), "tar")
+  files = i21k.list_files(source)
+  assert [f[0] for f in files] == [f"{BIRD}_{i}.JPEG" for i in range(COUNTS[BIRD])]  # './' gone.
+  for name, offset, size in files:
+    assert i21k.read_file(source.path, offset, size) == raw["files"][f"{BIRD}/{name}"]
+
+
+def test_bad_parameters(tmp_path):
+  with pytest.raises(ValueError, match="val_per_class=5 > min_images=4"):
+    i21k.prepare(tmp_path, tmp_path, min_images=4, val_per_class=5)
+  with pytest.raises(ValueError, match="jpeg_quality"):
+    i21k.prepare(tmp_path, tmp_path, jpeg_quality=0)
+  with pytest.raises(ValueError, match="must be letters"):
+    image_folder.check_name("bad/name")
+
+
+# ------------------------------------------------------------------------------------------
+# The prepared imagenet21k_p.
+
+
+@pytest.mark.parametrize("layout", ["folders", "tars"])
+def test_splits_classes_and_labels(prepared, raw, layout):
+  _, builder = prepared[layout]
+  builder = builder.builder if isinstance(builder, datasets.Dataset) else builder
+  assert sorted(builder.info.splits.keys()) == ["train", "validation"]
+  assert builder.info.features["label"].names == KEPT
+  expected = _expected_splits(raw["files"])
+  for split in ("train", "validation"):
+    records = _records(builder, split)
+    assert {r["file_name"] for r in records} == expected[split]
+    for r in records:
+      assert r["label"] == KEPT.index(r["file_name"].split("/")[0])
+      assert isinstance(r["image"], bytes) and r["image"][:2] == b"\xff\xd8"  # JPEG.
+  val_records = _records(builder, "validation")
+  for wnid in KEPT:  # 2 per class, minus the corrupt file if the rule put it in validation.
+    want = VAL - (wnid == ANIMAL and CORRUPT in _hash_validation_keys(raw))
+    assert sum(r["label"] == KEPT.index(wnid) for r in val_records) == want
+
+
+def _hash_validation_keys(raw) -> set[str]:
+  keys = set()
+  for wnid in KEPT:
+    names = [k.split("/", 1)[1] for k in raw["files"] if k.startswith(wnid + "/")]
+    keys |= {f"{wnid}/{n}" for n in _expected_validation(wnid, names)}
+  return keys
+
+
+@pytest.mark.parametrize("layout", ["folders", "tars"])
+def test_metadata_report(prepared, raw, layout):
+  _, builder = prepared[layout]
+  builder = builder.builder if isinstance(builder, datasets.Dataset) else builder
+  meta = i21k.report(builder)
+  assert meta["classes"] == KEPT
+  assert meta["names"][KEPT.index(BIRD)] == "bird"
+  assert meta["names"][KEPT.index(MAMMAL)] == "mammal, mammalian"
+  dropped = {TENCH: 4, TABLE: 2} | ({CAT: 0} if layout == "tars" else {})
+  assert meta["dropped_classes"] == dropped
+  assert meta["listed_counts"] == [COUNTS[w] for w in KEPT]
+  if layout == "tars":
+    assert list(meta["unreadable_classes"]) == [CAT]
+    assert "ReadError" in meta["unreadable_classes"][CAT]
+  else:
+    assert meta["ignored_entries"] == ["README.txt"]
+  split_of_corrupt = "validation" if CORRUPT in _hash_validation_keys(raw) else "train"
+  assert meta["num_corrupt_files"] == 1
+  [corrupt] = meta["corrupt_files"]
+  assert corrupt["file"] == CORRUPT and corrupt["split"] == split_of_corrupt
+  assert corrupt["error"].startswith("OSError") and " at 0x" not in corrupt["error"]
+  assert meta["counters"]["corrupt_files"] == 1
+  assert meta["counters"]["images_written"] == sum(COUNTS[w] for w in KEPT) - 1
+  expected = _expected_splits(raw["files"])
+  for split, keys in expected.items():
+    per_class = [sum(k.startswith(w + "/") for k in keys) for w in KEPT]
+    assert meta["class_counts"][split] == per_class
+    assert builder.info.splits[split].num_examples == len(keys)
+  assert meta["params"] == {"raw_dir": str(raw[layout]), "min_images": MIN_IMAGES,
+                            "val_per_class": VAL, "image_size": 224, "jpeg_quality": 75}
+
+
+def test_semantic_tree(prepared):
+  _, builder = prepared["tars"]
+  tree = i21k.semantic_tree(builder)
+  assert tree == tree_lib.SemanticTree.from_wnids(KEPT)
+  # By hand: mammal and bird hang under animal, which is a root.
+  assert tree.parent[KEPT.index(MAMMAL)] == KEPT.index(ANIMAL)
+  assert tree.parent[KEPT.index(BIRD)] == KEPT.index(ANIMAL)
+  assert tree.parent[KEPT.index(ANIMAL)] == -1
+
+
+def test_image_sizes_modes_and_pixels(prepared, raw):
+  _, builder = prepared["tars"]
+  records = {r["file_name"]: r for s in ("train", "validation") for r in _records(builder, s)}
+  for key, r in records.items():
+    with Image.open(io.BytesIO(r["image"])) as image:
+      assert image.format == "JPEG" and image.mode == "RGB"
+      assert image.size == ((40, 30) if key == TINY else (224, 224)), key
+  # Pixels: the squish of the original by PIL, up to JPEG error.
+  original = Image.open(io.BytesIO(raw["files"][WIDE])).convert("RGB")
+  reference = np.asarray(original.resize((224, 224), Image.Resampling.BICUBIC), np.float32)
+  stored = np.asarray(Image.open(io.BytesIO(records[WIDE]["image"])), np.float32)
+  assert np.abs(stored - reference).mean() < 3.0
+  tiny = np.asarray(Image.open(io.BytesIO(records[TINY]["image"])), np.float32)
+  tiny_ref = np.asarray(Image.open(io.BytesIO(raw["files"][TINY])).convert("RGB"), np.float32)
+  assert np.abs(tiny - tiny_ref).mean() < 3.0
+
+
+def test_layouts_and_worker_counts_give_identical_data(prepared):
+  """Folders (1 worker) and tars (2 worker threads) hold the same records in the same order."""
+  folder_builder = prepared["folders"][1].builder
+  _, tar_builder = prepared["tars"]
+  for split in ("train", "validation"):
+    a, b = _records(folder_builder, split), _records(tar_builder, split)
+    assert [r["file_name"] for r in a] == [r["file_name"] for r in b]
+    assert all(x["image"] == y["image"] and x["label"] == y["label"] for x, y in zip(a, b))
+
+
+def test_dataset_lookup(prepared):
+  out, ds = prepared["folders"]
+  assert ds.info.class_names == KEPT and ds.info.num_classes == 4
+  assert ds.info.splits == ("train", "validation")
+  assert ds.info.image_size is None  # Tiny images keep their size.
+  record = ds.source("validation")[0]
+  assert set(record) == {"image", "label", "file_name"}
+  assert isinstance(record["label"], int) and isinstance(record["file_name"], str)
+  with pytest.raises(FileNotFoundError, match="input_pipeline.prepare imagenet21k_p"):
+    datasets.get_dataset(ml_collections.ConfigDict({"name": "imagenet21k_p",
+                                                   "dir": str(out.parent)}))
+
+
+def test_rerun_reuses_and_checks_parameters(prepared, tmp_path, caplog):
+  out, builder = prepared["tars"]
+  shard = next(pathlib.Path(builder.data_dir).glob("*train.array_record*"))
+  before = shard.stat().st_mtime_ns
+  # The raw folder is not even looked at when the finished dataset is reused.
+  with caplog.at_level(logging.INFO, logger="absl"):
+    again = i21k.prepare(tmp_path / "gone", out, min_images=MIN_IMAGES, val_per_class=VAL)
+  assert f"Reusing the finished dataset in {builder.data_dir}" in caplog.text
+  assert shard.stat().st_mtime_ns == before
+  assert again.info.splits["train"].num_examples == builder.info.splits["train"].num_examples
+  with pytest.raises(ValueError, match="jpeg_quality"):
+    i21k.prepare(tmp_path / "gone", out, min_images=MIN_IMAGES, val_per_class=VAL,
+                 jpeg_quality=90)
+
+
+def test_stale_incomplete_folder_is_reported_and_ignored(prepared, caplog):
+  stale = prepared["stale"]
+  with caplog.at_level(logging.WARNING):
+    found = i21k.note_incomplete(stale.parent)
+  assert found == [str(stale)]
+  assert "interrupted runs" in caplog.text
+  # The run that found it finished in its own folder; the stale one was not read or renamed.
+  assert (stale / "imagenet21k_p-train.array_record-00000-of-00001").read_bytes() == (
+      b"half written")
+  assert (stale.parent / "1.0.0" / "dataset_info.json").exists()
+
+
+def test_cli_rejects_stray_arguments(tmp_path):
+  with pytest.raises(SystemExit):
+    prepare.main(["imagenet21k_p", "--manual_dir=x", f"--data_dir={tmp_path}", "stray"])
+  with pytest.raises(SystemExit):
+    prepare.main(["imagenet21k_p", f"--data_dir={tmp_path}"])  # --manual_dir is required.
+
+
+# ------------------------------------------------------------------------------------------
+# ImageFolder conversion.
+
+
+def _png(seed: int, size=(20, 16)) -> bytes:
+  buf = io.BytesIO()
+  Image.fromarray(_smooth_image(seed, *size)).save(buf, format="PNG")
+  return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def folder_tree(tmp_path_factory):
+  """RAW/{train,val}/{cat_a,cat_b,empty}/...: PNG, JPEG, BMP and a corrupt file."""
+  root = tmp_path_factory.mktemp("imagefolder")
+  files = {}
+  for split, n in (("train", 3), ("val", 1)):
+    for c, name in enumerate(("cat_a", "cat_b")):
+      for i in range(n):
+        files[f"{split}/{name}/{i}.png"] = _png(10 * c + i + (100 if split == "val" else 0))
+  bmp = io.BytesIO()
+  Image.fromarray(_smooth_image(7, 24, 18)).save(bmp, format="BMP")
+  files["train/cat_b/odd.bmp"] = bmp.getvalue()
+  files["train/cat_a/broken.jpg"] = b"\xff\xd8\xff not really"
+  for key, data in files.items():
+    (root / key).parent.mkdir(parents=True, exist_ok=True)
+    (root / key).write_bytes(data)
+  (root / "train" / "empty").mkdir()
+  (root / "LICENSE").write_text("ignored")
+  return root, files
+
+
+def test_image_folder_with_split_folders(folder_tree, tmp_path, capsys):
+  root, files = folder_tree
+  assert prepare.main(["folder", f"--manual_dir={root}", f"--data_dir={tmp_path}",
+                       "--name=toy"]) == 0
+  assert "corrupt/unreadable files skipped: 1" in capsys.readouterr().out
+  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(tmp_path)})
+  assert ds.info.class_names == ["cat_a", "cat_b"]
+  assert ds.info.num_examples == {"train": 7, "validation": 2}  # 3 + (3 + bmp); 1 + 1.
+  meta = i21k.report(ds.builder)
+  assert meta["dropped_classes"] == {"empty": 0}
+  assert meta["ignored_entries"] == ["LICENSE"]
+  assert [c["file"] for c in meta["corrupt_files"]] == ["cat_a/broken.jpg"]
+  for split, folder in (("train", "train"), ("validation", "val")):
+    source = ds.source(split)
+    for i in range(len(source)):
+      r = source[i]
+      cls, name = r["file_name"].split("/")
+      assert r["label"] == ["cat_a", "cat_b"].index(cls)
+      raw = files[f"{folder}/{r['file_name']}"]
+      if name.endswith(".png"):
+        assert r["image"] == raw  # Kept byte for byte.
+      else:  # BMP: re-encoded as JPEG, same picture.
+        assert r["image"][:2] == b"\xff\xd8"
+        got = np.asarray(Image.open(io.BytesIO(r["image"])), np.float32)
+        want = np.asarray(Image.open(io.BytesIO(raw)), np.float32)
+        assert np.abs(got - want).mean() < 3.0
+
+
+def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
+  root, files = folder_tree
+  builder = image_folder.prepare(root / "train", tmp_path, "carved", val_per_class=1,
+                                 image_size=8)
+  ds = datasets.get_dataset({"name": "folder:carved", "dir": str(tmp_path)})
+  assert ds.info.splits == ("train", "validation")
+  names = {}
+  for key in files:
+    if key.startswith("train/"):
+      _, cls, name = key.split("/")
+      names.setdefault(cls, []).append(name)
+  for split in ("train", "validation"):
+    got = {r["file_name"] for r in (ds.source(split)[i] for i in range(len(ds.source(split))))}
+    want = set()
+    for cls, ns in names.items():
+      ranked = sorted(ns, key=lambda n, c=cls: hashlib.sha256(f"{c}/{n}".encode()).hexdigest())
+      chosen = ranked[:1] if split == "validation" else ranked[1:]
+      want |= {f"{cls}/{n}" for n in chosen if n != "broken.jpg"}
+    assert got == want, split
+  record = ds.source("train")[0]
+  assert Image.open(io.BytesIO(record["image"])).size == (8, 8)  # --image_size squishes.
+  assert builder.info.features["label"].names == ["cat_a", "cat_b"]
+
+
+def test_image_folder_lookup_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="--name=nothing"):
+    datasets.get_dataset({"name": "folder:nothing", "dir": str(tmp_path)})
+  with pytest.raises(ValueError, match="folder:NAME"):
+    datasets.get_dataset({"name": "folder:../x", "dir": str(tmp_path)})
+  both = tmp_path / "both"
+  (both / "val" / "a").mkdir(parents=True)
+  (both / "validation" / "a").mkdir(parents=True)
+  with pytest.raises(ValueError, match="both val/ and validation/"):
+    image_folder.detect_layout(both)
+  with_val = tmp_path / "withval"
+  (with_val / "train" / "a").mkdir(parents=True)
+  (with_val / "val" / "a").mkdir(parents=True)
+  with pytest.raises(ValueError, match="already has a validation folder"):
+    image_folder.detect_layout(with_val, val_per_class=2)
+  layout, sources, _ = image_folder.detect_layout(with_val)
+  assert layout == "splits"
+  assert [(s.class_name, s.split) for s in sources] == [("a", "train"), ("a", "validation")]
+
+
+def test_command_line_output_is_identical_under_another_hash_seed(prepared, raw, tmp_path):
+  """The exact documented command, in a fresh process with a fixed PYTHONHASHSEED, writes the
+  same records in the same order and the same report as the in-process run. (Shard bytes may
+  differ: protobuf serialises the Example feature map in hash-dependent order.)"""
+  out = tmp_path / "out"
+  env = dict(os.environ, PYTHONHASHSEED="12345")
+  run = subprocess.run(
+      [sys.executable, "-m", "input_pipeline.prepare", "imagenet21k_p",
+       f"--manual_dir={raw['folders']}", f"--data_dir={out}", f"--min_images={MIN_IMAGES}",
+       f"--val_per_class={VAL}"],
+      cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+      text=True, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "examples: {'train': 15, 'validation': 8}" in run.stdout
+  here = prepared["folders"][1].builder
+  there = datasets.get_dataset({"name": "imagenet21k_p", "dir": str(out)}).builder
+  for split in ("train", "validation"):
+    assert _records(here, split) == _records(there, split)
+  for name in ("metadata.json", "label.labels.txt"):
+    assert (pathlib.Path(here.data_dir) / name).read_bytes() == (
+        pathlib.Path(there.data_dir) / name).read_bytes()
