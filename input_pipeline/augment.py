@@ -1,15 +1,23 @@
-"""Image augmentations and normalisation on numpy uint8 HWC images.
+"""Image augmentations and normalisation for uint8 RGB images (numpy HWC arrays or PIL images).
 
 Every random op takes an explicit `np.random.Generator`, so the grain pipeline can hand each
-record a generator derived from (seed, position) and get reproducible results. Resampling,
-cropping and flipping go through PIL. Train ops share one signature,
-`op(image, rng, image_size) -> image`, and are looked up by name in `TRAIN_OPS`.
+record a generator derived from (seed, position) and get reproducible results. Pixel work goes
+through PIL (Image, ImageOps, ImageEnhance, ImageFilter); numpy only pads and normalises.
+Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind;
+`apply_train_ops` keeps a PIL image between ops to avoid array copies.
+
+Train ops are selected by a '|'-separated string (config `data.train_augment`), each entry
+`name` or `name(arg, ...)`, e.g. 'inception_crop|flip|randaugment(2, 9)'. See TRAIN_OPS.
 """
+import functools
 import math
-from typing import Callable
+import re
+from typing import Callable, Union
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageEnhance, ImageFilter, ImageOps
+
+Img = Union[np.ndarray, Image.Image]
 
 # Resampling filter for every resize (PIL antialiases when it downsamples).
 RESAMPLE = Image.Resampling.BILINEAR
@@ -18,63 +26,104 @@ CROP_FRACTION = 0.875
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 NORMALIZE_PRESETS = ("0_1", "imagenet", "minus1_1")
+# Fill colour of pixels that geometric RandAugment ops move in from outside the image: the
+# ImageNet mean in uint8 (as timm does).
+FILL = tuple(round(255 * m) for m in IMAGENET_MEAN)
 
 
-def _to_pil(image: np.ndarray) -> Image.Image:
-  if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-    raise ValueError(
-        f"expected a uint8 [H, W, 3] image, got {image.dtype} {tuple(image.shape)}")
+def _to_pil(image: Img) -> Image.Image:
+  if isinstance(image, Image.Image):
+    if image.mode != "RGB":
+      raise ValueError(f"expected an RGB PIL image, got mode {image.mode!r}")
+    return image
+  if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or (
+      image.shape[-1] != 3):
+    raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', None)} "
+                     f"{tuple(getattr(image, 'shape', ()))}")
   return Image.fromarray(image, mode="RGB")
 
 
-def _resize_box(image: np.ndarray, size: tuple[int, int],
-                box: tuple[float, float, float, float] | None = None) -> np.ndarray:
+def _like(out: Image.Image, image: Img) -> Img:
+  """Returns `out` as the kind (array or PIL image) of the op's input `image`."""
+  return np.asarray(out) if isinstance(image, np.ndarray) else out
+
+
+def _size(image: Img) -> tuple[int, int]:
+  """(height, width)."""
+  if isinstance(image, Image.Image):
+    return image.height, image.width
+  return image.shape[0], image.shape[1]
+
+
+def _resize_box(image: Img, size: tuple[int, int],
+                box: tuple[float, float, float, float] | None = None) -> Img:
   """Resizes the `box` (left, upper, right, lower) region of `image` to (width, height)."""
-  return np.asarray(_to_pil(image).resize(size, resample=RESAMPLE, box=box))
+  return _like(_to_pil(image).resize(size, resample=RESAMPLE, box=box), image)
 
 
-def random_flip(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def random_flip(image: Img, rng: np.random.Generator) -> Img:
   """Mirrors the image left-right with probability 1/2."""
   if rng.random() < 0.5:
-    return np.asarray(_to_pil(image).transpose(Image.Transpose.FLIP_LEFT_RIGHT))
+    return _like(_to_pil(image).transpose(Image.Transpose.FLIP_LEFT_RIGHT), image)
   return image
 
 
-def squish(image: np.ndarray, image_size: int) -> np.ndarray:
+def squish(image: Img, image_size: int) -> Img:
   """Resizes to image_size x image_size, ignoring the aspect ratio."""
   return _resize_box(image, (image_size, image_size))
 
 
-def resize_shorter(image: np.ndarray, shorter: int) -> np.ndarray:
+def resize_shorter(image: Img, shorter: int) -> Img:
   """Resizes so the shorter side is `shorter`, keeping the aspect ratio."""
-  h, w = image.shape[:2]
+  h, w = _size(image)
   if w <= h:
     new_w, new_h = shorter, max(shorter, round(h * shorter / w))
   else:
     new_w, new_h = max(shorter, round(w * shorter / h)), shorter
+  if (new_h, new_w) == (h, w):
+    return image
   return _resize_box(image, (new_w, new_h))
 
 
-def _crop(image: np.ndarray, top: int, left: int, size: int) -> np.ndarray:
-  return np.asarray(_to_pil(image).crop((left, top, left + size, top + size)))
+def _crop(image: Img, top: int, left: int, size: int) -> Img:
+  return _like(_to_pil(image).crop((left, top, left + size, top + size)), image)
 
 
-def center_crop(image: np.ndarray, image_size: int,
-                crop_fraction: float = CROP_FRACTION) -> np.ndarray:
+def center_crop(image: Img, image_size: int, crop_fraction: float = CROP_FRACTION) -> Img:
   """Resizes the shorter side to image_size / crop_fraction, then takes the central square."""
   image = resize_shorter(image, round(image_size / crop_fraction))
-  h, w = image.shape[:2]
+  h, w = _size(image)
   return _crop(image, (h - image_size) // 2, (w - image_size) // 2, image_size)
 
 
-def resize_crop(image: np.ndarray, rng: np.random.Generator, image_size: int,
-                crop_fraction: float = CROP_FRACTION) -> np.ndarray:
+def resize_crop(image: Img, rng: np.random.Generator, image_size: int,
+                crop_fraction: float = CROP_FRACTION) -> Img:
   """Resizes the shorter side to image_size / crop_fraction, then takes a random square."""
   image = resize_shorter(image, round(image_size / crop_fraction))
-  h, w = image.shape[:2]
+  h, w = _size(image)
   top = int(rng.integers(0, h - image_size + 1))
   left = int(rng.integers(0, w - image_size + 1))
   return _crop(image, top, left, image_size)
+
+
+def simple_random_crop(image: Img, rng: np.random.Generator, image_size: int,
+                       pad: int = 4) -> Img:
+  """DeiT-III Simple Random Crop: shorter side to image_size, reflect-pad, random square crop.
+
+  The rule: resize so the shorter side is image_size (aspect kept), pad `pad` pixels on every
+  side by reflection (numpy 'reflect', edge pixel not repeated; DeiT-III pads 4 pixels at
+  224), then crop image_size x image_size at top ~ U{0..H+2pad-S}, left ~ U{0..W+2pad-S}
+  (drawn in that order).
+  """
+  resized = resize_shorter(image, image_size)
+  array = np.asarray(resized)
+  if pad:
+    array = np.pad(array, ((pad, pad), (pad, pad), (0, 0)), mode="reflect")
+  h, w = array.shape[:2]
+  top = int(rng.integers(0, h - image_size + 1))
+  left = int(rng.integers(0, w - image_size + 1))
+  out = np.ascontiguousarray(array[top:top + image_size, left:left + image_size])
+  return out if isinstance(image, np.ndarray) else Image.fromarray(out, mode="RGB")
 
 
 def inception_crop_box(height: int, width: int, rng: np.random.Generator, *,
@@ -107,60 +156,340 @@ def inception_crop_box(height: int, width: int, rng: np.random.Generator, *,
   return (height - h) // 2, (width - w) // 2, h, w
 
 
-def inception_crop(image: np.ndarray, rng: np.random.Generator, image_size: int, *,
+def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
                    scale: tuple[float, float] = (0.08, 1.0),
-                   ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> np.ndarray:
+                   ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Img:
   """RandomResizedCrop: an Inception-style crop resized to image_size x image_size."""
-  top, left, h, w = inception_crop_box(image.shape[0], image.shape[1], rng,
-                                       scale=scale, ratio=ratio)
-  return _resize_box(image, (image_size, image_size), box=(left, top, left + w, top + h))
+  h, w = _size(image)
+  top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
+  return _resize_box(image, (image_size, image_size), box=(left, top, left + cw, top + ch))
 
 
-TrainOp = Callable[[np.ndarray, np.random.Generator, int], np.ndarray]
+def cutout(image: Img, rng: np.random.Generator, prob: float = 0.5,
+           factor: float = 0.5) -> Img:
+  """The ImageNet-21K recipe's Cutout: one random-colour rectangle of `factor` x the sides.
 
-# Train-time ops by name, all with the signature op(image, rng, image_size).
-TRAIN_OPS: dict[str, TrainOp] = {
-    "flip": lambda image, rng, size: random_flip(image, rng),
-    "squish": lambda image, rng, size: squish(image, size),
-    "inception_crop": inception_crop,
-    "resize_crop": resize_crop,
+  The rule (draws in this order): with probability `prob` (u = rng.random() < prob), a box of
+  ch = round(factor * H) by cw = round(factor * W) pixels (a square on the recipe's square
+  images) is centred at cy ~ U{0..H-1}, cx ~ U{0..W-1}, i.e. rows [cy - ch // 2,
+  cy - ch // 2 + ch) and the same for columns, clipped to the image (so it can be smaller at
+  the borders), and filled with one colour (r, g, b), each channel ~ U{0..255}.
+  """
+  if rng.random() >= prob:
+    return image
+  h, w = _size(image)
+  ch, cw = round(factor * h), round(factor * w)
+  cy, cx = int(rng.integers(0, h)), int(rng.integers(0, w))
+  colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+  top, left = cy - ch // 2, cx - cw // 2
+  box = (max(0, left), max(0, top), min(w, left + cw), min(h, top + ch))
+  out = _to_pil(image).copy()
+  out.paste(colour, box)
+  return _like(out, image)
+
+
+def color_jitter(image: Img, rng: np.random.Generator, brightness: float = 0.3,
+                 contrast: float = 0.3, saturation: float = 0.3) -> Img:
+  """Colour jitter: brightness, contrast and saturation in a random order.
+
+  Draws: the order (rng.permutation(3) over brightness, contrast, saturation), then for each
+  op in that order with strength s > 0 a factor ~ U[max(0, 1 - s), 1 + s], applied with PIL's
+  ImageEnhance (Brightness, Contrast, Color). Hue is not jittered (DeiT-III uses 0).
+  """
+  order = rng.permutation(3)
+  strengths = (brightness, contrast, saturation)
+  enhancers = (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color)
+  out = _to_pil(image)
+  for k in order:
+    s = strengths[k]
+    if s > 0:
+      out = enhancers[k](out).enhance(float(rng.uniform(max(0.0, 1 - s), 1 + s)))
+  return _like(out, image)
+
+
+def grayscale(image: Img) -> Img:
+  """ITU-R 601 luma (PIL 'L'), repeated over the three channels."""
+  return _like(_to_pil(image).convert("L").convert("RGB"), image)
+
+
+def solarize(image: Img, threshold: int = 128) -> Img:
+  """Inverts every pixel value >= threshold."""
+  return _like(ImageOps.solarize(_to_pil(image), threshold), image)
+
+
+def gaussian_blur(image: Img, sigma: float) -> Img:
+  """Gaussian blur with standard deviation `sigma` pixels."""
+  return _like(_to_pil(image).filter(ImageFilter.GaussianBlur(radius=sigma)), image)
+
+
+# 3-Augment's choices, picked uniformly.
+THREE_AUGMENT_CHOICES = ("grayscale", "solarize", "gaussian_blur")
+BLUR_SIGMA = (0.1, 2.0)
+
+
+def three_augment(image: Img, rng: np.random.Generator, jitter: float = 0.3) -> Img:
+  """DeiT-III 3-Augment: one of grayscale / solarize / Gaussian blur, then colour jitter.
+
+  Draws: k ~ U{0, 1, 2} picks THREE_AUGMENT_CHOICES[k]; grayscale and solarize (threshold 128)
+  use no randomness, the blur draws sigma ~ U[0.1, 2.0]; then color_jitter(jitter, jitter,
+  jitter). DeiT-III follows this with a horizontal flip: add '|flip'.
+  """
+  k = int(rng.integers(0, 3))
+  if k == 0:
+    image = grayscale(image)
+  elif k == 1:
+    image = solarize(image)
+  else:
+    image = gaussian_blur(image, float(rng.uniform(*BLUR_SIGMA)))
+  return color_jitter(image, rng, jitter, jitter, jitter)
+
+
+# RandAugment (Cubuk et al. 2020) with the op set and magnitude mapping of timm's
+# 'rand-mM-nN' (the AutoAugment/TPU mapping): magnitude M in [0, 10], f = M / 10.
+#   rotate +-30 f degrees; shear_x/y +-0.3 f; translate_x/y +-0.45 f of the width/height
+#   (sign +/- with probability 1/2 each); posterize keeps int(4 f) bits; solarize inverts
+#   pixels >= int(256 f); solarize_add adds int(110 f) to pixels < 128; color, contrast,
+#   brightness, sharpness enhance by 0.1 + 1.8 f; auto_contrast, equalize, invert ignore M.
+# Geometric ops resample bilinearly (timm picks bilinear or bicubic at random) and fill
+# with FILL.
+
+
+def _signed(value: float, rng: np.random.Generator) -> float:
+  return -value if rng.random() < 0.5 else value
+
+
+def _affine(image: Image.Image, matrix: tuple[float, ...]) -> Image.Image:
+  """Output pixel (x, y) samples input (a x + b y + c, d x + e y + f)."""
+  return image.transform(image.size, Image.Transform.AFFINE, matrix, resample=RESAMPLE,
+                         fillcolor=FILL)
+
+
+def _solarize_add(image: Image.Image, add: int, threshold: int = 128) -> Image.Image:
+  lut = [min(255, v + add) if v < threshold else v for v in range(256)]
+  return image.point(lut * 3)
+
+
+def _enhance(enhancer) -> Callable[[Image.Image, float, np.random.Generator], Image.Image]:
+  return lambda image, f, rng: enhancer(image).enhance(0.1 + 1.8 * f)
+
+
+RandOp = Callable[[Image.Image, float, np.random.Generator], Image.Image]
+
+# name -> op(image, f = M / 10, rng); only signed ops draw from rng (one draw, the sign).
+RAND_AUGMENT_OPS: dict[str, RandOp] = {
+    "auto_contrast": lambda image, f, rng: ImageOps.autocontrast(image),
+    "equalize": lambda image, f, rng: ImageOps.equalize(image),
+    "invert": lambda image, f, rng: ImageOps.invert(image),
+    "rotate": lambda image, f, rng: image.rotate(
+        _signed(30 * f, rng), resample=RESAMPLE, fillcolor=FILL),
+    "posterize": lambda image, f, rng: ImageOps.posterize(image, int(4 * f)),
+    "solarize": lambda image, f, rng: ImageOps.solarize(image, int(256 * f)),
+    "solarize_add": lambda image, f, rng: _solarize_add(image, int(110 * f)),
+    "color": _enhance(ImageEnhance.Color),
+    "contrast": _enhance(ImageEnhance.Contrast),
+    "brightness": _enhance(ImageEnhance.Brightness),
+    "sharpness": _enhance(ImageEnhance.Sharpness),
+    "shear_x": lambda image, f, rng: _affine(image, (1, _signed(0.3 * f, rng), 0, 0, 1, 0)),
+    "shear_y": lambda image, f, rng: _affine(image, (1, 0, 0, _signed(0.3 * f, rng), 1, 0)),
+    "translate_x": lambda image, f, rng: _affine(
+        image, (1, 0, _signed(0.45 * f * image.width, rng), 0, 1, 0)),
+    "translate_y": lambda image, f, rng: _affine(
+        image, (1, 0, 0, 0, 1, _signed(0.45 * f * image.height, rng))),
 }
+RAND_AUGMENT_NAMES = tuple(RAND_AUGMENT_OPS)  # Fixed order: index -> op.
+
+
+def rand_augment(image: Img, rng: np.random.Generator, num_ops: int = 2,
+                 magnitude: float = 9, prob: float = 0.5) -> Img:
+  """RandAugment: `num_ops` ops drawn uniformly with replacement, each applied w.p. `prob`.
+
+  Draws: the op indices (rng.integers(0, 15, num_ops)) into RAND_AUGMENT_NAMES, then per op
+  u = rng.random() (applied if u < prob) and, for signed ops, the sign. timm's 'rand-m9-n2'
+  is num_ops=2, magnitude=9, prob=0.5.
+  """
+  indices = rng.integers(0, len(RAND_AUGMENT_NAMES), num_ops)
+  out = _to_pil(image)
+  for i in indices:
+    if rng.random() < prob:
+      out = RAND_AUGMENT_OPS[RAND_AUGMENT_NAMES[i]](out, magnitude / 10, rng)
+  return _like(out, image)
+
+
+TrainOp = Callable[[Img, np.random.Generator, int], Img]
+
+
+def _number(op: str, what: str, value, lo: float, hi: float, integer: bool = False):
+  """Checks one op argument."""
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if ok and integer:
+    ok = float(value).is_integer()
+  if not ok or not lo <= value <= hi:
+    kind = "an int" if integer else "a number"
+    raise ValueError(f"augmentation op {op!r}: {what} must be {kind} in [{lo}, {hi}], "
+                     f"got {value!r}")
+  return int(value) if integer else float(value)
+
+
+def _arity(op: str, args: tuple, allowed: tuple[int, ...], usage: str) -> None:
+  if len(args) not in allowed:
+    raise ValueError(f"augmentation op {op!r}: expected {usage}, got {len(args)} argument(s)")
+
+
+def _no_args(fn: Callable[[], TrainOp], usage: str):
+  def build(op, *args):
+    _arity(op, args, (0,), usage)
+    return fn()
+  return build
+
+
+def _build_inception_crop(op, *args):
+  _arity(op, args, (0, 2), "inception_crop or inception_crop(min_scale, max_scale)")
+  scale = (0.08, 1.0)
+  if args:
+    scale = (_number(op, "min_scale", args[0], 0, 1), _number(op, "max_scale", args[1], 0, 1))
+    if not 0 < scale[0] <= scale[1]:
+      raise ValueError(f"augmentation op {op!r}: need 0 < min_scale <= max_scale")
+  return lambda image, rng, size: inception_crop(image, rng, size, scale=scale)
+
+
+def _build_randaugment(op, *args):
+  _arity(op, args, (0, 2, 3), "randaugment or randaugment(N, M[, P])")
+  n, m, p = 2, 9.0, 0.5
+  if args:
+    n = _number(op, "N (ops per image)", args[0], 0, 100, integer=True)
+    m = _number(op, "M (magnitude)", args[1], 0, 10)
+  if len(args) == 3:
+    p = _number(op, "P (op probability)", args[2], 0, 1)
+  return lambda image, rng, size: rand_augment(image, rng, n, m, p)
+
+
+def _build_cutout(op, *args):
+  _arity(op, args, (0, 1, 2), "cutout, cutout(P) or cutout(P, factor)")
+  p = _number(op, "P (probability)", args[0], 0, 1) if args else 0.5
+  factor = _number(op, "factor", args[1], 0, 1) if len(args) > 1 else 0.5
+  return lambda image, rng, size: cutout(image, rng, p, factor)
+
+
+def _build_color_jitter(op, *args):
+  _arity(op, args, (0, 1, 3), "color_jitter, color_jitter(S) or color_jitter(B, C, S)")
+  if not args:
+    args = (0.3,)
+  values = [_number(op, "strength", a, 0, 1) for a in args]
+  b, c, s = values * 3 if len(values) == 1 else values
+  return lambda image, rng, size: color_jitter(image, rng, b, c, s)
+
+
+def _build_three_augment(op, *args):
+  _arity(op, args, (0, 1), "three_augment or three_augment(jitter)")
+  jitter = _number(op, "jitter", args[0], 0, 1) if args else 0.3
+  return lambda image, rng, size: three_augment(image, rng, jitter)
+
+
+def _build_simple_random_crop(op, *args):
+  _arity(op, args, (0, 1), "simple_random_crop or simple_random_crop(pad)")
+  pad = _number(op, "pad", args[0], 0, 1024, integer=True) if args else 4
+  return lambda image, rng, size: simple_random_crop(image, rng, size, pad)
+
+
+# Train-time ops: name -> builder(name, *args) -> op(image, rng, image_size).
+TRAIN_OPS: dict[str, Callable[..., TrainOp]] = {
+    "flip": _no_args(lambda: lambda image, rng, size: random_flip(image, rng), "flip"),
+    "squish": _no_args(lambda: lambda image, rng, size: squish(image, size), "squish"),
+    "inception_crop": _build_inception_crop,
+    "resize_crop": _no_args(lambda: resize_crop, "resize_crop"),
+    "simple_random_crop": _build_simple_random_crop,
+    "randaugment": _build_randaugment,
+    "cutout": _build_cutout,
+    "color_jitter": _build_color_jitter,
+    "three_augment": _build_three_augment,
+}
+# Ops after which the image is image_size x image_size.
+RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
 
 # Eval-time resizes by name, with the signature op(image, image_size).
-EVAL_RESIZES: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
+EVAL_RESIZES: dict[str, Callable[[Img, int], Img]] = {
     "squish": squish,
     "center_crop": center_crop,
 }
 
+_OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?")
+
+
+def _parse_op(text: str, spec: str) -> tuple[str, tuple]:
+  """'name' or 'name(1, 0.5)' -> (name, (1, 0.5))."""
+  match = _OP_RE.fullmatch(text)
+  if not match:
+    raise ValueError(f"cannot parse augmentation op {text!r} in data.train_augment={spec!r}; "
+                     "write name or name(arg, ...)")
+  name, arg_text = match.group(1), match.group(2)
+  if name not in TRAIN_OPS:
+    raise ValueError(f"unknown augmentation op {name!r} in data.train_augment={spec!r}; "
+                     f"known ops: {sorted(TRAIN_OPS)}")
+  args = []
+  if arg_text is not None and arg_text.strip():
+    for a in arg_text.split(","):
+      a = a.strip()
+      try:
+        args.append(int(a) if re.fullmatch(r"[+-]?\d+", a) else float(a))
+      except ValueError:
+        raise ValueError(f"augmentation op {text!r}: argument {a!r} is not a number") from None
+  return name, tuple(args)
+
+
+def _canonical(name: str, args: tuple) -> str:
+  return f"{name}({', '.join(repr(a) for a in args)})" if args else name
+
 
 def parse_train_ops(spec: str) -> tuple[str, ...]:
-  """Splits a '|'-separated op list ('inception_crop|flip') and checks every name."""
-  names = tuple(name.strip() for name in spec.split("|") if name.strip())
-  for name in names:
-    if name not in TRAIN_OPS:
-      raise ValueError(
-          f"unknown augmentation op {name!r} in data.train_augment={spec!r}; "
-          f"known ops: {sorted(TRAIN_OPS)}")
-  return names
+  """Splits and checks a '|'-separated op list; returns the ops in canonical form.
+
+  'inception_crop | flip|randaugment(2,9)' -> ('inception_crop', 'flip', 'randaugment(2, 9)').
+  An unknown op, unparsable text or bad arguments raise ValueError naming the op.
+  """
+  ops = []
+  for text in spec.split("|"):
+    text = text.strip()
+    if text:
+      name, args = _parse_op(text, spec)
+      TRAIN_OPS[name](name, *args)  # Validates the arguments.
+      ops.append(_canonical(name, args))
+  return tuple(ops)
 
 
-def apply_train_ops(image: np.ndarray, names: tuple[str, ...], rng: np.random.Generator,
+@functools.lru_cache(maxsize=None)
+def _build(op: str) -> TrainOp:
+  name, args = _parse_op(op, op)
+  return TRAIN_OPS[name](name, *args)
+
+
+def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
                     image_size: int) -> np.ndarray:
-  """Applies the named train ops in order."""
-  for name in names:
-    image = TRAIN_OPS[name](image, rng, image_size)
-  return image
+  """Applies the ops (as parse_train_ops returns them) in order; returns a uint8 array."""
+  out = _to_pil(image)
+  for op in ops:
+    out = _build(op)(out, rng, image_size)
+  return np.asarray(out)
+
+
+def normalization_affine(preset: str) -> tuple[np.ndarray, np.ndarray]:
+  """float32 (scale, offset) per channel with normalize(x) = x * scale + offset (also usable
+  on device, e.g. to normalise uint8 batches inside a jitted step)."""
+  if preset == "0_1":
+    scale, offset = np.full(3, 1 / 255), np.zeros(3)
+  elif preset == "minus1_1":
+    scale, offset = np.full(3, 1 / 127.5), np.full(3, -1.0)
+  elif preset == "imagenet":
+    std, mean = np.asarray(IMAGENET_STD), np.asarray(IMAGENET_MEAN)
+    scale, offset = 1 / (255 * std), -mean / std
+  else:
+    raise ValueError(f"unknown data.normalize={preset!r}; expected one of {NORMALIZE_PRESETS}")
+  return scale.astype(np.float32), offset.astype(np.float32)
 
 
 def normalize(images: np.ndarray, preset: str) -> np.ndarray:
-  """Maps uint8 pixels to float32: '0_1' ([0, 1]), 'imagenet' (mean/std), 'minus1_1'."""
-  x = images.astype(np.float32)
-  if preset == "0_1":
-    return x / np.float32(255.0)
-  if preset == "minus1_1":
-    return x / np.float32(127.5) - np.float32(1.0)
-  if preset == "imagenet":
-    mean = np.asarray(IMAGENET_MEAN, np.float32)
-    std = np.asarray(IMAGENET_STD, np.float32)
-    return (x / np.float32(255.0) - mean) / std
-  raise ValueError(f"unknown data.normalize={preset!r}; expected one of {NORMALIZE_PRESETS}")
+  """Maps uint8 pixels [..., 3] to float32: '0_1' (x / 255), 'imagenet' ((x / 255 - mean) /
+  std), 'minus1_1' (x / 127.5 - 1); one fused multiply-add pass."""
+  scale, offset = normalization_affine(preset)
+  out = np.multiply(images, scale, dtype=np.float32)
+  out += offset
+  return out

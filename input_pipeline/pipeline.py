@@ -4,11 +4,13 @@ Sources are random-access (len + __getitem__) and yield dicts with 'image' (enco
 bytes) and 'label' (int); other keys are ignored. Decoding happens in the pipeline (in grain
 worker processes when data.num_workers > 0).
 
-Train: MapDataset.source -> seed -> shuffle -> repeat (infinite) -> decode + augment
-(random_map: each record's generator comes from the seed and its position in the global
-stream, so augmentations do not depend on worker or host count) -> host slice
-[process_index::process_count] (all hosts share the shuffle; host shares are disjoint) ->
-to_iter_dataset -> skip and count corrupt records -> batch -> normalise -> mp_prefetch.
+Train: MapDataset.source -> shuffle -> repeat (infinite) [-> weighted mix of several such
+streams (mixed_train_iterator)] -> decode + augment (random_map: each record's generator comes
+from the seed and its position in the global stream, so augmentations do not depend on worker
+or host count; with repeated augmentation the record is decoded once and augmented k times)
+-> host slice [process_index::process_count] (all hosts share the stream; host shares are
+disjoint) -> to_iter_dataset -> skip and count corrupt records -> batch -> normalise ->
+mp_prefetch.
 
 Checkpointing: the train iterator is a `grain.DatasetIterator`; `it.get_state()` is a
 JSON-serialisable dict and `it.set_state(state)` resumes with exactly the batches the
@@ -29,7 +31,7 @@ restore needs the same host count.
 import dataclasses
 import io
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from absl import logging
 import grain
@@ -65,6 +67,9 @@ def data_defaults() -> ml_collections.ConfigDict:
       prefetch=2,
       # True: a corrupt image raises; False: it is skipped and counted in '_skipped'.
       fail_on_corrupt=False,
+      # Repeated augmentation (DeiT-III uses 3): k > 1 puts each train record k times into
+      # one host batch, each copy with its own augmentation; see train_iterator.
+      repeated_augment=1,
   ))
 
 
@@ -79,6 +84,7 @@ class _Settings:
   num_workers: int
   prefetch: int
   fail_on_corrupt: bool
+  repeated_augment: int
 
 
 def _is_int(value: Any) -> bool:
@@ -107,11 +113,15 @@ def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Setti
     raise ValueError(f"data.prefetch must be an int >= 1, got {cfg['prefetch']!r}")
   if not isinstance(cfg["fail_on_corrupt"], bool):
     raise ValueError(f"data.fail_on_corrupt must be a bool, got {cfg['fail_on_corrupt']!r}")
+  if not _is_int(cfg["repeated_augment"]) or cfg["repeated_augment"] < 1:
+    raise ValueError("data.repeated_augment must be an int >= 1 (1 = off), got "
+                     f"{cfg['repeated_augment']!r}")
   return _Settings(
       image_size=int(cfg["image_size"]), train_ops=train_ops,
       train_augment=cfg["train_augment"], eval_resize=cfg["eval_resize"],
       normalize=cfg["normalize"], num_workers=int(cfg["num_workers"]),
-      prefetch=int(cfg["prefetch"]), fail_on_corrupt=cfg["fail_on_corrupt"])
+      prefetch=int(cfg["prefetch"]), fail_on_corrupt=cfg["fail_on_corrupt"],
+      repeated_augment=int(cfg["repeated_augment"]))
 
 
 def _per_host_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
@@ -133,19 +143,24 @@ def num_eval_batches(n: int, global_batch_size: int) -> int:
   return math.ceil(n / global_batch_size)
 
 
-def decode_image(data: bytes) -> np.ndarray:
-  """Decodes PNG/JPEG bytes to uint8 [H, W, 3] RGB; raises if the bytes are not an image."""
+def decode_pil(data: bytes) -> Image.Image:
+  """Decodes PNG/JPEG bytes to an RGB PIL image; raises if the bytes are not an image."""
   with Image.open(io.BytesIO(data)) as image:
     image.load()  # Decode now, so truncated files fail here.
-    return np.asarray(image.convert("RGB"))
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def _decode_or_none(record: Mapping[str, Any], index: int, fail: bool) -> np.ndarray | None:
+def decode_image(data: bytes) -> np.ndarray:
+  """Decodes PNG/JPEG bytes to uint8 [H, W, 3] RGB; raises if the bytes are not an image."""
+  return np.asarray(decode_pil(data))
+
+
+def _decode_or_none(record: Mapping[str, Any], index, fail: bool) -> Image.Image | None:
   """Decodes record['image']; None (logged) for a corrupt image, or raises when `fail`."""
   if "image" not in record:
     raise KeyError(f"record {index} has no 'image' key (keys: {sorted(record)})")
   try:
-    return decode_image(record["image"])
+    return decode_pil(record["image"])
   except Exception as e:  # pylint: disable=broad-except
     # PIL reports bad data through many types (OSError, SyntaxError, ValueError,
     # DecompressionBombError, ...); any of them means this record is unusable.
@@ -157,17 +172,25 @@ def _decode_or_none(record: Mapping[str, Any], index: int, fail: bool) -> np.nda
 
 
 class _WithSourceIndex(grain.transforms.MapWithIndex):
-  """record -> (source index, record); indices past the end wrap (grain's repeat)."""
+  """record -> (reference, record) for error messages: the source index (indices past the
+  end wrap, as in grain's repeat), or 'i of source s' when several sources are mixed."""
 
-  def __init__(self, num_records: int):
+  def __init__(self, num_records: int, source_id: int | None = None):
     self._n = num_records
+    self._source_id = source_id
 
   def map_with_index(self, index: int, record):
-    return index % self._n, record
+    if self._source_id is None:
+      return index % self._n, record
+    return f"{index % self._n} of source {self._source_id}", record
 
 
 class _TrainDecode(grain.transforms.RandomMap):
-  """(source index, record) -> {'image' uint8, 'label' int32} or a corrupt marker."""
+  """(source index, record) -> {'image' uint8, 'label' int32} or a corrupt marker.
+
+  With repeated augmentation k > 1, 'image' is [k, S, S, 3]: the record decoded once and
+  augmented k times in a row with the record's generator.
+  """
 
   def __init__(self, settings: _Settings):
     self._s = settings
@@ -177,14 +200,19 @@ class _TrainDecode(grain.transforms.RandomMap):
     image = _decode_or_none(record, index, self._s.fail_on_corrupt)
     if image is None:
       return {_CORRUPT: index}
+    copies = [self._augment(image, rng, index) for _ in range(self._s.repeated_augment)]
+    out = copies[0] if len(copies) == 1 else np.stack(copies)
+    return {"image": out, "label": np.int32(record["label"])}
+
+  def _augment(self, image, rng: np.random.Generator, index) -> np.ndarray:
     size = self._s.image_size
     image = augment.apply_train_ops(image, self._s.train_ops, rng, size)
     if image.shape != (size, size, 3):
       raise ValueError(
           f"data.train_augment={self._s.train_augment!r} made a {image.shape} image from "
           f"record {index}, expected ({size}, {size}, 3); include a resizing op "
-          "('squish', 'inception_crop' or 'resize_crop')")
-    return {"image": image, "label": np.int32(record["label"])}
+          f"(one of {augment.RESIZING_OPS})")
+    return image
 
 
 class _SkipCorruptIterator(grain.DatasetIterator):
@@ -227,15 +255,28 @@ class _SkipCorruptIterDataset(grain.IterDataset):
 
 
 class _FinishTrainBatch(grain.transforms.Map):
-  """Normalises images and sums the per-row skip counts to one int32 scalar."""
+  """Normalises images and sums the per-row skip counts to one int32 scalar.
+
+  Repeated augmentation: [b / k, k, S, S, 3] becomes [b, S, S, 3] copy-major (row
+  c * b / k + j is copy c of record j).
+  """
 
   def __init__(self, normalize: str):
     self._normalize = normalize
 
   def map(self, batch):
-    return {"image": augment.normalize(batch["image"], self._normalize),
-            "label": batch["label"].astype(np.int32),
+    images, labels = batch["image"], batch["label"].astype(np.int32)
+    if images.ndim == 5:
+      k = images.shape[1]
+      images = images.swapaxes(0, 1).reshape((-1,) + images.shape[2:])
+      labels = np.tile(labels, k)
+    return {"image": augment.normalize(images, self._normalize), "label": labels,
             "_skipped": np.int32(batch["_skipped"].sum())}
+
+
+def _read_options(buffer: int) -> grain.ReadOptions:
+  """Reads `buffer` elements ahead with as many threads (grain's default is 16)."""
+  return grain.ReadOptions(num_threads=min(16, buffer), prefetch_buffer_size=buffer)
 
 
 def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.IterDataset:
@@ -245,6 +286,46 @@ def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.Iter
       num_workers=settings.num_workers, per_worker_buffer_size=settings.prefetch))
 
 
+def _derived_seed(seed: int, *keys: int) -> int:
+  """A 32-bit seed for one use (shuffling source i, augmenting) of the run's seed."""
+  return int(np.random.SeedSequence((seed, *keys)).generate_state(1)[0])
+
+
+def _check_seed(seed: int) -> None:
+  if not _is_int(seed) or seed < 0:
+    raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+
+def _source_stream(source, seed: int, source_id: int | None) -> grain.MapDataset:
+  """Infinite stream of (reference, record): a new shuffle of `source` every epoch."""
+  if len(source) == 0:
+    name = "train source" if source_id is None else f"train source {source_id}"
+    raise ValueError(f"{name} is empty")
+  ds = grain.MapDataset.source(source)
+  ds = ds.map_with_index(_WithSourceIndex(len(source), source_id))
+  return ds.shuffle(seed=_derived_seed(seed, 1, source_id or 0)).repeat()
+
+
+def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batch_size: int,
+                   seed: int, process_index: int,
+                   process_count: int) -> grain.DatasetIterator:
+  """Repeated augmentation, decode + augment, host slice, skip corrupt, batch, workers."""
+  per_host = _per_host_batch(global_batch_size, process_index, process_count)
+  k = settings.repeated_augment
+  if per_host % k:
+    raise ValueError(f"data.repeated_augment={k} must divide the per-host batch "
+                     f"{per_host} (global_batch_size={global_batch_size}, "
+                     f"process_count={process_count})")
+  records = per_host // k  # Distinct records per host batch.
+  ds = stream.random_map(_TrainDecode(settings), seed=_derived_seed(seed, 2))
+  ds = ds[process_index::process_count]
+  read = _read_options(settings.prefetch * records)
+  it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
+  it_ds = it_ds.batch(records, drop_remainder=True)
+  it_ds = it_ds.map(_FinishTrainBatch(settings.normalize))
+  return iter(_maybe_mp_prefetch(it_ds, settings))
+
+
 def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
                    process_index: int, process_count: int) -> grain.DatasetIterator:
   """Infinite, shuffled, augmented, checkpointable iterator over this host's batches.
@@ -252,23 +333,51 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
   Batches: 'image' float32 [b, S, S, 3] (normalised), 'label' int32 [b], '_skipped' int32
   scalar (corrupt records this host skipped while making the batch), with
   b = global_batch_size // process_count.
+
+  Repeated augmentation, data.repeated_augment = k > 1 (k must divide b): each host batch
+  holds b / k records from the stream (host slicing as above), each decoded once and
+  augmented k times; row c * (b / k) + j is copy c of record j, so with the batch split
+  contiguously over the host's devices the copies sit b / k rows apart (on different devices
+  when the host has at least k). An epoch of len(source) rows thus shows len(source) / k
+  distinct records; a full pass over the data takes k epochs (timm's RASampler instead
+  shows a random n / k subset each epoch).
   """
   settings = _settings(data_cfg)
-  per_host = _per_host_batch(global_batch_size, process_index, process_count)
-  if not _is_int(seed) or seed < 0:
-    raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-  if len(source) == 0:
-    raise ValueError("train source is empty")
-  ds = grain.MapDataset.source(source).seed(int(seed))
-  ds = ds.map_with_index(_WithSourceIndex(len(source)))
-  ds = ds.shuffle().repeat()
-  ds = ds.random_map(_TrainDecode(settings))
-  ds = ds[process_index::process_count]
-  read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch * per_host)
-  it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
-  it_ds = it_ds.batch(per_host, drop_remainder=True)
-  it_ds = it_ds.map(_FinishTrainBatch(settings.normalize))
-  return iter(_maybe_mp_prefetch(it_ds, settings))
+  _check_seed(seed)
+  stream = _source_stream(source, int(seed), None)
+  return _train_batches(stream, settings, global_batch_size=global_batch_size, seed=int(seed),
+                        process_index=process_index, process_count=process_count)
+
+
+def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, *,
+                         global_batch_size: int, seed: int, process_index: int,
+                         process_count: int) -> grain.DatasetIterator:
+  """Like train_iterator, over a weighted mix of several sources.
+
+  Each source is shuffled (its own seed from `seed`) and repeated on its own, then
+  grain's MapDataset.mix interleaves them in a fixed pattern in which source i fills a share
+  weights[i] / sum(weights) of every long enough window of the global stream (grain rounds
+  the weights to integers, the smallest scaled to 100). Labels are taken from each source as
+  they are (map them to one label space beforehand if they differ). Checkpointing, host
+  slicing and repeated augmentation work as in train_iterator; a corrupt record is reported
+  as 'record i of source s'.
+  """
+  settings = _settings(data_cfg)
+  _check_seed(seed)
+  sources, weights = list(sources), list(weights)
+  if not sources:
+    raise ValueError("mixed_train_iterator needs at least one source")
+  if len(weights) != len(sources):
+    raise ValueError(f"got {len(sources)} sources but {len(weights)} weights")
+  for i, w in enumerate(weights):
+    if isinstance(w, bool) or not isinstance(w, (int, float, np.number)) or not (
+        math.isfinite(w) and w > 0):
+      raise ValueError(f"weight {i} must be a positive finite number, got {w!r}")
+  streams = [_source_stream(src, int(seed), i) for i, src in enumerate(sources)]
+  stream = streams[0] if len(streams) == 1 else grain.MapDataset.mix(
+      streams, [float(w) for w in weights])
+  return _train_batches(stream, settings, global_batch_size=global_batch_size, seed=int(seed),
+                        process_index=process_index, process_count=process_count)
 
 
 class _PaddedHostSource:
@@ -305,7 +414,7 @@ class _EvalDecode(grain.transforms.Map):
       return {"image": np.zeros((size, size, 3), np.uint8), "label": np.int32(0),
               "mask": np.float32(0), "index": np.int64(-1),
               "_skipped": np.int32(record is not None)}
-    image = augment.EVAL_RESIZES[self._s.eval_resize](image, size)
+    image = np.asarray(augment.EVAL_RESIZES[self._s.eval_resize](image, size))
     return {"image": image, "label": np.int32(record["label"]), "mask": np.float32(1),
             "index": np.int64(index), "_skipped": np.int32(0)}
 
@@ -344,10 +453,10 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
   finish = _FinishEvalBatch(settings.normalize)
   if settings.num_workers == 0:
     # In-process: threads decode single records, then rows are grouped into batches.
-    read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch * per_host)
+    read = _read_options(settings.prefetch * per_host)
     return ds.to_iter_dataset(read).batch(per_host).map(finish)
   # With workers, batch the MapDataset so each worker builds whole batches: the batch count
   # and order stay those of the in-process path.
   ds = ds.batch(per_host).map(finish)
-  read = grain.ReadOptions(prefetch_buffer_size=settings.prefetch)
+  read = _read_options(settings.prefetch)
   return _maybe_mp_prefetch(ds.to_iter_dataset(read), settings)

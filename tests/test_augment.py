@@ -1,6 +1,8 @@
-"""Tests for input_pipeline/augment.py: crops, flips, resizes and normalisation."""
+"""Tests for input_pipeline/augment.py: crops, flips, resizes, the papers' augmentations,
+op-string parsing and normalisation."""
 import numpy as np
 import pytest
+from PIL import Image, ImageFilter
 
 from input_pipeline import augment
 
@@ -109,6 +111,10 @@ def test_parse_and_apply_train_ops():
   assert augment.parse_train_ops("inception_crop|flip") == ("inception_crop", "flip")
   assert augment.parse_train_ops(" squish | flip |") == ("squish", "flip")
   assert augment.parse_train_ops("") == ()
+  assert augment.parse_train_ops("squish|randaugment(2,9)|cutout( 0.5 , 0.5 )") == (
+      "squish", "randaugment(2, 9)", "cutout(0.5, 0.5)")
+  assert augment.parse_train_ops("simple_random_crop(4)|three_augment|color_jitter(0.3)") == (
+      "simple_random_crop(4)", "three_augment", "color_jitter(0.3)")
   with pytest.raises(ValueError, match="'rotate'"):
     augment.parse_train_ops("squish|rotate")
   image = _noise(6, 9)
@@ -123,3 +129,214 @@ def test_ops_reject_non_uint8_images():
     augment.squish(np.zeros((4, 4, 3), np.float32), 2)
   with pytest.raises(ValueError, match="uint8"):
     augment.squish(np.zeros((4, 4), np.uint8), 2)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("randaugment(2)", "'randaugment'.*expected randaugment or randaugment"),
+    ("randaugment(2, 11)", "'randaugment'.*M \\(magnitude\\)"),
+    ("randaugment(1.5, 9)", "'randaugment'.*N \\(ops per image\\) must be an int"),
+    ("randaugment(two, 9)", "argument 'two' is not a number"),
+    ("cutout(1.5)", "'cutout'.*P \\(probability\\)"),
+    ("color_jitter(0.1, 0.2)", "'color_jitter'"),
+    ("flip(1)", "'flip'"),
+    ("squish|flip(", "cannot parse augmentation op 'flip\\('"),
+    ("three_augment(-0.1)", "'three_augment'.*jitter"),
+])
+def test_parse_rejects_bad_ops_naming_them(spec, match):
+  with pytest.raises(ValueError, match=match):
+    augment.parse_train_ops(spec)
+
+
+# Each train op after a squish to 16 x 16: shape, dtype, determinism per seed, seed dependence.
+_OP_SPECS = ["inception_crop|flip", "resize_crop", "simple_random_crop", "randaugment(2, 9)",
+             "randaugment(3, 5, 1.0)", "cutout(1.0)", "color_jitter(0.3)", "three_augment"]
+
+
+def _photo(h=20, w=28, seed=0):
+  """Smooth gradients plus noise: every op (blur, equalize, crops) visibly changes it."""
+  y, x = np.mgrid[0:h, 0:w]
+  base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 255 / (h + w)], -1)
+  noise = np.random.default_rng(seed).normal(0, 25, base.shape)
+  return np.clip(base + noise, 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("spec", _OP_SPECS)
+def test_train_op_shape_dtype_and_seed_behaviour(spec):
+  ops = augment.parse_train_ops(spec if "crop" in spec else "squish|" + spec)
+  image = _photo()
+  run = lambda seed: augment.apply_train_ops(image, ops, np.random.default_rng(seed), 16)
+  first = run(0)
+  assert first.shape == (16, 16, 3) and first.dtype == np.uint8
+  np.testing.assert_array_equal(run(0), first)
+  assert any(not np.array_equal(run(seed), first) for seed in range(1, 6))
+
+
+def test_ops_keep_the_input_kind():
+  image = _photo()
+  for op in ("randaugment(2, 9, 1.0)", "three_augment", "simple_random_crop", "cutout(1.0)"):
+    build = augment._build(op)
+    from_array = build(image, np.random.default_rng(4), 16)
+    from_pil = build(Image.fromarray(image), np.random.default_rng(4), 16)
+    assert isinstance(from_array, np.ndarray) and isinstance(from_pil, Image.Image)
+    np.testing.assert_array_equal(from_array, np.asarray(from_pil))
+
+
+def _cutout_expected(image, seed, prob, factor):
+  """Cutout's rule written out with the same draws."""
+  rng = np.random.default_rng(seed)
+  if rng.random() >= prob:
+    return image, None
+  h, w = image.shape[:2]
+  ch, cw = round(factor * h), round(factor * w)
+  cy, cx = rng.integers(0, h), rng.integers(0, w)
+  colour = rng.integers(0, 256, 3)
+  out = image.copy()
+  rows = slice(max(0, cy - ch // 2), min(h, cy - ch // 2 + ch))
+  cols = slice(max(0, cx - cw // 2), min(w, cx - cw // 2 + cw))
+  out[rows, cols] = colour
+  return out, (rows, cols)
+
+
+def test_cutout_rule_size_and_probability():
+  image = _photo(16, 16)
+  applied, full_squares = 0, 0
+  for seed in range(200):
+    out = augment.cutout(image, np.random.default_rng(seed))
+    expected, box = _cutout_expected(image, seed, 0.5, 0.5)
+    np.testing.assert_array_equal(out, expected)
+    if box is not None:
+      applied += 1
+      rows, cols = box
+      size = (rows.stop - rows.start, cols.stop - cols.start)
+      assert size[0] <= 8 and size[1] <= 8  # Half of 16, less where clipped at a border.
+      full_squares += size == (8, 8)
+      patch = out[rows, cols].reshape(-1, 3)
+      assert (patch == patch[0]).all()  # One colour.
+  assert 80 <= applied <= 120  # p = 0.5: 100 +- 4 sigma.
+  assert full_squares > 10
+  always = [augment.cutout(image, np.random.default_rng(s), prob=1.0) for s in range(20)]
+  assert all(not np.array_equal(o, image) for o in always)
+  np.testing.assert_array_equal(augment.cutout(image, np.random.default_rng(0), prob=0.0), image)
+
+
+def test_color_jitter_factors_and_zero_strength():
+  image = np.full((4, 4, 3), 100, np.uint8)
+  np.testing.assert_array_equal(
+      augment.color_jitter(image, np.random.default_rng(0), 0, 0, 0), image)
+  values = set()
+  for seed in range(20):
+    out = augment.color_jitter(image, np.random.default_rng(seed), 0.3, 0, 0)
+    rng = np.random.default_rng(seed)
+    rng.permutation(3)
+    factor = rng.uniform(0.7, 1.3)  # Brightness scales towards black: v * factor.
+    np.testing.assert_allclose(out, 100 * factor, atol=1)
+    values.add(int(out[0, 0, 0]))
+  assert len(values) > 5
+
+
+def test_grayscale_solarize_and_blur_against_formulas():
+  image = _photo()
+  gray = augment.grayscale(image).astype(int)
+  luma = image.astype(int) @ np.array([299, 587, 114]) / 1000  # ITU-R 601.
+  np.testing.assert_allclose(gray[..., 0], luma, atol=1)
+  assert (gray[..., 0] == gray[..., 1]).all() and (gray[..., 1] == gray[..., 2]).all()
+  np.testing.assert_array_equal(augment.solarize(image),
+                                np.where(image >= 128, 255 - image, image))
+  flat = np.full((9, 9, 3), 77, np.uint8)
+  np.testing.assert_array_equal(augment.gaussian_blur(flat, 1.5), flat)
+  assert augment.gaussian_blur(image, 2.0).astype(float).std() < image.astype(float).std()
+
+
+def test_three_augment_picks_each_of_the_three():
+  image = _photo(16, 16)
+  picks = []
+  for seed in range(60):
+    out = augment.three_augment(image, np.random.default_rng(seed), jitter=0.0)
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(0, 3))
+    if k == 0:
+      expected = augment.grayscale(image)
+    elif k == 1:
+      expected = augment.solarize(image)
+    else:
+      sigma = rng.uniform(0.1, 2.0)
+      expected = np.asarray(Image.fromarray(image).filter(ImageFilter.GaussianBlur(sigma)))
+    np.testing.assert_array_equal(out, expected)
+    picks.append(k)
+  counts = np.bincount(picks, minlength=3)
+  assert counts.min() >= 10, counts  # Uniform: 20 each on average.
+  # With jitter the result differs from the plain pick.
+  jittered = augment.three_augment(image, np.random.default_rng(0), jitter=0.3)
+  assert not np.array_equal(jittered, augment.three_augment(image, np.random.default_rng(0),
+                                                            jitter=0.0))
+
+
+def test_rand_augment_applies_n_ops_drawn_uniformly(monkeypatch):
+  calls = []
+  for name in augment.RAND_AUGMENT_NAMES:
+    monkeypatch.setitem(augment.RAND_AUGMENT_OPS, name,
+                        lambda im, f, rng, name=name: calls.append((name, f)) or im)
+  image = _photo()
+  for n in (0, 1, 2, 5):
+    calls.clear()
+    augment.rand_augment(image, np.random.default_rng(n), n, 9, prob=1.0)
+    want = np.random.default_rng(n).integers(0, 15, n)
+    assert calls == [(augment.RAND_AUGMENT_NAMES[i], 0.9) for i in want]
+  calls.clear()
+  out = augment.rand_augment(image, np.random.default_rng(0), 4, 9, prob=0.0)
+  assert calls == []
+  np.testing.assert_array_equal(out, image)
+  calls.clear()
+  for seed in range(200):
+    augment.rand_augment(image, np.random.default_rng(seed), 2, 9)  # prob 0.5 per op.
+  assert 160 <= len(calls) <= 240  # 200 expected.
+  assert len({name for name, _ in calls}) == 15
+
+
+def _rand_op(name, image, magnitude, seed=0):
+  op = augment.RAND_AUGMENT_OPS[name]
+  return np.asarray(op(Image.fromarray(image), magnitude / 10, np.random.default_rng(seed)))
+
+
+def test_rand_augment_magnitudes_m9():
+  image = _photo()
+  x = image.astype(int)
+  np.testing.assert_array_equal(_rand_op("invert", image, 9), 255 - x)
+  np.testing.assert_array_equal(_rand_op("solarize", image, 9), np.where(x >= 230, 255 - x, x))
+  np.testing.assert_array_equal(_rand_op("posterize", image, 9), x & 0b11100000)  # 3 bits.
+  np.testing.assert_array_equal(_rand_op("solarize_add", image, 9),
+                                np.where(x < 128, np.minimum(x + 99, 255), x))
+  grey = np.full((4, 4, 3), 100, np.uint8)
+  np.testing.assert_allclose(_rand_op("brightness", grey, 9), 172, atol=1)  # 0.1 + 1.8 * 0.9.
+  np.testing.assert_array_equal(_rand_op("color", grey, 9), grey)  # Grey has no saturation.
+
+
+def test_rand_augment_translate_moves_by_045_of_the_side():
+  image = _photo(10, 20)
+  for seed in range(6):
+    out = _rand_op("translate_x", image, 10, seed).astype(int)
+    positive = np.random.default_rng(seed).random() >= 0.5  # The sign draw.
+    shift = 9  # 0.45 * 20 pixels.
+    if positive:  # Output column c shows input column c + 9.
+      np.testing.assert_array_equal(out[:, :20 - shift], image[:, shift:])
+      np.testing.assert_array_equal(out[:, 20 - shift:], np.broadcast_to(augment.FILL,
+                                                                          (10, shift, 3)))
+    else:
+      np.testing.assert_array_equal(out[:, shift:], image[:, :20 - shift])
+  np.testing.assert_array_equal(_rand_op("translate_y", image, 0), image)
+  np.testing.assert_array_equal(_rand_op("rotate", image, 0), image)
+
+
+def test_simple_random_crop_is_a_reflect_padded_crop():
+  image = _photo(16, 24)  # Shorter side already 16: no resampling.
+  padded = np.pad(image, ((4, 4), (4, 4), (0, 0)), mode="reflect")
+  tops = set()
+  for seed in range(30):
+    out = augment.simple_random_crop(image, np.random.default_rng(seed), 16)
+    rng = np.random.default_rng(seed)
+    top, left = rng.integers(0, 9), rng.integers(0, 17)  # 16+8-16, 24+8-16.
+    np.testing.assert_array_equal(out, padded[top:top + 16, left:left + 16])
+    tops.add(int(top))
+  assert min(tops) < 4 and max(tops) > 4  # Both padding and the image's own rows show.
+  big = augment.simple_random_crop(_photo(40, 30), np.random.default_rng(0), 16, pad=0)
+  assert big.shape == (16, 16, 3)  # Resized to 21 x 16 first, then cropped.

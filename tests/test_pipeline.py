@@ -1,4 +1,5 @@
-"""Tests for input_pipeline/pipeline.py: host slicing, eval padding, state, corrupt records."""
+"""Tests for input_pipeline/pipeline.py: host slicing, eval padding, state, corrupt records,
+repeated augmentation and weighted mixing of sources."""
 import io
 import json
 
@@ -68,6 +69,7 @@ def test_data_defaults():
   assert (cfg.name, cfg.image_size, cfg.train_augment, cfg.eval_resize, cfg.normalize) == (
       "demo", 224, "flip", "squish", "0_1")
   assert (cfg.num_workers, cfg.prefetch, cfg.fail_on_corrupt) == (0, 2, False)
+  assert cfg.repeated_augment == 1
 
 
 def test_train_batch_format_and_image_label_pairs():
@@ -275,7 +277,9 @@ def test_eval_workers_match_in_process():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(train_augment="squish|solarize"), "'solarize'"),
+    (dict(train_augment="squish|rotate"), "'rotate'"),
+    (dict(train_augment="squish|randaugment(2, 12)"), "'randaugment'"),
+    (dict(repeated_augment=0), "repeated_augment"),
     (dict(eval_resize="crop"), "eval_resize='crop'"),
     (dict(normalize="0_255"), "normalize='0_255'"),
     (dict(image_size=0), "image_size"),
@@ -298,3 +302,159 @@ def test_bad_batch_and_host_arguments():
     _train(_constant_source(2), _cfg(), gbs=4, p=2, count=2)
   with pytest.raises(ValueError, match="seed"):
     _train(_constant_source(2), _cfg(), seed=-1)
+
+
+def test_train_papers_augmentations_run_in_the_pipeline():
+  cfg = _cfg(image_size=8, train_augment="inception_crop|flip|randaugment(2, 9)|cutout|"
+             "three_augment|color_jitter(0.3)", normalize="imagenet")
+  batches = _take(_train(_noise_source(6), cfg, gbs=3), 4)
+  for batch in batches:
+    assert batch["image"].shape == (3, 8, 8, 3) and batch["image"].dtype == np.float32
+    assert np.isfinite(batch["image"]).all()
+  src = _cfg(image_size=6, train_augment="simple_random_crop(2)|flip")
+  assert next(_train(_noise_source(4), src, gbs=2))["image"].shape == (2, 6, 6, 3)
+
+
+def _copy_groups(batch, k):
+  """Copy-major rows -> [(label, [k images])] per distinct record."""
+  b = len(batch["label"]) // k
+  return [(int(batch["label"][j]), [batch["image"][c * b + j] for c in range(k)])
+          for j in range(b)
+          if all(batch["label"][c * b + j] == batch["label"][j] for c in range(k))]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_repeated_augmentation_copies_share_a_batch_with_own_augmentation(workers):
+  n, k, gbs = 8, 3, 6
+  source = _noise_source(n)
+  cfg = _cfg(train_augment="inception_crop|flip", repeated_augment=k, num_workers=workers)
+  steps = 2 * n * k // gbs  # Two passes over the distinct records.
+  it = _train(source, cfg, gbs=gbs)
+  try:
+    batches = _take(it, steps)
+  finally:
+    if workers:
+      it.close()
+  distinct = []
+  for batch in batches:
+    assert batch["image"].shape == (gbs, 4, 4, 3)
+    groups = _copy_groups(batch, k)
+    assert len(groups) == gbs // k  # Rows j, j + 2, j + 4 hold the copies of one record.
+    for label, copies in groups:
+      for a in range(k):
+        for b in range(a + 1, k):
+          assert not np.array_equal(copies[a], copies[b])  # Own augmentation per copy.
+      distinct.append(label)
+  if workers:  # Workers regroup records into batches; the records are the same.
+    assert sorted(distinct[:n]) == sorted(distinct[n:]) == list(range(n))
+    return
+  # One epoch of n rows shows n / k records; a pass over all n records takes k epochs.
+  assert sorted(distinct[:n]) == list(range(n)) and sorted(distinct[n:]) == list(range(n))
+  assert distinct[:n] != distinct[n:]  # Reshuffled every pass.
+
+
+def test_repeated_augmentation_host_slicing_without_overlap():
+  n, k, gbs, count = 8, 2, 8, 2
+  source = _noise_source(n)
+  cfg = _cfg(train_augment="inception_crop|flip", repeated_augment=k)
+  one_host = [g for b in _take(_train(source, cfg, gbs=gbs), 4) for g in _copy_groups(b, k)]
+  per_host = [[g for b in _take(_train(source, cfg, gbs=gbs, p=p, count=count), 4)
+               for g in _copy_groups(b, k)] for p in range(count)]
+  for p, groups in enumerate(per_host):
+    assert len(groups) == 8  # 4 batches of 4 rows = 2 records x 2 copies.
+    for i, (label, copies) in enumerate(groups):  # Host p: records p, p + 2, ... of the stream.
+      ref_label, ref_copies = one_host[p + i * count]
+      assert label == ref_label
+      for a, b in zip(copies, ref_copies):
+        np.testing.assert_array_equal(a, b)
+  first_pass = [{label for label, _ in groups[:n // count]} for groups in per_host]
+  assert not first_pass[0] & first_pass[1] and first_pass[0] | first_pass[1] == set(range(n))
+
+
+def test_repeated_augmentation_state_restore_corrupt_and_batch_check():
+  source = _noise_source(7)
+  cfg = _cfg(train_augment="resize_crop|flip", repeated_augment=2)
+  it = _train(source, cfg, gbs=4)
+  _take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = _take(it, 3)
+  resumed = _train(source, cfg, gbs=4)
+  resumed.set_state(state)
+  _assert_same_batches(_take(resumed, 3), expected)
+  # A corrupt record drops all its copies and counts once.
+  cfg = _cfg(repeated_augment=2)
+  clean = _take(_train(_constant_source(5), cfg, gbs=4), 12)
+  stream = [int(l) for b in clean for l in b["label"][:2]]  # Copy 0 of each record.
+  good = [i for i, label in enumerate(stream) if label != 3]
+  batches = _take(_train(_constant_source(5, corrupt=(3,)), cfg, gbs=4), 5)
+  labels = [int(l) for b in batches for l in b["label"][:2]]
+  assert labels == [stream[i] for i in good[:10]]
+  assert sum(int(b["_skipped"]) for b in batches) == stream[:good[9]].count(3) >= 2
+  with pytest.raises(ValueError, match="repeated_augment=3 must divide the per-host batch 4"):
+    _train(source, _cfg(repeated_augment=3), gbs=4)
+  with pytest.raises(ValueError, match="repeated_augment=2 must divide the per-host batch 3"):
+    _train(source, _cfg(repeated_augment=2), gbs=6, count=2)
+
+
+def _mixed(sources, weights, cfg=None, *, gbs=4, seed=0, p=0, count=1):
+  return pipeline.mixed_train_iterator(sources, weights, cfg or _cfg(), global_batch_size=gbs,
+                                       seed=seed, process_index=p, process_count=count)
+
+
+def _labelled_source(labels, corrupt=()):
+  return [{"image": b"bad" if i in corrupt else _png(np.full((5, 5, 3), i % 250, np.uint8)),
+           "label": label} for i, label in enumerate(labels)]
+
+
+def test_mixed_sources_realise_the_weights():
+  a = _labelled_source(range(10))  # Labels 0..9.
+  b = _labelled_source(range(100, 106))  # Labels 100..105.
+  c = _labelled_source(range(200, 203))
+  it = _mixed([a, b, c], [0.5, 0.3, 0.2], gbs=10)
+  labels = np.concatenate([x["label"] for x in _take(it, 60)])  # 600 records.
+  shares = [np.mean(labels < 100), np.mean((labels >= 100) & (labels < 200)),
+            np.mean(labels >= 200)]
+  np.testing.assert_allclose(shares, [0.5, 0.3, 0.2], atol=0.01)
+  # Also in a short window (the mix is interleaved, not drawn at random).
+  window = labels[:50]
+  assert abs(np.mean(window < 100) - 0.5) <= 0.04
+  # Within a source, each epoch is a shuffled permutation.
+  from_a = labels[labels < 100]
+  assert sorted(from_a[:10]) == list(range(10)) and list(from_a[:10]) != list(range(10))
+
+
+def test_mixed_sources_determinism_state_and_host_slicing():
+  a, b = _noise_source(6), [{**r, "label": r["label"] + 50} for r in _noise_source(5)]
+  cfg = _cfg(train_augment="inception_crop|flip")
+  first = _take(_mixed([a, b], [2, 1], cfg, seed=3), 5)
+  _assert_same_batches(_take(_mixed([a, b], [2, 1], cfg, seed=3), 5), first)
+  other = _take(_mixed([a, b], [2, 1], cfg, seed=4), 5)
+  assert not all(np.array_equal(x["label"], y["label"]) for x, y in zip(first, other))
+  it = _mixed([a, b], [2, 1], cfg, seed=3)
+  _take(it, 2)
+  state = json.loads(json.dumps(it.get_state()))
+  resumed = _mixed([a, b], [2, 1], cfg, seed=3)
+  resumed.set_state(state)
+  _assert_same_batches(_take(resumed, 3), first[2:])
+  stream = _rows(first)
+  for p in range(2):
+    rows = _rows(_take(_mixed([a, b], [2, 1], cfg, seed=3, p=p, count=2), 5))
+    for i, (label, image) in enumerate(rows[:len(stream) // 2]):
+      assert label == stream[p + 2 * i][0]
+      np.testing.assert_array_equal(image, stream[p + 2 * i][1])
+
+
+def test_mixed_corrupt_record_names_its_source_and_bad_weights():
+  a = _labelled_source(range(4))
+  b = _labelled_source(range(10, 14), corrupt=(2,))
+  it = _mixed([a, b], [1, 1], _cfg(fail_on_corrupt=True), gbs=2)
+  with pytest.raises(ValueError, match="corrupt image in record 2 of source 1"):
+    _take(it, 8)
+  skipped = sum(int(x["_skipped"]) for x in _take(_mixed([a, b], [1, 1], gbs=2), 8))
+  assert skipped == 2  # 16 records cover each record of b twice; record 2 is bad.
+  with pytest.raises(ValueError, match="2 sources but 1 weights"):
+    _mixed([a, b], [1])
+  with pytest.raises(ValueError, match="weight 1 must be a positive"):
+    _mixed([a, b], [1, 0])
+  with pytest.raises(ValueError, match="train source 1 is empty"):
+    _mixed([a, []], [1, 1])
