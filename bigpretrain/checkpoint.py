@@ -15,7 +15,17 @@ import orbax.checkpoint as ocp
 
 
 def _abstract(tree):
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  """Shape/dtype/sharding targets; leaves without a sharding restore onto the first device
+  (a checkpoint saved on any mesh loads on a laptop)."""
+  default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def one(x):
+    x = ocp.utils.to_shape_dtype_struct(x)
+    if getattr(x, "sharding", None) is None:
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
+    return x
+
+  return jax.tree.map(one, tree)
 
 
 class _IteratorSnapshot:

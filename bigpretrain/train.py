@@ -244,6 +244,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
           config.model_init, {"params": state["params"], "extra": state["extra"]})
       state = {**state, **loaded}
 
+  if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
   step_fn = exp.train_step()
   eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh)
