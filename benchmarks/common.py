@@ -1,0 +1,55 @@
+"""What the train-step benchmarks share: a compiled step on a fixed batch, and the report."""
+import resource
+import time
+
+import jax
+import numpy as np
+
+from bigpretrain import sharding
+from bigpretrain import train
+
+
+def synthetic_batch(exp) -> dict:
+  """A fixed batch of this process's rows, shaped like the pipeline's."""
+  rows = exp.config.batch_size // jax.process_count()
+  size = exp.config.data.image_size
+  rng = np.random.default_rng(0)
+  return {"image": rng.random((rows, size, size, 3), np.float32),
+          "label": rng.integers(0, exp.dataset.info.num_classes, rows).astype(np.int32)}
+
+
+class Runner:
+  """A compiled train step on a fixed batch, ready to time."""
+
+  def __init__(self, config):
+    self.config = config
+    self.exp = train.build(config)
+    self.state = self.exp.init_state()
+    self.batch = sharding.global_batch(synthetic_batch(self.exp), self.exp.mesh)
+    t0 = time.perf_counter()
+    with jax.set_mesh(self.exp.mesh):
+      self.step = self.exp.train_step().lower(self.state, self.batch, self.exp.frozen).compile()
+    self.compile_s = time.perf_counter() - t0
+    self.run(1)  # Warm-up.
+
+  def run(self, steps: int) -> float:
+    """Seconds per step over `steps` steps."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      self.state, m = self.step(self.state, self.batch, self.exp.frozen)
+    jax.block_until_ready(m)
+    return (time.perf_counter() - t0) / steps
+
+
+def report(config, step_s: float, compile_s: float) -> dict:
+  """The benchmark contract's fields for one config."""
+  out = {"config": config.objective.name, "model": config.model.name,
+         "batch_size": config.batch_size, "image_size": config.data.image_size,
+         "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+         "images_per_sec": config.batch_size / step_s, "step_time_ms": 1e3 * step_s,
+         "compile_time_s": compile_s,
+         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    out["peak_device_mb"] = stats["peak_bytes_in_use"] / 2**20
+  return out
