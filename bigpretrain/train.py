@@ -47,7 +47,10 @@ class Preemption:
     signal.signal(signal.SIGTERM, self._previous)
 
   def agreed(self) -> bool:
-    """True on every process once any process got SIGTERM, so all save the same step."""
+    """True on every process once any process got SIGTERM, so all save the same step.
+
+    With several processes this is a tiny all-gather per step, which waits for the step just
+    dispatched: the device then idles for one dispatch latency (milliseconds) per step."""
     if jax.process_count() == 1:
       return self.requested
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
@@ -71,9 +74,10 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
 
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
                     mixup_cfg=None, num_classes: int = 0):
-  """(state, batch) -> (state, metrics): loss, gradients, update, and norms, all on device.
+  """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device.
 
-  With mixup/cutmix on, the batch gains 'targets' [B, C] (soft labels) before the objective.
+  With mixup/cutmix on, the batch gains 'targets' [B, C] (soft labels) before the objective;
+  `frozen` is the objective's fixed input (a distillation teacher) or None.
   """
   base_rng = jax.random.key(seed)
   use_mixup = mixup_cfg is not None and (mixup_cfg.mixup_alpha > 0 or mixup_cfg.cutmix_alpha > 0)
