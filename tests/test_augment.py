@@ -102,6 +102,18 @@ def test_normalize_presets_against_numpy():
     assert augment.normalize(x, preset).dtype == np.float32
 
 
+def test_normalize_batch_per_channel_against_numpy():
+  x = np.random.default_rng(5).integers(0, 256, (2, 3, 5, 3), dtype=np.uint8)
+  f = x.astype(np.float64)
+  mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+  np.testing.assert_allclose(augment.normalize(x, "imagenet"), (f / 255 - mean) / std,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(augment.normalize(x, "0_1"), f / 255, rtol=1e-6)
+  assert augment.normalize(x, "minus1_1").shape == x.shape
+  with pytest.raises(ValueError, match="shape"):
+    augment.normalize(np.zeros((4, 4), np.uint8), "0_1")
+
+
 def test_normalize_unknown_preset():
   with pytest.raises(ValueError, match="'zscore'"):
     augment.normalize(np.zeros((1, 1, 3), np.uint8), "zscore")
