@@ -29,7 +29,7 @@ setuptools.setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8.0"],
+        "test": ["pytest>=8.0", "apache-beam>=2.60"],  # Beam: the data-preparation tests.
         "beam": ["apache-beam>=2.60"],
     },
 )
