@@ -184,15 +184,15 @@ def test_pos_embed_cls_placement():
   deit3 = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), pos_embed_cls=False)
   deit3.cls_token[...] = jnp.full((1, 1, 128), 0.5)
   tokens = deit3._tokens(x)  # pylint: disable=protected-access
-  assert tokens.shape == (2, 65, 128)
+  assert tokens.shape == (2, 17, 128)  # (32 / 8)^2 patches + class token
   np.testing.assert_array_equal(tokens[:, 0], np.full((2, 128), 0.5, np.float32))
-  patches = deit3.patch_embed(x).reshape(2, 64, 128)
+  patches = deit3.patch_embed(x).reshape(2, 16, 128)
   np.testing.assert_allclose(tokens[:, 1:], patches + deit3.pos_embed[...], rtol=1e-6)
 
 
 def test_gap_head_pools_the_mean_token():
   model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), head="gap")
-  assert model.cls_token is None and model.pos_embed.shape == (1, 64, 128)
+  assert model.cls_token is None and model.pos_embed.shape == (1, 16, 128)
   x = _images(2, 32)
   tokens = model._tokens(x)  # pylint: disable=protected-access
   for block in model.blocks:
@@ -286,6 +286,33 @@ def test_vit_stochastic_depth_needs_rng_and_is_deterministic_given_rng():
   assert not np.allclose(a, model(x, train=True, rng=jax.random.key(2)))
   assert not np.allclose(a, model(x))
   np.testing.assert_array_equal(model(x), model(x, train=False, rng=jax.random.key(1)))
+
+
+def test_vit_esd_mode_train_eval_and_full_drop():
+  kw = dict(num_classes=10, head_zeroinit=False, drop_path_schedule="uniform")
+  esd = models.get_model("vit_demo", rngs=nnx.Rngs(0), drop_path_rate=0.5,
+                         stochastic_depth="esd", **kw)
+  masked = models.get_model("vit_demo", rngs=nnx.Rngs(0), drop_path_rate=0.5, **kw)
+  x = _images(8, 32)
+  np.testing.assert_array_equal(esd(x), masked(x))  # Same weights; eval ignores the mode.
+  with pytest.raises(ValueError, match="rng"):
+    esd(x, train=True)
+  a = esd(x, train=True, rng=jax.random.key(1))
+  np.testing.assert_allclose(jax.jit(lambda v, k: esd(v, train=True, rng=k))(x, jax.random.key(1)),
+                             a, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(a, esd(x, train=True, rng=jax.random.key(2)))
+  assert not np.allclose(a, esd(x), atol=1e-3)
+  # Rate 1 keeps no rows: every block is the identity in both modes, so the class-token
+  # feature is LayerNorm(cls_token + 0) (DeiT-III: no position embedding on the class token).
+  for mode in ("esd", "mask"):
+    model = models.get_model("vit_demo", rngs=nnx.Rngs(0), drop_path_rate=1.0,
+                             stochastic_depth=mode, pos_embed_cls=False, **kw)
+    model.cls_token[...] = jax.random.normal(jax.random.key(9), (1, 1, 128))
+    want = _layer_norm(np.asarray(model.cls_token[...])[0, 0])
+    np.testing.assert_allclose(model.features(x, train=True, rng=jax.random.key(0)),
+                               np.broadcast_to(want, (8, 128)), rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="stochastic_depth"):
+    models.get_model("vit_demo", rngs=nnx.Rngs(0), stochastic_depth="fast", **kw)
 
 
 def test_vit_under_jit_with_split_params():

@@ -1,5 +1,6 @@
 """Building blocks shared by the models: stochastic depth, LayerScale, MLP, init helpers."""
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,99 @@ def drop_path(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
   keep_prob = 1.0 - rate
   keep = jax.random.bernoulli(rng, keep_prob, (x.shape[0],) + (1,) * (x.ndim - 1))
   return x * (keep.astype(x.dtype) / jnp.asarray(keep_prob, x.dtype))
+
+
+STOCHASTIC_DEPTH_MODES = ("mask", "esd")
+# Mesh axes the batch is split over (bigpretrain.sharding.BATCH_AXES; not imported, so the
+# models stay independent of the trainer).
+_BATCH_AXES = ("data", "fsdp")
+
+
+def check_stochastic_depth_mode(mode: str) -> str:
+  if mode not in STOCHASTIC_DEPTH_MODES:
+    raise ValueError(f"stochastic_depth must be one of {STOCHASTIC_DEPTH_MODES}, got {mode!r}")
+  return mode
+
+
+def data_shards() -> int:
+  """Number of data-parallel shards of the batch under the current mesh (1 without one).
+
+  The product of the 'data' and 'fsdp' axes of `jax.sharding.get_abstract_mesh()`, i.e. of
+  the mesh set with `jax.set_mesh` (the trainer runs its step under it).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  return math.prod(mesh.shape.get(a, 1) for a in _BATCH_AXES)
+
+
+def esd_kept_rows(rate: float, rows: int) -> int:
+  """Rows of a local batch of `rows` whose branch ESD computes: floor((1 - rate) * rows).
+
+  A tiny tolerance keeps float error from flooring an exact product one row too low (e.g.
+  (1 - 0.9) * 10 is 0.999... in binary floating point).
+  """
+  if not 0.0 <= rate <= 1.0:
+    raise ValueError(f"drop_path_rate must be in [0, 1], got {rate!r}")
+  return min(rows, math.floor((1.0 - rate) * rows + 1e-6))
+
+
+def esd_effective_rate(rate: float, rows: int) -> float:
+  """The drop rate ESD actually applies to a local batch of `rows` (cosub supplement C.1)."""
+  return 1.0 - esd_kept_rows(rate, rows) / rows
+
+
+def _constrain_to_shards(x: jax.Array) -> jax.Array:
+  """Pins axis 0 of `x` (one entry per data shard) to the batch mesh axes, when on Auto axes."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names)
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  auto = all(types[a] == jax.sharding.AxisType.Auto for a in axes)
+  if not axes or not auto:
+    return x  # Explicit axes carry the sharding in the type; the reshape keeps it.
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
+
+
+def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: float,
+                 rng: jax.Array | None, *, num_shards: int | None = None) -> jax.Array:
+  """Efficient stochastic depth (cosub supplement C): x + branch on a random row subset.
+
+  Instead of computing `branch` on every row and zeroing a random share of them, each data
+  shard picks k = floor((1 - rate) * n) of its n rows by a random permutation (a static
+  count, so it jits), computes `branch` on those rows only, scales the result by n / k and
+  adds it back to those rows; the other rows pass through unchanged. Every row's branch is
+  thus kept with probability k / n and the expectation equals x + branch(x), as with masked
+  stochastic depth at the effective rate 1 - k / n. Rows never leave their shard: the batch is
+  viewed as [num_shards, n, ...] with axis 0 on the ('data', 'fsdp') mesh axes, and the gather
+  and scatter are batched over that axis. `branch` must act on each row independently.
+
+  `num_shards` defaults to data_shards(). rate 0 computes the branch on all rows (no rng
+  needed); a rate that floors k to 0 skips the branch entirely.
+  """
+  rows = x.shape[0]
+  shards = data_shards() if num_shards is None else int(num_shards)
+  if shards < 1 or rows % shards:
+    raise ValueError(f"efficient stochastic depth: {rows} rows do not split evenly over "
+                     f"{shards} data shards (mesh data x fsdp).")
+  n = rows // shards
+  keep = esd_kept_rows(rate, n)
+  if keep == n:
+    return x + branch(x)
+  if keep == 0:
+    return x
+  if rng is None:
+    raise ValueError(f"efficient stochastic depth with rate {rate} needs an `rng` key.")
+  xs = _constrain_to_shards(x.reshape((shards, n) + x.shape[1:]))
+  idx = jax.vmap(lambda k: jax.random.permutation(k, n)[:keep])(jax.random.split(rng, shards))
+  idx = _constrain_to_shards(idx)
+  sub = jax.vmap(lambda rows_, i: rows_[i])(xs, idx)  # [shards, keep, ...]
+  y = branch(sub.reshape((shards * keep,) + x.shape[1:]))
+  y = y.reshape((shards, keep) + y.shape[1:]) * jnp.asarray(n / keep, y.dtype)
+  out = jax.vmap(lambda rows_, i, v: rows_.at[i].add(v.astype(rows_.dtype),
+                                                     unique_indices=True))(xs, idx, y)
+  return out.reshape(x.shape)
 
 
 def fold_rng(rng: jax.Array | None, *data: int) -> jax.Array | None:

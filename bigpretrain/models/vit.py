@@ -3,6 +3,9 @@
 Pre-norm blocks  x + DP(LS(attn(LN(x))))  and  x + DP(LS(mlp(LN(x)))), exact GELU, a final
 LayerNorm and a linear head. DP is per-sample stochastic depth drawn from the explicit `rng`
 call argument, independently per block and per residual branch; LS is optional LayerScale.
+`stochastic_depth='mask'` computes every branch on every row and zeroes the dropped rows;
+'esd' (efficient stochastic depth, cosub supplement C) computes each branch only on the kept
+rows of each data shard (layers.esd_residual), which saves compute and activation memory.
 
 Init: patch embedding lecun-normal, attention/MLP kernels xavier-uniform, position embedding
 truncated-normal(0.02), class token zeros, and a zero-initialised head (as big_vision does:
@@ -65,7 +68,7 @@ class Block(nnx.Module):
 
   def __init__(self, dim: int, num_heads: int, mlp_dim: int, *, qkv_bias: bool,
                layerscale_init: float | None, drop_path_rate: float, dtype, param_dtype,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, stochastic_depth: str = "mask"):
     norm = functools.partial(nnx.LayerNorm, dim, epsilon=1e-6, dtype=dtype,
                              param_dtype=param_dtype, rngs=rngs)
     self.norm1 = norm()
@@ -79,20 +82,29 @@ class Block(nnx.Module):
       self.ls1 = layers.LayerScale(dim, layerscale_init, param_dtype=param_dtype)
       self.ls2 = layers.LayerScale(dim, layerscale_init, param_dtype=param_dtype)
     self.drop_path_rate = float(drop_path_rate)
+    self.stochastic_depth = layers.check_stochastic_depth_mode(stochastic_depth)
 
-  def _residual(self, x, y, scale, train, rng):
-    if scale is not None:
-      y = scale(y)
+  def _residual(self, x, branch, train, rng):
+    """x + DP(branch(x)): masked per-row drop, or ESD on a row subset when training."""
+    if train and self.stochastic_depth == "esd":
+      return layers.esd_residual(x, branch, self.drop_path_rate, rng)
+    y = branch(x)
     if train:
       y = layers.drop_path(y, self.drop_path_rate, rng)
     return x + y
 
+  def _attn_branch(self, x):
+    y = self.attn(self.norm1(x))
+    return y if self.ls1 is None else self.ls1(y)
+
+  def _mlp_branch(self, x):
+    y = self.mlp(self.norm2(x))
+    return y if self.ls2 is None else self.ls2(y)
+
   def __call__(self, x: jax.Array, *, train: bool = False, rng: jax.Array | None = None):
     """`rng` is this block's key; the two branches fold in 0 (attention) and 1 (MLP)."""
-    x = self._residual(x, self.attn(self.norm1(x)), self.ls1, train,
-                       layers.fold_rng(rng, 0))
-    x = self._residual(x, self.mlp(self.norm2(x)), self.ls2, train,
-                       layers.fold_rng(rng, 1))
+    x = self._residual(x, self._attn_branch, train, layers.fold_rng(rng, 0))
+    x = self._residual(x, self._mlp_branch, train, layers.fold_rng(rng, 1))
     return x
 
 
@@ -104,7 +116,8 @@ class VisionTransformer(nnx.Module):
                head: str = "token", layerscale_init: float | None = None,
                qkv_bias: bool = True, drop_path_rate: float = 0.0,
                drop_path_schedule: str = "linear", pos_embed_cls: bool = True,
-               dtype=jnp.float32, param_dtype=jnp.float32, head_zeroinit: bool = True):
+               dtype=jnp.float32, param_dtype=jnp.float32, head_zeroinit: bool = True,
+               stochastic_depth: str = "mask"):
     if head not in ("token", "gap"):
       raise ValueError(f"head must be 'token' or 'gap', got {head!r}")
     h, w = _pair(image_size)
@@ -120,6 +133,7 @@ class VisionTransformer(nnx.Module):
     self.pos_embed_cls = pos_embed_cls
     self.dtype = dtype
     self.drop_path_rates = layers.drop_path_rates(drop_path_rate, depth, drop_path_schedule)
+    self.stochastic_depth = layers.check_stochastic_depth_mode(stochastic_depth)
 
     self.patch_embed = nnx.Conv(
         3, width, (patch_size, patch_size), strides=patch_size, padding="VALID",
@@ -140,7 +154,8 @@ class VisionTransformer(nnx.Module):
         out_sharding=(None, None, "embed"))
     self.blocks = nnx.List([
         Block(width, num_heads, mlp_dim, qkv_bias=qkv_bias, layerscale_init=layerscale_init,
-              drop_path_rate=rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+              drop_path_rate=rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+              stochastic_depth=stochastic_depth)
         for rate in self.drop_path_rates])
     self.norm = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
@@ -166,6 +181,19 @@ class VisionTransformer(nnx.Module):
     if self.pos_embed_cls:
       return jnp.concatenate([cls, x], axis=1) + pos
     return jnp.concatenate([cls, x + pos], axis=1)
+
+  def effective_drop_path_rates(self, batch_size: int) -> list[float]:
+    """Per-block drop rates training applies to a global batch of `batch_size` rows.
+
+    The nominal rates for 'mask'; for 'esd' the rates after flooring the kept rows of each
+    data shard under the current mesh (cosub supplement C.1), e.g. 0.5 -> 0.6 for 5 local rows.
+    """
+    if self.stochastic_depth == "mask":
+      return list(self.drop_path_rates)
+    shards = layers.data_shards()
+    if batch_size % shards:
+      raise ValueError(f"batch of {batch_size} rows does not split over {shards} data shards.")
+    return [layers.esd_effective_rate(r, batch_size // shards) for r in self.drop_path_rates]
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

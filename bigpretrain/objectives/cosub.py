@@ -35,6 +35,7 @@ class Cosub:
                           "bce_binarize"})
     self.topk = topk
     self.num_classes = info.num_classes
+    self.tree = base.class_tree(info)  # Semantic eval metrics on WordNet-labelled data.
     self.kind = cfg.get("kind", "bce")
     self.num_submodels = cfg.get("num_submodels", 2)
     self.label_weight = float(cfg.get("label_weight", 0.5))
@@ -114,4 +115,7 @@ class Cosub:
   def eval_metrics(self, model, batch):
     logits = model(batch["image"], train=False)
     mask = base.eval_mask(batch, logits.shape[0])
-    return base.topk_metrics(logits, batch["label"], mask, self.topk)
+    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
+    if self.tree is not None:
+      out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
+    return out
