@@ -6,6 +6,7 @@ checkpoint that fails to restore is moved aside to `<dir>_corrupt/` and the prev
 """
 import json
 import os
+import re
 import shutil
 
 from absl import logging
@@ -121,3 +122,51 @@ def load_params(directory: str, abstract_params: dict, step: int | None = None) 
         params=ocp.args.StandardRestore(_abstract(abstract_params))))
   logging.info("Loaded params from %s step %d", directory, step)
   return out["params"]
+
+
+def _paths(tree) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): v for p, v in flat}
+
+
+def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[str]]:
+  """Initialises {'params', 'extra'} from a checkpoint whose model may differ (fine-tuning).
+
+  Arrays whose path matches the `skip` regex, or whose shape differs (a 21k head loaded into a
+  1k model), keep their fresh initialisation; everything else is loaded with `state`'s
+  shardings. Returns the new tree and the paths kept fresh.
+  """
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
+  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+    saved = manager.item_metadata(step)["params"]
+    ours = _paths(state)
+    pattern = re.compile(skip) if skip else None
+
+    def target(path, meta):
+      name = jax.tree_util.keystr(path, simple=True, separator="/")
+      mine = ours.get(name)
+      if mine is not None and tuple(mine.shape) == tuple(meta.shape):
+        return ocp.utils.to_shape_dtype_struct(mine)
+      return jax.ShapeDtypeStruct(meta.shape, meta.dtype,
+                                  sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+    abstract = jax.tree_util.tree_map_with_path(target, saved)
+    loaded = _paths(manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))["params"])
+  fresh = []
+
+  def pick(path, mine):
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    value = loaded.get(name)
+    if value is None or value.shape != mine.shape or (pattern and pattern.search(name)):
+      fresh.append(name)
+      return mine
+    return value
+
+  out = jax.tree_util.tree_map_with_path(pick, state)
+  logging.info("Initialised from %s step %d; kept fresh: %s", directory, step, fresh)
+  return out, fresh

@@ -41,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.compilation_cache_dir = ''
   c.resume = ''  # Checkpoint dir to resume from when the workdir has none.
   c.model_init = ''  # Checkpoint to load params from (a teacher, an ImageNet-1K init).
+  # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
+  # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
+  c.model_init_skip = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
   # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
@@ -165,7 +168,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
   if config.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f'config.compute_dtype={config.compute_dtype!r} must be one of '
                      f'{COMPUTE_DTYPES}.')
-  for key in ('compilation_cache_dir', 'resume', 'model_init'):
+  for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip'):
     if not isinstance(config[key], str):
       raise ValueError(f'config.{key}={config[key]!r} must be a str.')
   for section in ('model', 'data', 'objective'):

@@ -244,9 +244,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
   else:
     start = 0
     if config.model_init:
-      loaded = ckpt_lib.load_params(
-          config.model_init, {"params": state["params"], "extra": state["extra"]})
+      loaded, fresh = ckpt_lib.init_from(
+          config.model_init, {"params": state["params"], "extra": state["extra"]},
+          skip=config.model_init_skip)
       state = {**state, **loaded}
+      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
+            flush=True)
 
   if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
