@@ -110,10 +110,17 @@ class Checkpointer:
     self.manager.close()
 
 
+def checkpoint_dir(path: str) -> str:
+  """Accepts a run's workdir or its checkpoints/ folder; checks it exists."""
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"Checkpoint directory {path} does not exist.")
+  inner = os.path.join(path, "checkpoints")
+  return inner if os.path.isdir(inner) else path
+
+
 def load_params(directory: str, abstract_params: dict, step: int | None = None) -> dict:
   """Loads {'params', 'extra'} from a bigpretrain checkpoint dir (model_init, teachers)."""
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
+  directory = checkpoint_dir(directory)
   with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
@@ -136,8 +143,7 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
   1k model), keep their fresh initialisation; everything else is loaded with `state`'s
   shardings. Returns the new tree and the paths kept fresh.
   """
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
+  directory = checkpoint_dir(directory)
   with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
     step = manager.latest_step()
     if step is None:

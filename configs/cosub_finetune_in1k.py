@@ -27,8 +27,8 @@ cross-entropy when fine-tuning from 21k) with mixup 0.8 / cutmix 1.0 and label s
 Random Resized Crop + 3-Augment + flip. The supplement gives no fine-tuning tau; we use its
 "Imnet1k train" row of Table A.1 (the fine-tuning data is ImageNet-1k).
 
-The 21k checkpoint's head has the 21k classes; loading it into the 1k model needs the head
-left out of the restore (see the trainer's model_init).
+The 21k checkpoint's head has the 21k classes: model_init keeps arrays whose shape differs
+(and those matching config.model_init_skip) freshly initialised, so the 1k head starts anew.
 
 Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
 tau (-1 = Table A.1), layer_decay (-1 = Table A.1; the demo uses 0.75), submodels (2).

@@ -50,3 +50,13 @@ def semantic_eval_metrics(logits, labels, mask, tree) -> dict:
   for k in range(tree.num_levels):
     out[f"eval/level{k}_top1"] = (correct[k], valid[k])
   return out
+
+
+def classification_eval(model, batch, topk, tree):
+  """Eval logits plus top-k metrics and, on WordNet-labelled data, semantic metrics."""
+  logits = model(batch["image"], train=False)
+  mask = eval_mask(batch, logits.shape[0])
+  out = topk_metrics(logits, batch["label"], mask, topk)
+  if tree is not None:
+    out.update(semantic_eval_metrics(logits, batch["label"], mask, tree))
+  return logits, mask, out

@@ -67,10 +67,7 @@ class MultiLabel:
     return loss, {}
 
   def eval_metrics(self, model, batch):
-    logits = model(batch["image"], train=False)
-    mask = base.eval_mask(batch, logits.shape[0])
-    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
-    out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
+    logits, mask, out = base.classification_eval(model, batch, self.topk, self.tree)
     # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.
     y = self.multi_hot(batch["label"]) * mask[:, None]
     bins = jnp.clip((jax.nn.sigmoid(logits) * self.bins).astype(jnp.int32), 0, self.bins - 1)

@@ -5,8 +5,6 @@ level-softmaxes weighted by the teacher's confidence at that level. The teacher 
 registered model loaded frozen from a bigpretrain checkpoint, sharded like the student and run
 inside the same jitted step.
 """
-import os
-
 import jax
 
 from bigpretrain import checkpoint
@@ -15,15 +13,6 @@ from bigpretrain import models
 from bigpretrain import sharding
 from bigpretrain.objectives import base
 from bigpretrain.objectives import semantic_softmax
-
-
-def _checkpoint_dir(path: str) -> str:
-  """Accepts a run's workdir or its checkpoints/ folder."""
-  if not path:
-    raise ValueError("config.objective.teacher_checkpoint is empty: semantic_kd needs a "
-                     "teacher checkpoint (a bigpretrain workdir or its checkpoints/ folder).")
-  inner = os.path.join(path, "checkpoints")
-  return inner if os.path.isdir(inner) else path
 
 
 class SemanticKD(semantic_softmax.SemanticSoftmax):
@@ -37,7 +26,10 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
     if "teacher_model" not in cfg or "name" not in cfg.teacher_model:
       raise ValueError("config.objective.teacher_model.name must name the teacher's model.")
     self.teacher_cfg = dict(cfg.teacher_model)
-    self.teacher_dir = _checkpoint_dir(cfg.get("teacher_checkpoint", ""))
+    self.teacher_dir = cfg.get("teacher_checkpoint", "")
+    if not self.teacher_dir:
+      raise ValueError("config.objective.teacher_checkpoint is empty: semantic_kd needs a "
+                       "teacher checkpoint (a bigpretrain workdir or its checkpoints/ folder).")
     self.num_classes = info.num_classes
     self.teacher_def = None
 

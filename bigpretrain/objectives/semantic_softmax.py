@@ -33,8 +33,4 @@ class SemanticSoftmax:
     return loss, {f"train/level{k}_loss": l for k, l in enumerate(aux["level_losses"])}
 
   def eval_metrics(self, model, batch):
-    logits = model(batch["image"], train=False)
-    mask = base.eval_mask(batch, logits.shape[0])
-    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
-    out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
-    return out
+    return base.classification_eval(model, batch, self.topk, self.tree)[2]

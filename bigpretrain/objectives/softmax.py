@@ -19,9 +19,4 @@ class Softmax:
     return loss, {}
 
   def eval_metrics(self, model, batch):
-    logits = model(batch["image"], train=False)
-    mask = base.eval_mask(batch, logits.shape[0])
-    out = base.topk_metrics(logits, batch["label"], mask, self.topk)
-    if self.tree is not None:
-      out.update(base.semantic_eval_metrics(logits, batch["label"], mask, self.tree))
-    return out
+    return base.classification_eval(model, batch, self.topk, self.tree)[2]
