@@ -19,6 +19,14 @@ def partitioned(init, names: Sequence[str | None]):
   return nnx.with_partitioning(init, tuple(names))
 
 
+def classifier_head(in_features: int, num_classes: int, *, param_dtype, rngs,
+                    kernel_init=nnx.initializers.zeros) -> nnx.Linear:
+  """The float32 linear classifier every model ends with (zero-initialised by default)."""
+  return nnx.Linear(in_features, num_classes,
+                    kernel_init=partitioned(kernel_init, ("embed", "classes")),
+                    dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+
+
 def drop_path_rates(rate: float, depth: int, schedule: str = "linear") -> list[float]:
   """Per-block stochastic-depth rates.
 

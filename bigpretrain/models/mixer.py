@@ -64,10 +64,7 @@ class MlpMixer(nnx.Module):
     self.depth = self.num_blocks = depth
     self.norm = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
-    self.head = nnx.Linear(width, num_classes,
-                           kernel_init=layers.partitioned(nnx.initializers.zeros,
-                                                          ("embed", "classes")),
-                           dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+    self.head = layers.classifier_head(width, num_classes, param_dtype=param_dtype, rngs=rngs)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

@@ -128,10 +128,8 @@ class MobileNetV3(nnx.Module):
     self.conv_last, self.bn_last = ops.conv(in_ch, 960), ops.bn(960)
     self.conv_head = ops.conv(960, num_features, bias=True)
     self.num_features = num_features
-    self.head = nnx.Linear(num_features, num_classes,
-                           kernel_init=layers.partitioned(nnx.initializers.zeros,
-                                                          ("embed", "classes")),
-                           dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+    self.head = layers.classifier_head(num_features, num_classes, param_dtype=param_dtype,
+                                       rngs=rngs)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

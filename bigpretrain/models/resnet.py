@@ -90,10 +90,7 @@ class ResNet(nnx.Module):
     self.blocks = nnx.List(blocks)
     self.depth = self.num_blocks = len(blocks)
     self.num_features = in_ch
-    self.head = nnx.Linear(in_ch, num_classes,
-                           kernel_init=layers.partitioned(nnx.initializers.zeros,
-                                                          ("embed", "classes")),
-                           dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+    self.head = layers.classifier_head(in_ch, num_classes, param_dtype=param_dtype, rngs=rngs)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

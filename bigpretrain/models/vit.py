@@ -163,9 +163,8 @@ class VisionTransformer(nnx.Module):
                  else nnx.initializers.truncated_normal(0.02))
     # The head runs in float32 whatever the compute dtype: logits feed softmaxes over up to
     # ~11k-21k classes.
-    self.head = nnx.Linear(width, num_classes,
-                           kernel_init=layers.partitioned(head_init, ("embed", "classes")),
-                           dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+    self.head = layers.classifier_head(width, num_classes, param_dtype=param_dtype, rngs=rngs,
+                                       kernel_init=head_init)
 
   def _tokens(self, images: jax.Array) -> jax.Array:
     if images.ndim != 4 or images.shape[1:3] != self.image_size or images.shape[3] != 3:
