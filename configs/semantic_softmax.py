@@ -58,7 +58,8 @@ def get_config(arg=None):
   else:
     config.model = dict(name=arg.model or "vit_b16")
     config.data.image_size = 224
-    config.data.train_augment = "squish|flip"  # + RandAugment and Cutout 0.5 (data issue).
+    # The authors' order: squish-resize, Cutout (half-size box, random colour), RandAugment.
+    config.data.train_augment = "squish|cutout|randaugment(2, 9)"
     config.data.num_workers = 8
     config.batch_size = 512  # 64 per device on 8 devices.
     config.num_epochs = arg.epochs
