@@ -15,18 +15,18 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def _target(x):
+  """Shape/dtype/sharding target of one array; without a sharding it restores onto the first
+  device (a checkpoint saved on any mesh loads on a laptop)."""
+  x = ocp.utils.to_shape_dtype_struct(x)
+  if getattr(x, "sharding", None) is None:
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                             sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  return x
+
+
 def _abstract(tree):
-  """Shape/dtype/sharding targets; leaves without a sharding restore onto the first device
-  (a checkpoint saved on any mesh loads on a laptop)."""
-  default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-  def one(x):
-    x = ocp.utils.to_shape_dtype_struct(x)
-    if getattr(x, "sharding", None) is None:
-      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
-    return x
-
-  return jax.tree.map(one, tree)
+  return jax.tree.map(_target, tree)
 
 
 class _IteratorSnapshot:
@@ -156,9 +156,8 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
       name = jax.tree_util.keystr(path, simple=True, separator="/")
       mine = ours.get(name)
       if mine is not None and tuple(mine.shape) == tuple(meta.shape):
-        return ocp.utils.to_shape_dtype_struct(mine)
-      return jax.ShapeDtypeStruct(meta.shape, meta.dtype,
-                                  sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        return _target(mine)
+      return _target(jax.ShapeDtypeStruct(meta.shape, meta.dtype))
 
     abstract = jax.tree_util.tree_map_with_path(target, saved)
     loaded = _paths(manager.restore(step, args=ocp.args.Composite(

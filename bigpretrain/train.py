@@ -206,7 +206,9 @@ def build(config, devices=None) -> Experiment:
   dataset = datasets.get_dataset(config.data)
   info = dataset.info
   objective = objectives.get_objective(config.objective, info, config.eval.topk)
-  total_steps = config_lib.resolve_total_steps(config, info.num_examples[config.data.train_split])
+  num_train = info.num_examples[config.data.train_split]
+  total_steps = config_lib.resolve_total_steps(config, num_train)
+  logging.info("Run length: %s", config_lib.describe_duration(config, num_train))
   model_def = models.ModelDef.from_config(config.model, info.num_classes, config.compute_dtype)
   tx, schedule = optim.make_optimizer(config.optim, total_steps=total_steps)
   shardings = state_shardings(model_def, tx, config, mesh)
