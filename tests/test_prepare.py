@@ -8,6 +8,7 @@ computed here independently (sha256 ranking, PIL resizing, the threshold by hand
 """
 import hashlib
 import io
+import json
 import logging
 import os
 import pathlib
@@ -22,6 +23,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from bigpretrain.semantic import tree as tree_lib
+from tests import helpers
 from input_pipeline import datasets
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p as i21k
@@ -503,3 +505,29 @@ def test_command_line_output_is_identical_under_another_hash_seed(prepared, raw,
   for name in ("metadata.json", "label.labels.txt"):
     assert (pathlib.Path(here.data_dir) / name).read_bytes() == (
         pathlib.Path(there.data_dir) / name).read_bytes()
+
+
+def test_semantic_softmax_recipe_trains_on_the_prepared_dir(prepared, tmp_path):
+  """The recipe's paper-scale config, pointed at the prepared folder, trains and evaluates
+  (tiny model and images; its augmentations, epochs-based length and bfloat16 as configured)."""
+  out, ds = prepared["folders"]
+  workdir = tmp_path / "run"
+  config = (f"--config={helpers.ROOT / 'configs' / 'semantic_softmax.py'}:"
+            f"dataset=imagenet21k_p,data_dir={out},model=vit_demo,epochs=2")
+  overrides = {"batch_size": 4, "data.image_size": 32, "data.num_workers": 0,
+               "eval_every_steps": 0, "log_every_steps": 1, "ckpt_every_steps": 0,
+               "compilation_cache_dir": helpers.JAX_CACHE}
+  result = helpers.run_main([config, f"--workdir={workdir}"] +
+                            [f"--config.{k}={v}" for k, v in overrides.items()])
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  n_train = ds.info.num_examples["train"]
+  steps = -(-2 * n_train // 4)  # epochs=2: ceil(2 * N / batch).
+  train_rows = [r for r in rows if "train/loss" in r]
+  assert [r["step"] for r in train_rows] == list(range(1, steps + 1))
+  assert all(np.isfinite(r["train/loss"]) for r in train_rows)
+  final = [r for r in rows if "eval/semantic_top1" in r]
+  assert final and final[-1]["eval/num_examples"] == ds.info.num_examples["validation"]
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["data"]["train_augment"] == "squish|cutout|randaugment(2, 9)"
+  assert saved["data"]["name"] == "imagenet21k_p" and saved["compute_dtype"] == "bfloat16"
