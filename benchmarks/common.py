@@ -14,7 +14,7 @@ def synthetic_batch(exp) -> dict:
   rows = exp.config.batch_size // jax.process_count()
   size = exp.config.data.image_size
   rng = np.random.default_rng(0)
-  return {"image": rng.random((rows, size, size, 3), np.float32),
+  return {"image": rng.integers(0, 256, (rows, size, size, 3), np.uint8),
           "label": rng.integers(0, exp.dataset.info.num_classes, rows).astype(np.int32)}
 
 

@@ -1,14 +1,17 @@
 """Evaluation over a whole split: every example counted once, on any number of hosts."""
 import jax
 
+from bigpretrain import preprocess
 from bigpretrain import sharding
 from input_pipeline import pipeline
 
 
-def make_eval_step(model_def, objective, shardings, mesh):
-  """(params, extra, batch) -> {name: (numerator, denominator)} summed over the global batch."""
+def make_eval_step(model_def, objective, shardings, mesh, normalize: str):
+  """(params, extra, batch) -> {name: (numerator, denominator)} summed over the global batch;
+  uint8 images are normalised by the `normalize` preset (config.data.normalize)."""
 
   def eval_step(params, extra, batch):
+    batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
     return objective.eval_metrics(model_def.merge(params, extra), batch)
 
   return jax.jit(eval_step,

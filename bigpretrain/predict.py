@@ -19,11 +19,11 @@ import numpy as np
 
 from bigpretrain import checkpoint
 from bigpretrain import models
+from bigpretrain import preprocess
 from bigpretrain.objectives import base
 from bigpretrain.semantic import wordnet
 from input_pipeline import augment
 from input_pipeline import datasets
-from input_pipeline import pipeline
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder.", required=True)
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per image instead of text.")
@@ -45,14 +45,14 @@ def load_run(workdir: str):
   return config, info, model_def, state
 
 
-def preprocess(paths, data_cfg) -> np.ndarray:
-  """Decodes and resizes like the eval pipeline; float32 [N, S, S, 3]."""
+def load_images(paths, data_cfg) -> np.ndarray:
+  """Decodes and resizes like the eval pipeline; uint8 [N, S, S, 3]."""
   images = []
   for p in paths:
     with open(p, "rb") as f:
-      image = pipeline.decode_image(f.read())
+      image = augment.open_image(f.read())
     images.append(np.asarray(augment.EVAL_RESIZES[data_cfg.eval_resize](image, data_cfg.image_size)))
-  return augment.normalize(np.stack(images), data_cfg.normalize)
+  return np.stack(images)
 
 
 def _name(wnid: str) -> str:
@@ -79,8 +79,10 @@ def semantic_view(logits: np.ndarray, tree, sigmoid: bool, threshold: float) -> 
 
 def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
   config, info, model_def, state = load_run(workdir)
-  forward = jax.jit(lambda p, e, x: model_def.merge(p, e)(x, train=False))
-  logits = np.asarray(forward(state["params"], state["extra"], jnp.asarray(preprocess(paths, config.data))))
+  forward = jax.jit(lambda p, e, x: model_def.merge(p, e)(
+      preprocess.normalize(x, config.data.normalize), train=False))
+  logits = np.asarray(forward(state["params"], state["extra"],
+                              jnp.asarray(load_images(paths, config.data))))
   tree = base.class_tree(info)
   results = []
   for path, row in zip(paths, logits):

@@ -23,6 +23,7 @@ from bigpretrain import metrics as metrics_lib
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
+from bigpretrain import preprocess
 from bigpretrain import sharding
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -73,9 +74,10 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
 
 
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
-                    mixup_cfg=None, num_classes: int = 0):
+                    mixup_cfg, num_classes: int, normalize: str):
   """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device.
 
+  The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
   With mixup/cutmix on, the batch gains 'targets' [B, C] (soft labels) before the objective;
   `frozen` is the objective's fixed input (a distillation teacher) or None.
   """
@@ -84,6 +86,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
 
   def train_step(state, batch, frozen):
     rng = jax.random.fold_in(base_rng, state["step"])
+    batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
     if use_mixup:
       from bigpretrain import mixup  # pylint: disable=import-outside-toplevel
       rng, mix_rng = jax.random.split(rng)
@@ -190,7 +193,8 @@ class Experiment:
   def train_step(self):
     """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
-                         self.config.seed, self.config.mixup, self.dataset.info.num_classes)
+                         self.config.seed, self.config.mixup, self.dataset.info.num_classes,
+                         self.config.data.normalize)
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
@@ -258,7 +262,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
       f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
   step_fn = exp.train_step()
-  eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh)
+  eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh,
+                                    config.data.normalize)
 
   def run_eval(step, state):
     results = evaluate.evaluate(eval_fn, state, dataset, config, mesh, objective=exp.objective)

@@ -6,16 +6,23 @@ through PIL (Image, ImageOps, ImageEnhance, ImageFilter); numpy only pads and no
 Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind;
 `apply_train_ops` keeps a PIL image between ops to avoid array copies.
 
+Ops also accept an image from `open_image` whose pixels are not decoded yet. The resizing ops
+then decode a JPEG straight to a 1/2, 1/4 or 1/8 scale when their output still gets at least
+its full resolution from it (libjpeg's DCT scaling through PIL's `draft`): a 1024 x 768 photo
+squished to 224 is decoded at 512 x 384, about 3x cheaper. inception_crop picks its box
+from the header size first, so the scale follows the box. Any other op decodes in full.
+
 Train ops are selected by a '|'-separated string (config `data.train_augment`), each entry
 `name` or `name(arg, ...)`, e.g. 'inception_crop|flip|randaugment(2, 9)'. See TRAIN_OPS.
 """
 import functools
+import io
 import math
 import re
 from typing import Callable, Union
 
 import numpy as np
-from PIL import Image, ImageEnhance, ImageFilter, ImageOps
+from PIL import Image, ImageEnhance, ImageFile, ImageFilter, ImageOps
 
 Img = Union[np.ndarray, Image.Image]
 
@@ -31,7 +38,56 @@ NORMALIZE_PRESETS = ("0_1", "imagenet", "minus1_1")
 FILL = tuple(round(255 * m) for m in IMAGENET_MEAN)
 
 
+class CorruptImageError(ValueError):
+  """The bytes are not a decodable image (bad header, truncated or broken data)."""
+
+
+def open_image(data: bytes) -> Image.Image:
+  """Reads only the header of PNG/JPEG/... bytes; the first op that needs pixels decodes them
+  (see the module docstring). Raises CorruptImageError if the header is not an image's."""
+  try:
+    return Image.open(io.BytesIO(data))
+  except Exception as e:  # pylint: disable=broad-except
+    # PIL reports bad data through many types (UnidentifiedImageError, SyntaxError,
+    # DecompressionBombError, ...); any of them means the record is unusable.
+    raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+
+
+def _undecoded(image: Img) -> bool:
+  """True for an open_image result whose pixels are not loaded yet (PIL empties `tile`)."""
+  return isinstance(image, ImageFile.ImageFile) and bool(image.tile)
+
+
+def _decode(image: Image.Image, max_factor: int = 1) -> tuple[Image.Image, int]:
+  """Decodes an open_image result to RGB, a JPEG downscaled in the decoder by the largest of
+  8, 4, 2 that is <= max_factor; returns (image, factor used). Errors: CorruptImageError."""
+  factor = 1
+  if max_factor >= 2 and image.format == "JPEG":
+    wanted = next(f for f in (8, 4, 2) if f <= max_factor)
+    width = image.width
+    drafted = image.draft(None, (width // wanted, image.height // wanted))
+    if drafted is not None:  # (mode, (0, 0, width / scale, height / scale)).
+      factor = round(width / drafted[1][2])
+  try:
+    image.load()
+    return (image if image.mode == "RGB" else image.convert("RGB")), factor
+  except Exception as e:  # pylint: disable=broad-except
+    raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+
+
+def decode(image: Img, min_width: int = 0, min_height: int = 0) -> Img:
+  """Pixels of an open_image result (RGB), JPEG-downscaled while both sides stay at least
+  (min_width, min_height); arrays and decoded images are returned as they are."""
+  if not _undecoded(image):
+    return image
+  max_factor = min(image.width // min_width, image.height // min_height) if (
+      min_width > 0 and min_height > 0) else 1
+  return _decode(image, max_factor)[0]
+
+
 def _to_pil(image: Img) -> Image.Image:
+  if _undecoded(image):
+    return decode(image)
   if isinstance(image, Image.Image):
     if image.mode != "RGB":
       raise ValueError(f"expected an RGB PIL image, got mode {image.mode!r}")
@@ -70,11 +126,12 @@ def random_flip(image: Img, rng: np.random.Generator) -> Img:
 
 def squish(image: Img, image_size: int) -> Img:
   """Resizes to image_size x image_size, ignoring the aspect ratio."""
-  return _resize_box(image, (image_size, image_size))
+  return _resize_box(decode(image, image_size, image_size), (image_size, image_size))
 
 
 def resize_shorter(image: Img, shorter: int) -> Img:
   """Resizes so the shorter side is `shorter`, keeping the aspect ratio."""
+  image = decode(image, shorter, shorter)
   h, w = _size(image)
   if w <= h:
     new_w, new_h = shorter, max(shorter, round(h * shorter / w))
@@ -162,7 +219,11 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
   """RandomResizedCrop: an Inception-style crop resized to image_size x image_size."""
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
-  return _resize_box(image, (image_size, image_size), box=(left, top, left + cw, top + ch))
+  box = (left, top, left + cw, top + ch)
+  if _undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
+    image, factor = _decode(image, min(cw, ch) // image_size)
+    box = tuple(min(v / factor, limit) for v, limit in zip(box, image.size * 2))
+  return _resize_box(image, (image_size, image_size), box=box)
 
 
 def cutout(image: Img, rng: np.random.Generator, prob: float = 0.5,
@@ -464,11 +525,14 @@ def _build(op: str) -> TrainOp:
 
 def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
                     image_size: int) -> np.ndarray:
-  """Applies the ops (as parse_train_ops returns them) in order; returns a uint8 array."""
-  out = _to_pil(image)
+  """Applies the ops (as parse_train_ops returns them) in order; returns a uint8 array.
+
+  `image` may be an open_image result: the first op decodes it (see the module docstring).
+  """
+  out = image if _undecoded(image) else _to_pil(image)
   for op in ops:
     out = _build(op)(out, rng, image_size)
-  return np.asarray(out)
+  return np.asarray(_to_pil(out))
 
 
 def normalization_affine(preset: str) -> tuple[np.ndarray, np.ndarray]:

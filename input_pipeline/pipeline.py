@@ -9,8 +9,9 @@ streams (mixed_train_iterator)] -> decode + augment (random_map: each record's g
 from the seed and its position in the global stream, so augmentations do not depend on worker
 or host count; with repeated augmentation the record is decoded once and augmented k times)
 -> host slice [process_index::process_count] (all hosts share the stream; host shares are
-disjoint) -> to_iter_dataset -> skip and count corrupt records -> batch -> normalise ->
-mp_prefetch.
+disjoint) -> to_iter_dataset -> skip and count corrupt records -> batch -> mp_prefetch.
+Batches carry uint8 pixels; the jitted steps normalise them on device by data.normalize
+(bigpretrain/preprocess.py), which ships a quarter of the bytes a float32 batch would.
 
 Checkpointing: the train iterator is a `grain.DatasetIterator`; `it.get_state()` is a
 JSON-serialisable dict and `it.set_state(state)` resumes with exactly the batches the
@@ -29,7 +30,6 @@ The handler writes one `process_<i>-of-<n>.json` per host (jax.process_index/cou
 restore needs the same host count.
 """
 import dataclasses
-import io
 import math
 from typing import Any, Mapping, Sequence
 
@@ -59,7 +59,7 @@ def data_defaults() -> ml_collections.ConfigDict:
       train_augment="flip",
       # 'squish' or 'center_crop'; see augment.EVAL_RESIZES.
       eval_resize="squish",
-      # '0_1', 'imagenet' or 'minus1_1'; see augment.normalize.
+      # '0_1', 'imagenet' or 'minus1_1' (applied on device); see augment.normalize.
       normalize="0_1",
       # 0 decodes in-process (threads); > 0 starts grain mp_prefetch worker processes.
       num_workers=0,
@@ -144,10 +144,9 @@ def num_eval_batches(n: int, global_batch_size: int) -> int:
 
 
 def decode_pil(data: bytes) -> Image.Image:
-  """Decodes PNG/JPEG bytes to an RGB PIL image; raises if the bytes are not an image."""
-  with Image.open(io.BytesIO(data)) as image:
-    image.load()  # Decode now, so truncated files fail here.
-    return image if image.mode == "RGB" else image.convert("RGB")
+  """Decodes PNG/JPEG bytes to an RGB PIL image; raises augment.CorruptImageError (a
+  ValueError) if the bytes are not an image."""
+  return augment.decode(augment.open_image(data))
 
 
 def decode_image(data: bytes) -> np.ndarray:
@@ -155,20 +154,18 @@ def decode_image(data: bytes) -> np.ndarray:
   return np.asarray(decode_pil(data))
 
 
-def _decode_or_none(record: Mapping[str, Any], index, fail: bool) -> Image.Image | None:
-  """Decodes record['image']; None (logged) for a corrupt image, or raises when `fail`."""
+def _corrupt(index, error: Exception, fail: bool) -> None:
+  """Raises for a corrupt image when `fail`, else logs it (the caller skips the record)."""
+  if fail:
+    raise ValueError(f"corrupt image in record {index}: {error}") from error
+  logging.log_every_n_seconds(logging.WARNING, "Skipping corrupt image in record %s: %s",
+                              10, index, error)
+
+
+def _image_bytes(record: Mapping[str, Any], index) -> bytes:
   if "image" not in record:
     raise KeyError(f"record {index} has no 'image' key (keys: {sorted(record)})")
-  try:
-    return decode_pil(record["image"])
-  except Exception as e:  # pylint: disable=broad-except
-    # PIL reports bad data through many types (OSError, SyntaxError, ValueError,
-    # DecompressionBombError, ...); any of them means this record is unusable.
-    if fail:
-      raise ValueError(f"corrupt image in record {index}: {type(e).__name__}: {e}") from e
-    logging.log_every_n_seconds(logging.WARNING, "Skipping corrupt image in record %s: %s: %s",
-                                10, index, type(e).__name__, e)
-    return None
+  return record["image"]
 
 
 class _WithSourceIndex(grain.transforms.MapWithIndex):
@@ -197,10 +194,15 @@ class _TrainDecode(grain.transforms.RandomMap):
 
   def random_map(self, element, rng: np.random.Generator):
     index, record = element
-    image = _decode_or_none(record, index, self._s.fail_on_corrupt)
-    if image is None:
+    try:
+      image = augment.open_image(_image_bytes(record, index))
+      if self._s.repeated_augment > 1:  # Decode once, in full, for all the copies.
+        image = augment.decode(image)
+      # The first op decodes a single copy (JPEGs at a reduced scale where it allows).
+      copies = [self._augment(image, rng, index) for _ in range(self._s.repeated_augment)]
+    except augment.CorruptImageError as e:
+      _corrupt(index, e, self._s.fail_on_corrupt)
       return {_CORRUPT: index}
-    copies = [self._augment(image, rng, index) for _ in range(self._s.repeated_augment)]
     out = copies[0] if len(copies) == 1 else np.stack(copies)
     return {"image": out, "label": np.int32(record["label"])}
 
@@ -255,14 +257,12 @@ class _SkipCorruptIterDataset(grain.IterDataset):
 
 
 class _FinishTrainBatch(grain.transforms.Map):
-  """Normalises images and sums the per-row skip counts to one int32 scalar.
+  """Sums the per-row skip counts to one int32 scalar; images stay uint8 (the jitted step
+  normalises them on device).
 
   Repeated augmentation: [b / k, k, S, S, 3] becomes [b, S, S, 3] copy-major (row
   c * b / k + j is copy c of record j).
   """
-
-  def __init__(self, normalize: str):
-    self._normalize = normalize
 
   def map(self, batch):
     images, labels = batch["image"], batch["label"].astype(np.int32)
@@ -270,8 +270,7 @@ class _FinishTrainBatch(grain.transforms.Map):
       k = images.shape[1]
       images = images.swapaxes(0, 1).reshape((-1,) + images.shape[2:])
       labels = np.tile(labels, k)
-    return {"image": augment.normalize(images, self._normalize), "label": labels,
-            "_skipped": np.int32(batch["_skipped"].sum())}
+    return {"image": images, "label": labels, "_skipped": np.int32(batch["_skipped"].sum())}
 
 
 def _read_options(buffer: int, settings: _Settings) -> grain.ReadOptions:
@@ -325,7 +324,7 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
   read = _read_options(settings.prefetch * records, settings)
   it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
   it_ds = it_ds.batch(records, drop_remainder=True)
-  it_ds = it_ds.map(_FinishTrainBatch(settings.normalize))
+  it_ds = it_ds.map(_FinishTrainBatch())
   return iter(_maybe_mp_prefetch(it_ds, settings))
 
 
@@ -333,7 +332,7 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
                    process_index: int, process_count: int) -> grain.DatasetIterator:
   """Infinite, shuffled, augmented, checkpointable iterator over this host's batches.
 
-  Batches: 'image' float32 [b, S, S, 3] (normalised), 'label' int32 [b], '_skipped' int32
+  Batches: 'image' uint8 [b, S, S, 3], 'label' int32 [b], '_skipped' int32
   scalar (corrupt records this host skipped while making the batch), with
   b = global_batch_size // process_count.
 
@@ -412,25 +411,25 @@ class _EvalDecode(grain.transforms.Map):
     size = self._s.image_size
     image = None
     if record is not None:
-      image = _decode_or_none(record, index, self._s.fail_on_corrupt)
+      try:  # The resize decodes (JPEGs at a reduced scale where it allows).
+        image = augment.open_image(_image_bytes(record, index))
+        image = np.asarray(augment.EVAL_RESIZES[self._s.eval_resize](image, size))
+      except augment.CorruptImageError as e:
+        _corrupt(index, e, self._s.fail_on_corrupt)
+        image = None
     if image is None:
       return {"image": np.zeros((size, size, 3), np.uint8), "label": np.int32(0),
               "mask": np.float32(0), "index": np.int64(-1),
               "_skipped": np.int32(record is not None)}
-    image = np.asarray(augment.EVAL_RESIZES[self._s.eval_resize](image, size))
     return {"image": image, "label": np.int32(record["label"]), "mask": np.float32(1),
             "index": np.int64(index), "_skipped": np.int32(0)}
 
 
 class _FinishEvalBatch(grain.transforms.Map):
-  """Normalises images and sums the per-row skip counts to one int32 scalar."""
-
-  def __init__(self, normalize: str):
-    self._normalize = normalize
+  """Sums the per-row skip counts to one int32 scalar; images stay uint8."""
 
   def map(self, batch):
-    return {"image": augment.normalize(batch["image"], self._normalize),
-            "label": batch["label"].astype(np.int32),
+    return {"image": batch["image"], "label": batch["label"].astype(np.int32),
             "mask": batch["mask"].astype(np.float32),
             "index": batch["index"].astype(np.int64),
             "_skipped": np.int32(batch["_skipped"].sum())}
@@ -442,7 +441,7 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
 
   Host p takes source rows p, p + P, p + 2P, ... (P = process_count) and pads them to
   num_eval_batches(len(source), global_batch_size) batches of global_batch_size // P rows.
-  Batches: 'image' float32 [b, S, S, 3], 'label' int32 [b], 'mask' float32 [b] (1 = real
+  Batches: 'image' uint8 [b, S, S, 3], 'label' int32 [b], 'mask' float32 [b] (1 = real
   example, 0 = padding or corrupt), 'index' int64 [b] (source index, -1 for mask-0 rows),
   '_skipped' int32 scalar (corrupt records in the batch). Across hosts every source record
   appears exactly once.
@@ -453,7 +452,7 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
   ds = grain.MapDataset.source(
       _PaddedHostSource(source, process_index, process_count, num_rows))
   ds = ds.map(_EvalDecode(settings))
-  finish = _FinishEvalBatch(settings.normalize)
+  finish = _FinishEvalBatch()
   if settings.num_workers == 0:
     # In-process: threads decode single records, then rows are grouped into batches.
     read = _read_options(settings.prefetch * per_host, settings)

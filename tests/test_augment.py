@@ -1,9 +1,13 @@
 """Tests for input_pipeline/augment.py: crops, flips, resizes, the papers' augmentations,
 op-string parsing and normalisation."""
+import io
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
+from bigpretrain import preprocess
 from input_pipeline import augment
 
 
@@ -100,6 +104,16 @@ def test_normalize_presets_against_numpy():
   np.testing.assert_allclose(augment.normalize(x, "imagenet")[0, 0, 0], expected, rtol=1e-5)
   for preset in augment.NORMALIZE_PRESETS:
     assert augment.normalize(x, preset).dtype == np.float32
+
+
+def test_device_normalize_matches_the_host_presets():
+  x = np.random.default_rng(0).integers(0, 256, (2, 3, 4, 3), dtype=np.uint8)
+  for preset in augment.NORMALIZE_PRESETS:
+    out = preprocess.normalize(jnp.asarray(x), preset)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, augment.normalize(x, preset), rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError, match="uint8"):
+    preprocess.normalize(jnp.zeros((1, 2, 2, 3), jnp.float32), "0_1")
 
 
 def test_normalize_batch_per_channel_against_numpy():
@@ -352,3 +366,85 @@ def test_simple_random_crop_is_a_reflect_padded_crop():
   assert min(tops) < 4 and max(tops) > 4  # Both padding and the image's own rows show.
   big = augment.simple_random_crop(_photo(40, 30), np.random.default_rng(0), 16, pad=0)
   assert big.shape == (16, 16, 3)  # Resized to 21 x 16 first, then cropped.
+
+
+# ------------------------------------------------------------------------------------------
+# Decoding from bytes: JPEGs downscaled in the decoder where the op's output allows.
+
+
+def _blobby_photo(h, w, seed=0) -> np.ndarray:
+  """Smooth colour gradients plus blurred blobs: JPEG-friendly, with some detail."""
+  rng = np.random.default_rng(seed)
+  y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+  image = rng.uniform(60, 190, 3) + (x[..., None] / w) * rng.uniform(-60, 60, 3) + (
+      y[..., None] / h) * rng.uniform(-60, 60, 3)
+  for _ in range(6):
+    cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(0.05, 0.2) * min(h, w)
+    image += np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))[..., None] * rng.uniform(
+        -50, 50, 3)
+  return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def _encode(array: np.ndarray, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
+  buf = io.BytesIO()
+  Image.fromarray(array).convert(mode).save(buf, format=fmt, quality=95)
+  return buf.getvalue()
+
+
+@pytest.mark.parametrize("size,min_side,expected", [
+    ((1024, 768), 224, (512, 384)),  # 768 // 224 = 3 -> factor 2.
+    ((2000, 1800), 224, (250, 225)),  # 1800 // 224 = 8 -> factor 8.
+    ((1024, 768), 400, (1024, 768)),  # 768 // 400 = 1: full size.
+    ((300, 200), 64, (150, 100)),  # min(300 // 64, 200 // 64) = 3 -> factor 2.
+])
+def test_decode_scale_keeps_both_sides_above_the_minimum(size, min_side, expected):
+  w, h = size
+  image = augment.decode(augment.open_image(_encode(_blobby_photo(h, w))), min_side, min_side)
+  assert image.size == expected and image.mode == "RGB"
+  assert min(image.size) >= min_side
+
+
+def test_reduced_decode_matches_full_decode_and_downscale():
+  array = _blobby_photo(768, 1024)
+  data = _encode(array)
+  reduced = np.asarray(augment.decode(augment.open_image(data), 224, 224)).astype(float)
+  full = Image.open(io.BytesIO(data)).convert("RGB")
+  box_2x = np.asarray(full.reduce(2)).astype(float)  # 2x2 means of the full decode.
+  assert reduced.shape == box_2x.shape == (384, 512, 3)
+  assert np.abs(reduced - box_2x).mean() < 2.0
+
+
+@pytest.mark.parametrize("op", ["squish", "center_crop", "resize_crop", "simple_random_crop",
+                                "inception_crop", "inception_crop(0.6, 1)"])
+def test_ops_on_undecoded_jpegs_match_ops_on_decoded_ones(op):
+  """Same generator draws (the next draw agrees) and nearly the same pixels, big or small."""
+  for h, w in ((900, 1200), (150, 130)):
+    data = _encode(_blobby_photo(h, w, seed=h))
+    for seed in range(3):
+      rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
+      lazy = augment.apply_train_ops(augment.open_image(data), (op,), rng_a, 112) if (
+          op not in augment.EVAL_RESIZES) else augment.EVAL_RESIZES[op](
+              augment.open_image(data), 112)
+      decoded = Image.open(io.BytesIO(data)).convert("RGB")
+      eager = augment.apply_train_ops(decoded, (op,), rng_b, 112) if (
+          op not in augment.EVAL_RESIZES) else augment.EVAL_RESIZES[op](decoded, 112)
+      lazy, eager = np.asarray(lazy), np.asarray(eager)
+      assert lazy.shape == eager.shape == (112, 112, 3) and lazy.dtype == np.uint8
+      assert rng_a.random() == rng_b.random()
+      assert np.abs(lazy.astype(float) - eager.astype(float)).mean() < 3.0, (op, h, seed)
+
+
+def test_undecoded_png_grayscale_and_corrupt_bytes():
+  array = _blobby_photo(40, 50)
+  png = augment.decode(augment.open_image(_encode(array, "PNG")), 8, 8)
+  np.testing.assert_array_equal(np.asarray(png), array)  # Never downscaled: not a JPEG.
+  gray = augment.squish(augment.open_image(_encode(_blobby_photo(600, 600), mode="L")), 64)
+  assert gray.mode == "RGB" and gray.size == (64, 64)
+  g = np.asarray(gray)
+  np.testing.assert_array_equal(g[..., 0], g[..., 2])
+  with pytest.raises(augment.CorruptImageError, match="UnidentifiedImageError"):
+    augment.open_image(b"not an image at all")
+  truncated = augment.open_image(_encode(_blobby_photo(600, 800))[:3000])  # The header survives.
+  with pytest.raises(augment.CorruptImageError, match="truncated"):
+    augment.squish(truncated, 64)
+  assert issubclass(augment.CorruptImageError, ValueError)
