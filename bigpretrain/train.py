@@ -208,6 +208,7 @@ def build(config, devices=None) -> Experiment:
   mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_batch_size(config.batch_size, mesh)
   dataset = datasets.get_dataset(config.data)
+  datasets.parse_mix(config.data.mix)  # A bad spec fails here, before anything is compiled.
   info = dataset.info
   objective = objectives.get_objective(config.objective, info, config.eval.topk)
   num_train = info.num_examples[config.data.train_split]
@@ -231,10 +232,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
   state = exp.init_state()
-  train_iter = pipeline.train_iterator(
-      dataset.source(config.data.train_split), config.data,
-      global_batch_size=config.batch_size, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+  sources, weights = datasets.train_sources(config.data, dataset)
+  where = dict(global_batch_size=config.batch_size, seed=config.seed,
+               process_index=jax.process_index(), process_count=jax.process_count())
+  if len(sources) == 1:
+    train_iter = pipeline.train_iterator(sources[0], config.data, **where)
+  else:
+    logging.info("Mixing train sources %s with weights %s", sources, weights)
+    train_iter = pipeline.mixed_train_iterator(sources, weights, config.data, **where)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts)

@@ -196,3 +196,49 @@ def get_dataset(data_cfg) -> Dataset:
     return _prepared(name, f"{FOLDER_BUILDER}/{folder}", data_dir,
                      f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
   raise ValueError(f"Unknown dataset name {name!r}; known: {list(KNOWN_NAMES)}.")
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+  """'tfds:extra=0.25;folder:web=0.1' -> [('tfds:extra', 0.25), ('folder:web', 0.1)]."""
+  out = []
+  for entry in (e.strip() for e in str(spec).split(";")):
+    if not entry:
+      continue
+    name, sep, weight = entry.rpartition("=")
+    try:
+      w = float(weight)
+    except ValueError:
+      w = float("nan")
+    if not sep or not name.strip() or not 0 < w < 1:
+      raise ValueError(f"Bad data.mix entry {entry!r} in {spec!r}: use 'NAME=WEIGHT' with "
+                       "0 < WEIGHT < 1, entries separated by ';'.")
+    out.append((name.strip(), w))
+  total = sum(w for _, w in out)
+  if total >= 1:
+    raise ValueError(f"data.mix weights sum to {total:g}; they must leave data.name a share "
+                     "(sum < 1).")
+  return out
+
+
+def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[float]]:
+  """The train split of `dataset` and of every data.mix entry, with their weights.
+
+  Mixed datasets are looked up like data.name (same data.dir) and must have the same classes
+  in the same order, so that one label means one class everywhere.
+  """
+  split = data_cfg.get("train_split", "train")
+  mix = parse_mix(data_cfg.get("mix", ""))
+  sources = [dataset.source(split)]
+  weights = [1.0 - sum(w for _, w in mix)]
+  for name, weight in mix:
+    other = get_dataset({"name": name, "dir": _data_dir(data_cfg)})
+    info = dataset.info
+    if (other.info.num_classes, other.info.class_names) != (info.num_classes,
+                                                           info.class_names):
+      raise ValueError(
+          f"data.mix dataset {name!r} has {other.info.num_classes} classes "
+          f"({other.info.class_names[:3]}...), {info.name!r} has {info.num_classes} "
+          f"({info.class_names[:3]}...): mixed datasets need the same class list.")
+    sources.append(other.source(split))
+    weights.append(weight)
+  return sources, weights

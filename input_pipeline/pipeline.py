@@ -70,6 +70,10 @@ def data_defaults() -> ml_collections.ConfigDict:
       # Repeated augmentation (DeiT-III uses 3): k > 1 puts each train record k times into
       # one host batch, each copy with its own augmentation; see train_iterator.
       repeated_augment=1,
+      # Weighted mixing of train sources: '' (off) or 'NAME=WEIGHT;NAME=WEIGHT', datasets
+      # named like data.name in data.dir with data.name's classes; data.name gets the rest
+      # of the weight (1 - the sum). See datasets.train_sources and mixed_train_iterator.
+      mix="",
   ))
 
 

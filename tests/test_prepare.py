@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,11 +23,13 @@ from PIL import Image
 import pytest
 import tensorflow_datasets as tfds
 
+from bigpretrain import train
 from bigpretrain.semantic import tree as tree_lib
 from tests import helpers
 from input_pipeline import datasets
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p as i21k
+from input_pipeline import pipeline
 from input_pipeline import prepare
 
 MIN_IMAGES = 4  # Keep a class only with MORE than 4 files.
@@ -531,3 +534,48 @@ def test_semantic_softmax_recipe_trains_on_the_prepared_dir(prepared, tmp_path):
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["data"]["train_augment"] == "squish|cutout|randaugment(2, 9)"
   assert saved["data"]["name"] == "imagenet21k_p" and saved["compute_dtype"] == "bfloat16"
+
+
+def test_parse_mix():
+  assert datasets.parse_mix("") == []
+  assert datasets.parse_mix(" tfds:extra/v2=0.25 ; folder:web=0.1;") == [
+      ("tfds:extra/v2", 0.25), ("folder:web", 0.1)]
+  for bad in ("tfds:extra", "=0.2", "x=0", "x=1.5", "x=abc"):
+    with pytest.raises(ValueError, match="Bad data.mix entry"):
+      datasets.parse_mix(bad)
+  with pytest.raises(ValueError, match="sum to 1"):
+    datasets.parse_mix("a=0.5;b=0.5")
+
+
+def test_trainer_mixes_the_data_mix_sources(prepared, monkeypatch, tmp_path):
+  out, ds = prepared["folders"]
+  calls = []
+  real = pipeline.mixed_train_iterator
+
+  def spy(sources, weights, *args, **kwargs):
+    calls.append(([len(s) for s in sources], list(weights)))
+    return real(sources, weights, *args, **kwargs)
+
+  monkeypatch.setattr(pipeline, "mixed_train_iterator", spy)
+  config = helpers.tiny_config("single_label", total_steps=2, batch_size=8, **{
+      "data.name": "imagenet21k_p", "data.dir": str(out), "data.image_size": 32,
+      "data.train_augment": "squish|flip",
+      "data.mix": "imagenet21k_p=0.25", "model.name": "vit_demo"})
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  n = ds.info.num_examples["train"]
+  assert calls == [([n, n], [0.75, 0.25])]
+
+
+def test_mixed_datasets_need_the_same_classes(prepared, folder_tree, tmp_path):
+  out, ds = prepared["folders"]
+  both = tmp_path / "both"
+  shutil.copytree(out, both)
+  assert prepare.main(["folder", f"--manual_dir={folder_tree[0]}", f"--data_dir={both}",
+                       "--name=toy"]) == 0
+  cfg = ml_collections.ConfigDict({"name": "imagenet21k_p", "dir": str(both),
+                                   "mix": "folder:toy=0.5", "train_split": "train"})
+  with pytest.raises(ValueError, match="same class list"):
+    datasets.train_sources(cfg, datasets.get_dataset(cfg))
+  cfg.mix = "folder:nothere=0.5"
+  with pytest.raises(FileNotFoundError, match="folder:nothere"):
+    datasets.train_sources(cfg, datasets.get_dataset(cfg))
