@@ -9,8 +9,9 @@ Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the sam
 Ops also accept an image from `open_image` whose pixels are not decoded yet. The resizing ops
 then decode a JPEG straight to a 1/2, 1/4 or 1/8 scale when their output still gets at least
 its full resolution from it (libjpeg's DCT scaling through PIL's `draft`): a 1024 x 768 photo
-squished to 224 is decoded at 512 x 384, about 3x cheaper. inception_crop picks its box
-from the header size first, so the scale follows the box. Any other op decodes in full.
+squished to 224 is decoded at 512 x 384, in 4.2 instead of 6.2 ms for a 420 KiB file (entropy
+decoding is not reduced). inception_crop picks its box from the header size first, so the
+scale follows the box. Any other op decodes in full.
 
 Train ops are selected by a '|'-separated string (config `data.train_augment`), each entry
 `name` or `name(arg, ...)`, e.g. 'inception_crop|flip|randaugment(2, 9)'. See TRAIN_OPS.

@@ -37,7 +37,6 @@ from absl import logging
 import grain
 import ml_collections
 import numpy as np
-from PIL import Image
 
 from input_pipeline import augment
 
@@ -147,15 +146,10 @@ def num_eval_batches(n: int, global_batch_size: int) -> int:
   return math.ceil(n / global_batch_size)
 
 
-def decode_pil(data: bytes) -> Image.Image:
-  """Decodes PNG/JPEG bytes to an RGB PIL image; raises augment.CorruptImageError (a
-  ValueError) if the bytes are not an image."""
-  return augment.decode(augment.open_image(data))
-
-
 def decode_image(data: bytes) -> np.ndarray:
-  """Decodes PNG/JPEG bytes to uint8 [H, W, 3] RGB; raises if the bytes are not an image."""
-  return np.asarray(decode_pil(data))
+  """Decodes PNG/JPEG bytes in full to uint8 [H, W, 3] RGB; raises augment.CorruptImageError
+  (a ValueError) if the bytes are not an image."""
+  return np.asarray(augment.decode(augment.open_image(data)))
 
 
 def _corrupt(index, error: Exception, fail: bool) -> None:
