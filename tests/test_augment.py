@@ -434,7 +434,7 @@ def test_ops_on_undecoded_jpegs_match_ops_on_decoded_ones(op):
       assert np.abs(lazy.astype(float) - eager.astype(float)).mean() < 3.0, (op, h, seed)
 
 
-def test_undecoded_png_grayscale_and_corrupt_bytes():
+def test_undecoded_png_grayscale_cmyk_and_corrupt_bytes():
   array = _blobby_photo(40, 50)
   png = augment.decode(augment.open_image(_encode(array, "PNG")), 8, 8)
   np.testing.assert_array_equal(np.asarray(png), array)  # Never downscaled: not a JPEG.
@@ -442,6 +442,9 @@ def test_undecoded_png_grayscale_and_corrupt_bytes():
   assert gray.mode == "RGB" and gray.size == (64, 64)
   g = np.asarray(gray)
   np.testing.assert_array_equal(g[..., 0], g[..., 2])
+  cmyk = augment.decode(augment.open_image(_encode(_blobby_photo(600, 800), mode="CMYK")),
+                        200, 200)
+  assert cmyk.mode == "RGB" and cmyk.size == (400, 300)  # Downscaled by 2 and converted.
   with pytest.raises(augment.CorruptImageError, match="UnidentifiedImageError"):
     augment.open_image(b"not an image at all")
   truncated = augment.open_image(_encode(_blobby_photo(600, 800))[:3000])  # The header survives.
