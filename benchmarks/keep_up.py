@@ -21,8 +21,8 @@ import jax
 from ml_collections import config_flags
 
 from benchmarks import common
+from bigpretrain import train
 from input_pipeline import datasets
-from input_pipeline import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
 _BATCHES = flags.DEFINE_integer("batches", 100, "Timed pipeline batches.")
@@ -32,12 +32,7 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Timed train steps.")
 
 def pipeline_rate(config) -> float:
   """Records/s of this host's train pipeline for `config`."""
-  dataset = datasets.get_dataset(config.data)
-  sources, weights = datasets.train_sources(config.data, dataset)
-  kwargs = dict(global_batch_size=config.batch_size, seed=config.seed,
-                process_index=jax.process_index(), process_count=jax.process_count())
-  it = (pipeline.train_iterator(sources[0], config.data, **kwargs) if len(sources) == 1 else
-        pipeline.mixed_train_iterator(sources, weights, config.data, **kwargs))
+  it = train.make_train_iterator(config, datasets.get_dataset(config.data))
   try:
     for _ in range(_WARMUP.value):
       next(it)

@@ -226,20 +226,23 @@ def build(config, devices=None) -> Experiment:
                     total_steps, frozen, frozen_shardings)
 
 
+def make_train_iterator(config, dataset: datasets.Dataset):
+  """This host's train batches: data.train_split of `dataset`, mixed with data.mix if set."""
+  sources, weights = datasets.train_sources(config.data, dataset)
+  if len(sources) > 1:
+    logging.info("Mixing train sources %s with weights %s", sources, weights)
+  return pipeline.mixed_train_iterator(
+      sources, weights, config.data, global_batch_size=config.batch_size, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics."""
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
   state = exp.init_state()
-  sources, weights = datasets.train_sources(config.data, dataset)
-  where = dict(global_batch_size=config.batch_size, seed=config.seed,
-               process_index=jax.process_index(), process_count=jax.process_count())
-  if len(sources) == 1:
-    train_iter = pipeline.train_iterator(sources[0], config.data, **where)
-  else:
-    logging.info("Mixing train sources %s with weights %s", sources, weights)
-    train_iter = pipeline.mixed_train_iterator(sources, weights, config.data, **where)
+  train_iter = make_train_iterator(config, dataset)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts)

@@ -342,25 +342,23 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
   distinct records; a full pass over the data takes k epochs (timm's RASampler instead
   shows a random n / k subset each epoch).
   """
-  settings = _settings(data_cfg)
-  _check_seed(seed)
-  stream = _source_stream(source, int(seed), None)
-  return _train_batches(stream, settings, global_batch_size=global_batch_size, seed=int(seed),
-                        process_index=process_index, process_count=process_count)
+  return mixed_train_iterator([source], [1.0], data_cfg, global_batch_size=global_batch_size,
+                              seed=seed, process_index=process_index,
+                              process_count=process_count)
 
 
 def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, *,
                          global_batch_size: int, seed: int, process_index: int,
                          process_count: int) -> grain.DatasetIterator:
-  """Like train_iterator, over a weighted mix of several sources.
+  """Like train_iterator, over a weighted mix of one or more sources (one: train_iterator).
 
   Each source is shuffled (its own seed from `seed`) and repeated on its own, then
   grain's MapDataset.mix interleaves them in a fixed pattern in which source i fills a share
   weights[i] / sum(weights) of every long enough window of the global stream (grain rounds
   the weights to integers, the smallest scaled to 100). Labels are taken from each source as
   they are (map them to one label space beforehand if they differ). Checkpointing, host
-  slicing and repeated augmentation work as in train_iterator; a corrupt record is reported
-  as 'record i of source s'.
+  slicing and repeated augmentation work as in train_iterator; with several sources a
+  corrupt record is reported as 'record i of source s'.
   """
   settings = _settings(data_cfg)
   _check_seed(seed)
@@ -373,7 +371,8 @@ def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, 
     if isinstance(w, bool) or not isinstance(w, (int, float, np.number)) or not (
         math.isfinite(w) and w > 0):
       raise ValueError(f"weight {i} must be a positive finite number, got {w!r}")
-  streams = [_source_stream(src, int(seed), i) for i, src in enumerate(sources)]
+  ids = range(len(sources)) if len(sources) > 1 else [None]  # None: no 'of source s'.
+  streams = [_source_stream(src, int(seed), i) for i, src in zip(ids, sources)]
   stream = streams[0] if len(streams) == 1 else grain.MapDataset.mix(
       streams, [float(w) for w in weights])
   return _train_batches(stream, settings, global_batch_size=global_batch_size, seed=int(seed),
