@@ -10,12 +10,22 @@ from bigpretrain import train
 
 
 def synthetic_batch(exp) -> dict:
-  """A fixed batch of this process's rows, shaped like the pipeline's."""
+  """A fixed batch of this process's rows with the objective's fields, shaped like the
+  pipeline's (input_pipeline.pipeline.record_fields)."""
   rows = exp.config.batch_size // jax.process_count()
   size = exp.config.data.image_size
+  num_classes = exp.dataset.info.num_classes
   rng = np.random.default_rng(0)
-  return {"image": rng.integers(0, 256, (rows, size, size, 3), np.uint8),
-          "label": rng.integers(0, exp.dataset.info.num_classes, rows).astype(np.int32)}
+  batch = {"image": rng.integers(0, 256, (rows, size, size, 3), np.uint8)}
+  for name, length in exp.fields.items():
+    if length == 0:
+      batch[name] = rng.integers(0, num_classes, rows).astype(np.int32)
+      continue
+    ids = rng.integers(0, num_classes, (rows, length)).astype(np.int32)
+    count = rng.integers(1, length + 1, rows).astype(np.int32)
+    ids[np.arange(length)[None, :] >= count[:, None]] = -1
+    batch[name], batch[f"num_{name}"] = ids, count
+  return batch
 
 
 class Runner:

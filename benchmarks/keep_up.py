@@ -22,7 +22,6 @@ from ml_collections import config_flags
 
 from benchmarks import common
 from bigpretrain import train
-from input_pipeline import datasets
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
 _BATCHES = flags.DEFINE_integer("batches", 100, "Timed pipeline batches.")
@@ -32,7 +31,7 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Timed train steps.")
 
 def pipeline_rate(config) -> float:
   """Records/s of this host's train pipeline for `config`."""
-  it = train.make_train_iterator(config, datasets.get_dataset(config.data))
+  it = train.make_train_iterator(train.build(config))
   try:
     for _ in range(_WARMUP.value):
       next(it)

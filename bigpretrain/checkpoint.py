@@ -1,8 +1,10 @@
 """Orbax checkpoints: params, optimizer state and the grain iterator, saved asynchronously.
 
 Items: 'params' ({'params', 'extra'}: what model_init and teachers load), 'train' ({'step',
-'opt_state', 'skipped_records'}) and 'data' (the grain iterator, one file per process). A
-checkpoint that fails to restore is moved aside to `<dir>_corrupt/` and the previous one used.
+'opt_state', 'skipped_records'}), 'data' (the grain iterator, one file per process) and 'meta'
+(JSON: the model config, class names, dataset and input settings, so that a checkpoint path
+alone rebuilds the model; see `run_meta`). A checkpoint that fails to restore is moved aside
+to `<dir>_corrupt/` and the previous one used.
 """
 import json
 import os
@@ -44,11 +46,36 @@ def _train_item(state):
   return {k: state[k] for k in ("step", "opt_state", "skipped_records")}
 
 
-class Checkpointer:
-  """Saves and restores the train state and the data iterator under `directory`."""
+META_VERSION = 1
 
-  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+
+def _plain(section) -> dict:
+  return section.to_dict() if hasattr(section, "to_dict") else dict(section)
+
+
+def run_meta(config, model_config: dict, class_names, num_classes: int) -> dict:
+  """The 'meta' item of a run's checkpoints: what consumers of the weights need.
+  `model_config` is ModelDef.config() (config.model with the options resolved)."""
+  return {
+      "version": META_VERSION,
+      "model": dict(model_config),
+      "compute_dtype": config.compute_dtype,
+      "num_classes": int(num_classes),
+      "class_names": list(class_names or ()),
+      "dataset": config.data.name,
+      "data": {k: config.data[k] for k in ("image_size", "normalize", "eval_resize")},
+      "objective": _plain(config.objective),
+  }
+
+
+class Checkpointer:
+  """Saves and restores the train state and the data iterator under `directory`; `meta`
+  (see run_meta) is written into every checkpoint."""
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+               meta: dict | None = None):
     self.directory = os.path.abspath(directory)
+    self.meta = meta
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -65,6 +92,8 @@ class Checkpointer:
     }
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
+    if self.meta is not None:
+      items["meta"] = ocp.args.JsonSave(self.meta)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
@@ -116,6 +145,24 @@ def checkpoint_dir(path: str) -> str:
     raise FileNotFoundError(f"Checkpoint directory {path} does not exist.")
   inner = os.path.join(path, "checkpoints")
   return inner if os.path.isdir(inner) else path
+
+
+def read_meta(path: str, step: int | None = None) -> dict:
+  """The 'meta' item (see run_meta) of the latest (or given) checkpoint under `path`."""
+  directory = checkpoint_dir(path)
+  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+    if not os.path.isdir(os.path.join(directory, str(step), "meta")):
+      raise ValueError(f"Checkpoint {directory}/{step} has no 'meta' item (model config and "
+                       "class names), so it cannot describe its model; it was written by an "
+                       "older bigpretrain. Re-save it with a current run or convert it.")
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  if meta.get("version") != META_VERSION:
+    raise ValueError(f"Checkpoint {directory}/{step} has meta version {meta.get('version')!r}; "
+                     f"this bigpretrain reads version {META_VERSION}.")
+  return meta
 
 
 def load_params(directory: str, abstract_params: dict, step: int | None = None) -> dict:

@@ -12,14 +12,16 @@ from typing import Any
 
 import ml_collections
 
+from bigpretrain import mixup
 from bigpretrain import optim
+from bigpretrain.sharding import MESH_AXES
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
-MESH_AXES = ('data', 'fsdp', 'tensor')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
 _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup')
 # Sections recipes extend with their own kwargs; only their base keys are required.
-_OPEN_SECTIONS = ('model', 'data', 'objective', 'eval')
+# (config.evals entries are checked by the evaluators they name.)
+_OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
 
 
@@ -52,10 +54,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
-  c.eval = ml_collections.ConfigDict(dict(topk=(1, 5)))
+  # Evaluators by name (bigpretrain/evaluators): 'eval' is the objective's metrics on
+  # data.eval_split every eval_every_steps; its results are logged as 'eval/...'.
+  c.evals = ml_collections.ConfigDict(
+      {'eval': ml_collections.ConfigDict(dict(type='classification', topk=(1, 5)))})
   # On-device mixup/cutmix inside the train step (timm semantics); both 0 = off.
-  c.mixup = ml_collections.ConfigDict(dict(mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.5,
-                                           label_smoothing=0.0))
+  c.mixup = mixup.mixup_defaults()
   return c
 
 
@@ -136,8 +140,8 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
   for section in _CLOSED_SECTIONS + _OPEN_SECTIONS:
     if not hasattr(config[section], 'keys'):
       raise ValueError(f'config.{section}={config[section]!r} must be a ConfigDict section.')
-    if section == 'optim':
-      continue  # Checked with its values by optim.validate_optim_config.
+    if section in ('optim', 'evals'):
+      continue  # Checked by optim.validate_optim_config / by the evaluators at build time.
     for key in sorted(base[section]):
       if key not in config[section] or config[section][key] is None:
         raise ValueError(f'config.{section}.{key} is missing (required).')
@@ -193,10 +197,6 @@ def _check_values(config: Mapping[str, Any]) -> None:
         or rule[1] not in MESH_AXES + (None,)):
       raise ValueError(f'config.sharding_rules: bad rule {rule!r}; each must be a pair '
                        f'(logical name, one of {MESH_AXES} or None).')
-  topk = config.eval.topk
-  if (not isinstance(topk, (tuple, list)) or not topk
-      or not all(_is_int(k) and k >= 1 for k in topk)):
-    raise ValueError(f'config.eval.topk={topk!r} must be a non-empty tuple of ints >= 1.')
 
 
 def validate(config: ml_collections.ConfigDict, *,

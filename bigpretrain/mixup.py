@@ -8,7 +8,8 @@ batch flipped along its first axis):
     rows [cy - h // 2, cy + h // 2) (columns alike); flip(x) is pasted there in every image,
     and lam is corrected to 1 - box area / (H W), the share of pixels still from x.
 With both alphas > 0, cutmix is chosen with probability switch_prob, else mixup. Targets are
-lam * smooth(onehot(y)) + (1 - lam) * smooth(onehot(flip(y))), smooth(t) = t (1 - s) + s / C.
+lam * smooth(t) + (1 - lam) * smooth(flip(t)), smooth(t) = t (1 - s) + s / C, where t are the
+objective's hard targets (one-hot labels, or multi-hot for multi-label objectives).
 
 Pure jnp: jit-able, and the flip works on batches sharded over devices (XLA moves the rows).
 """
@@ -26,11 +27,11 @@ def mixup_defaults() -> ml_collections.ConfigDict:
                                         label_smoothing=0.0))
 
 
-def smoothed_one_hot(labels: jax.Array, num_classes: int,
-                     label_smoothing: float = 0.0) -> jax.Array:
-  """float32 [B, C]: 1 - s + s / C at the label, s / C elsewhere."""
-  off = label_smoothing / num_classes
-  return jax.nn.one_hot(labels, num_classes, dtype=jnp.float32) * (1.0 - label_smoothing) + off
+def smooth(targets: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+  """float32 [B, C] targets t -> t (1 - s) + s / C (for one-hot t: 1 - s + s / C at the
+  label, s / C elsewhere)."""
+  off = label_smoothing / targets.shape[-1]
+  return targets.astype(jnp.float32) * (1.0 - label_smoothing) + off
 
 
 def cutmix_box(rng: jax.Array, height: int, width: int,
@@ -75,23 +76,23 @@ def _check(name: str, value, lo: float, hi: float, hi_open: bool = False) -> flo
   return float(value)
 
 
-def mix_batch(rng: jax.Array, images: jax.Array, labels: jax.Array, *, num_classes: int,
-              mixup_alpha: float, cutmix_alpha: float, switch_prob: float = 0.5,
+def mix_batch(rng: jax.Array, images: jax.Array, targets: jax.Array, *, mixup_alpha: float,
+              cutmix_alpha: float, switch_prob: float = 0.5,
               label_smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
-  """Mixes a batch: (images [B, H, W, C] same dtype, targets float32 [B, num_classes]).
+  """Mixes a batch: (images [B, H, W, C] same dtype, targets float32 [B, C]).
 
-  Both alphas 0 leaves the images alone and returns the smoothed one-hot labels.
+  `targets` are the objective's hard targets (one-hot, or multi-hot for multi-label
+  objectives), smoothed as t (1 - s) + s / C before mixing. Both alphas 0 leaves the images
+  alone and returns the smoothed targets.
   """
   mixup_alpha = _check("mixup_alpha", mixup_alpha, 0, math.inf)
   cutmix_alpha = _check("cutmix_alpha", cutmix_alpha, 0, math.inf)
   switch_prob = _check("switch_prob", switch_prob, 0, 1)
   label_smoothing = _check("label_smoothing", label_smoothing, 0, 1, hi_open=True)
-  if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-    raise ValueError(f"mixup: num_classes must be a positive int, got {num_classes!r}")
-  if images.ndim != 4 or labels.shape != images.shape[:1]:
-    raise ValueError(f"mixup: expected images [B, H, W, C] and labels [B], got "
-                     f"{images.shape} and {labels.shape}")
-  y1 = smoothed_one_hot(labels, num_classes, label_smoothing)
+  if images.ndim != 4 or targets.ndim != 2 or targets.shape[0] != images.shape[0]:
+    raise ValueError(f"mixup: expected images [B, H, W, C] and targets [B, C], got "
+                     f"{images.shape} and {targets.shape}")
+  y1 = smooth(targets, label_smoothing)
   if mixup_alpha == 0 and cutmix_alpha == 0:
     return images, y1
   y2 = jnp.flip(y1, axis=0)

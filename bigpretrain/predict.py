@@ -7,51 +7,35 @@ class with WordNet names: a per-level softmax (semantic objectives) or the per-c
 (multi-label). Datasets whose classes are not WordNet synsets print the top-5 classes.
 """
 import json
-import os
 import sys
 
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from bigpretrain import checkpoint
-from bigpretrain import models
 from bigpretrain import preprocess
+from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
 from bigpretrain.semantic import wordnet
 from input_pipeline import augment
-from input_pipeline import datasets
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder.", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
+                                required=True)
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per image instead of text.")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.5, "Show levels whose top probability exceeds it.")
 
 
-def load_run(workdir: str):
-  """(config, dataset info, model_def, params, extra) of the run's latest checkpoint."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir} a bigpretrain run folder?")
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  info = datasets.get_dataset(config.data).info
-  model_def = models.ModelDef.from_config(config.model, info.num_classes, config.compute_dtype)
-  state = checkpoint.load_params(
-      os.path.join(workdir, "checkpoints"),
-      {"params": model_def.abstract_pure_params(), "extra": model_def.abstract_pure_extra()})
-  return config, info, model_def, state
-
-
 def load_images(paths, data_cfg) -> np.ndarray:
-  """Decodes and resizes like the eval pipeline; uint8 [N, S, S, 3]."""
+  """Decodes and resizes like the eval pipeline; uint8 [N, S, S, 3]. `data_cfg` has
+  eval_resize and image_size (a checkpoint's meta['data'])."""
   images = []
   for p in paths:
     with open(p, "rb") as f:
       image = augment.open_image(f.read())
-    images.append(np.asarray(augment.EVAL_RESIZES[data_cfg.eval_resize](image, data_cfg.image_size)))
+    images.append(np.asarray(
+        augment.EVAL_RESIZES[data_cfg["eval_resize"]](image, data_cfg["image_size"])))
   return np.stack(images)
 
 
@@ -78,22 +62,24 @@ def semantic_view(logits: np.ndarray, tree, sigmoid: bool, threshold: float) -> 
 
 
 def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
-  config, info, model_def, state = load_run(workdir)
+  loaded = pretrained.load(workdir)
+  meta, model_def, variables = loaded.meta, loaded.model_def, loaded.variables
+  normalize = meta["data"]["normalize"]
   forward = jax.jit(lambda p, e, x: model_def.merge(p, e)(
-      preprocess.normalize(x, config.data.normalize), train=False))
-  logits = np.asarray(forward(state["params"], state["extra"],
-                              jnp.asarray(load_images(paths, config.data))))
-  tree = base.class_tree(info)
+      preprocess.normalize(x, normalize), train=False))
+  logits = np.asarray(forward(variables["params"], variables["extra"],
+                              jnp.asarray(load_images(paths, meta["data"]))))
+  names = meta["class_names"] or [str(c) for c in range(meta["num_classes"])]
+  tree = base.class_tree(names)
+  sigmoid = meta["objective"].get("name") == "multi_label"
   results = []
   for path, row in zip(paths, logits):
     if tree is not None:
-      levels = semantic_view(row, tree, config.objective.name == "multi_label", threshold)
-      results.append({"image": path, "levels": levels})
+      results.append({"image": path, "levels": semantic_view(row, tree, sigmoid, threshold)})
     else:
       top = np.argsort(-row)[:5]
-      results.append({"image": path, "top5": [
-          {"class": int(c), "name": (info.class_names or [str(c)] * info.num_classes)[c]}
-          for c in top]})
+      results.append({"image": path, "top5": [{"class": int(c), "name": names[c]}
+                                              for c in top]})
   return results
 
 

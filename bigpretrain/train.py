@@ -1,8 +1,9 @@
-"""The one trainer: every recipe is a config plus an objective, never a fork of this loop.
+"""The one trainer: every recipe is a config plus extension points (objective, evaluators,
+data source, sampler), never a fork of this loop.
 
-State is a plain pytree {'step', 'params', 'extra', 'opt_state'} ('extra' holds non-parameter
-model state such as BatchNorm statistics), created already sharded on a ('data', 'fsdp',
-'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
+State is a plain pytree {'step', 'params', 'extra', 'opt_state', 'skipped_records'} ('extra'
+holds non-parameter model state such as BatchNorm statistics), created already sharded on a
+('data', 'fsdp', 'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
 """
 import dataclasses
 import os
@@ -18,7 +19,7 @@ import optax
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
-from bigpretrain import evaluate
+from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import metrics as metrics_lib
 from bigpretrain import models
 from bigpretrain import objectives
@@ -59,30 +60,38 @@ class Preemption:
     return bool(np.max(flags))
 
 
+def rules_of(config) -> tuple:
+  return tuple(tuple(r) for r in config.sharding_rules)
+
+
+def variable_shardings(model_def: models.ModelDef, config, mesh) -> dict:
+  """NamedShardings of {'params', 'extra'}: params by the logical rules, extra replicated."""
+  return {"params": sharding.state_shardings(model_def.abstract_params, rules_of(config), mesh),
+          "extra": sharding.state_shardings(model_def.abstract_extra, (), mesh)}
+
+
 def state_shardings(model_def: models.ModelDef, tx, config, mesh):
   """NamedShardings of the train state: params by logical rules, optimizer state alike."""
-  rules = tuple(tuple(r) for r in config.sharding_rules)
-  params = sharding.state_shardings(model_def.abstract_params, rules, mesh)
-  extra = sharding.state_shardings(model_def.abstract_extra, (), mesh)
+  variables = variable_shardings(model_def, config, mesh)
   abstract_params = model_def.abstract_pure_params()
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   repl = sharding.replicated(mesh)
   opt = optax.tree_utils.tree_map_params(
-      tx, lambda _, s: s, abstract_opt, params, transform_non_params=lambda _: repl)
-  return {"step": repl, "params": params, "extra": extra, "opt_state": opt,
-          "skipped_records": repl}
+      tx, lambda _, s: s, abstract_opt, variables["params"],
+      transform_non_params=lambda _: repl)
+  return {"step": repl, **variables, "opt_state": opt, "skipped_records": repl}
 
 
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
-                    mixup_cfg, num_classes: int, normalize: str):
+                    mixup_cfg, normalize: str):
   """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device.
 
   The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
-  With mixup/cutmix on, the batch gains 'targets' [B, C] (soft labels) before the objective;
-  `frozen` is the objective's fixed input (a distillation teacher) or None.
+  With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
+  mixed; `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
   """
   base_rng = jax.random.key(seed)
-  use_mixup = mixup_cfg is not None and (mixup_cfg.mixup_alpha > 0 or mixup_cfg.cutmix_alpha > 0)
+  use_mixup = objectives.mixup_enabled(mixup_cfg)
 
   def train_step(state, batch, frozen):
     rng = jax.random.fold_in(base_rng, state["step"])
@@ -91,7 +100,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
       from bigpretrain import mixup  # pylint: disable=import-outside-toplevel
       rng, mix_rng = jax.random.split(rng)
       images, targets = mixup.mix_batch(
-          mix_rng, batch["image"], batch["label"], num_classes=num_classes,
+          mix_rng, batch["image"], objective.dense_targets(batch),
           mixup_alpha=mixup_cfg.mixup_alpha, cutmix_alpha=mixup_cfg.cutmix_alpha,
           switch_prob=mixup_cfg.switch_prob, label_smoothing=mixup_cfg.label_smoothing)
       batch = {**batch, "image": images, "targets": targets}
@@ -168,19 +177,30 @@ def _every(step: int, every: int, last: int) -> bool:
 
 
 @dataclasses.dataclass
-class Experiment:
-  """Everything a run needs before its first step; shared by the trainer and the benchmarks."""
+class ModelSetup:
+  """Mesh, dataset and model of a config: enough for inference and evaluation."""
   config: object
   mesh: jax.sharding.Mesh
   dataset: datasets.Dataset
-  objective: object
   model_def: models.ModelDef
-  tx: optax.GradientTransformation
-  schedule: object
-  shardings: dict
-  total_steps: int
+  shardings: dict  # At least {'params', 'extra'}.
+
+
+@dataclasses.dataclass
+class Experiment(ModelSetup):
+  """Everything a run needs before its first step; shared by the trainer and the benchmarks.
+  `shardings` covers the whole train state."""
+  objective: objectives.base.Objective = None
+  tx: optax.GradientTransformation = None
+  schedule: object = None
+  total_steps: int = 0
   frozen: object = None  # The objective's fixed inputs (a KD teacher), already sharded.
   frozen_shardings: object = None
+
+  @property
+  def fields(self) -> dict:
+    """The batch fields the objective reads, with their sizes (see pipeline.record_fields)."""
+    return {f: self.dataset.info.features[f] for f in self.objective.reads}
 
   def init_state(self) -> dict:
     """The train state, created directly with its shardings (no host copy of the params)."""
@@ -193,47 +213,56 @@ class Experiment:
   def train_step(self):
     """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
-                         self.config.seed, self.config.mixup, self.dataset.info.num_classes,
-                         self.config.data.normalize)
+                         self.config.seed, self.config.mixup, self.config.data.normalize)
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
                    donate_argnums=(0,))
 
 
-def build(config, devices=None) -> Experiment:
-  """Validates the config, then builds mesh, data, objective, model and optimizer."""
+def build_model(config, devices=None) -> ModelSetup:
+  """Validates the config, then builds the mesh, the dataset and the model definition."""
   config_lib.validate(config)
   setup_compilation_cache(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_batch_size(config.batch_size, mesh)
   dataset = datasets.get_dataset(config.data)
   datasets.parse_mix(config.data.mix)  # A bad spec fails here, before anything is compiled.
-  info = dataset.info
-  objective = objectives.get_objective(config.objective, info, config.eval.topk)
+  model_def = models.ModelDef.from_config(config.model, dataset.info.num_classes,
+                                          config.compute_dtype, config.data.image_size)
+  return ModelSetup(config, mesh, dataset, model_def,
+                    variable_shardings(model_def, config, mesh))
+
+
+def build(config, devices=None) -> Experiment:
+  """build_model, then the objective (checked against the data and config) and optimizer."""
+  setup = build_model(config, devices)
+  info = setup.dataset.info
+  objective = objectives.get_objective(config.objective, info)
+  objectives.check(objective, info, config)
   num_train = info.num_examples[config.data.train_split]
   total_steps = config_lib.resolve_total_steps(config, num_train)
   logging.info("Run length: %s", config_lib.describe_duration(config, num_train))
-  model_def = models.ModelDef.from_config(config.model, info.num_classes, config.compute_dtype)
   tx, schedule = optim.make_optimizer(config.optim, total_steps=total_steps)
-  shardings = state_shardings(model_def, tx, config, mesh)
-  sharding.log_shardings(shardings["params"], model_def.abstract_pure_params())
-  frozen, frozen_shardings = None, None
-  if hasattr(objective, "load_frozen"):  # E.g. a distillation teacher, sharded like the student.
-    frozen, frozen_shardings = objective.load_frozen(
-        mesh, tuple(tuple(r) for r in config.sharding_rules), config.compute_dtype)
-  return Experiment(config, mesh, dataset, objective, model_def, tx, schedule, shardings,
-                    total_steps, frozen, frozen_shardings)
+  shardings = state_shardings(setup.model_def, tx, config, setup.mesh)
+  sharding.log_shardings(shardings["params"], setup.model_def.abstract_pure_params())
+  # E.g. a distillation teacher, sharded like the student.
+  frozen, frozen_shardings = objective.load_frozen(setup.mesh, rules_of(config),
+                                                   config.compute_dtype)
+  return Experiment(config, setup.mesh, setup.dataset, setup.model_def, shardings, objective,
+                    tx, schedule, total_steps, frozen, frozen_shardings)
 
 
-def make_train_iterator(config, dataset: datasets.Dataset):
-  """This host's train batches: data.train_split of `dataset`, mixed with data.mix if set."""
-  sources, weights = datasets.train_sources(config.data, dataset)
+def make_train_iterator(exp: Experiment):
+  """This host's train batches: data.train_split of the dataset, mixed with data.mix if set;
+  only the fields the objective reads."""
+  config = exp.config
+  sources, weights = datasets.train_sources(config.data, exp.dataset)
   if len(sources) > 1:
     logging.info("Mixing train sources %s with weights %s", sources, weights)
   return pipeline.mixed_train_iterator(
       sources, weights, config.data, global_batch_size=config.batch_size, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+      process_index=jax.process_index(), process_count=jax.process_count(), fields=exp.fields)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -241,11 +270,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
+  evaluators = evaluators_lib.build(config, exp)
   state = exp.init_state()
-  train_iter = make_train_iterator(config, dataset)
+  train_iter = make_train_iterator(exp)
 
+  meta = ckpt_lib.run_meta(config, exp.model_def.config(), dataset.info.class_names,
+                           dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       keep=config.keep_ckpts)
+                                       keep=config.keep_ckpts, meta=meta)
   restored = checkpointer.restore(state, train_iter)
   if restored is None and config.resume:
     with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False)
@@ -270,12 +302,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
       f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
   step_fn = exp.train_step()
-  eval_fn = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, mesh,
-                                    config.data.normalize)
 
-  def run_eval(step, state):
-    results = evaluate.evaluate(eval_fn, state, dataset, config, mesh, objective=exp.objective)
-    writer.write(step, results)
+  def run_evals(step, state, force=False):
+    """Runs the evaluators due at `step` (all with `force`); writes one row; returns it."""
+    results = {}
+    for ev in evaluators:
+      if force or _every(step, ev.every_steps, total_steps):
+        results.update(ev.run(state))
+    if results:
+      writer.write(step, results)
     return results
 
   pending = _Pending()
@@ -286,7 +321,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     for step in range(start + 1, total_steps + 1):
       batch = next(train_iter)
       # Per-host count of corrupt records, put in row 0 so the step sums it over all hosts.
-      skipped = np.zeros(len(batch["label"]), np.int32)
+      skipped = np.zeros(len(batch["image"]), np.int32)
       skipped[0] = batch.pop("_skipped", 0)
       batch["_skipped"] = skipped
       state, step_metrics = step_fn(state, sharding.global_batch(batch, mesh), exp.frozen)
@@ -304,8 +339,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         print(f"Preempted: saved checkpoint at step {step}; exiting.", flush=True)
         writer.close()
         return {}
-      if _every(step, config.eval_every_steps, total_steps):
-        results = run_eval(step, state)
+      results.update(run_evals(step, state))
       if _every(step, config.ckpt_every_steps, total_steps):
         pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
         checkpointer.save(step, state, train_iter)
@@ -313,7 +347,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   checkpointer.wait()
   checkpointer.close()
   if not results and start >= total_steps:
-    results = run_eval(total_steps, state)
+    results = run_evals(total_steps, state, force=True)
   writer.close()
   summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items()) if "level" not in k)
   if is_main:

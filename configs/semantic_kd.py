@@ -9,13 +9,13 @@ Demo (two commands: a semantic-softmax teacher, then a student distilled from it
 
 Paper scale (8x V100 as configs/semantic_softmax.py; the paper's teacher is a TResNet-L
 trained with semantic softmax on ImageNet-21K-P):
-  python -m bigpretrain.main --config=configs/semantic_kd.py:dataset=imagenet21k_p,data_dir=/data/tfds,model=vit_b16,teacher=/runs/teacher,teacher_model=vit_l16 \
+  python -m bigpretrain.main --config=configs/semantic_kd.py:dataset=imagenet21k_p,data_dir=/data/tfds,model=vit_b16,teacher=/runs/teacher \
     --workdir=/runs/kd_vit_b16
 Paper number: TResNet-M fine-tunes to 82.2% on ImageNet-1K after semantic softmax + KD
 pretraining, vs 81.4% without KD (Table 2).
 
 Args: those of configs/semantic_softmax.py, plus teacher (a run's workdir or checkpoints/
-folder) and teacher_model (registry name; default: the student's model).
+folder; its checkpoint names the teacher's model, which may differ from the student's).
 """
 from bigpretrain import config_lib
 from configs import semantic_softmax
@@ -23,11 +23,10 @@ from configs import semantic_softmax
 
 def get_config(arg=None):
   arg = config_lib.parse_arg(arg, dataset="demo", data_dir="", model="", epochs=80.0,
-                             teacher="", teacher_model="")
+                             teacher="")
   base_arg = f"dataset={arg.dataset},data_dir={arg.data_dir},model={arg.model},epochs={arg.epochs}"
   config = semantic_softmax.get_config(base_arg)
   config.objective = dict(
       name="semantic_kd", label_smoothing=0.2, max_weight=20.0, kd_weight=1.0,
-      teacher_model=dict(name=arg.teacher_model or config.model.name),
       teacher_checkpoint=arg.teacher)
   return config

@@ -1,6 +1,7 @@
 """Dataset lookup: `config.data` -> class list, split sizes and random-access record sources.
 
-Names (`config.data.name`):
+`config.data.name` is looked up in a registry of names and name prefixes
+(`register_source`); a new kind of dataset registers its loader there. Built in:
   'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
                          into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
                          the share of truncated train labels (percent, default 20).
@@ -23,7 +24,7 @@ datasets).
 import dataclasses
 import pathlib
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -31,8 +32,6 @@ from tensorflow_datasets.core import read_only_builder
 
 from input_pipeline import demo
 
-KNOWN_NAMES = ("demo", "demo/truncPERCENT", "tfds:NAME[/CONFIG]", "imagenet21k_p",
-               "folder:NAME")
 # tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
 # imported from there, so that reading needs no Apache Beam).
 IMAGENET21K_P = "imagenet21k_p"
@@ -49,6 +48,24 @@ class DatasetInfo:
   num_examples: dict[str, int]  # split -> examples.
   image_size: int | None  # Side of the stored square images; None if they vary.
   splits: tuple[str, ...]
+  # Record fields the pipeline can ship (besides 'image'): name -> 0 for a numeric scalar,
+  # K > 0 for an id list padded to K, None for fields that stay on the host (text, bytes).
+  features: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+
+def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | None:
+  """DatasetInfo.features entry of one tfds feature (see there)."""
+  if isinstance(feature, tfds.features.Text):
+    return None
+  shape, dtype = getattr(feature, "shape", None), getattr(feature, "np_dtype", None)
+  if dtype is None or not (np.issubdtype(np.dtype(dtype), np.integer)
+                           or np.issubdtype(np.dtype(dtype), np.floating)):
+    return None
+  if shape == ():
+    return 0
+  if shape == (None,) and np.issubdtype(np.dtype(dtype), np.integer):
+    return max_lengths.get(name)  # Unknown max length: not shippable.
+  return None
 
 
 class RecordSource:
@@ -104,6 +121,7 @@ class Dataset:
     shape = getattr(features["image"], "shape", (None, None, None))
     size = shape[0] if shape[0] is not None and shape[0] == shape[1] else None
     splits = tuple(sorted(builder.info.splits.keys()))
+    max_lengths = dict((builder.info.metadata or {}).get("max_lengths", {}))
     self.info = DatasetInfo(
         name=name,
         num_classes=int(label.num_classes),
@@ -111,6 +129,8 @@ class Dataset:
         num_examples={s: int(builder.info.splits[s].num_examples) for s in splits},
         image_size=size,
         splits=splits,
+        features={k: _field_size(k, f, max_lengths) for k, f in sorted(features.items())
+                  if k != "image"},
     )
 
   def source(self, split: str) -> RecordSource:
@@ -177,25 +197,54 @@ def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset
   return Dataset(name, builder)
 
 
+def _imagenet21k_p(name: str, data_dir: str) -> Dataset:
+  return _prepared(name, IMAGENET21K_P, data_dir, "imagenet21k_p --manual_dir=RAW --data_dir=DIR")
+
+
+def _folder(name: str, data_dir: str) -> Dataset:
+  folder = name[len("folder:"):]
+  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-]*", folder):
+    raise ValueError(f"Bad dataset name {name!r}: use 'folder:NAME' with NAME the --name "
+                     "given to `python -m input_pipeline.prepare folder`.")
+  return _prepared(name, f"{FOLDER_BUILDER}/{folder}", data_dir,
+                   f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
+
+
+# Exact names, and prefixes (ending in ':' or '/') followed by a non-empty rest.
+_SOURCES: dict[str, Callable[[str, str], Dataset]] = {}
+_USAGE: dict[str, str] = {}
+
+
+def register_source(key: str, loader: Callable[[str, str], Dataset], usage: str = "") -> None:
+  """Makes `loader(name, data_dir) -> Dataset` serve data.name == key, or, for a key ending
+  in ':' or '/', every data.name that starts with it. `usage` shows in unknown-name errors."""
+  if key in _SOURCES and _SOURCES[key] is not loader:
+    raise ValueError(f"dataset source {key!r} is already registered")
+  _SOURCES[key] = loader
+  _USAGE[key] = usage or key
+
+
+def _loader(name: str) -> Callable[[str, str], Dataset]:
+  if name in _SOURCES and not name.endswith((":", "/")):
+    return _SOURCES[name]
+  prefixes = [k for k in _SOURCES if k.endswith((":", "/")) and name.startswith(k)
+              and len(name) > len(k)]
+  if not prefixes:
+    raise ValueError(f"Unknown dataset name {name!r}; known: {sorted(_USAGE.values())}.")
+  return _SOURCES[max(prefixes, key=len)]
+
+
 def get_dataset(data_cfg) -> Dataset:
   """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
   name = str(data_cfg.get("name", ""))
-  data_dir = _data_dir(data_cfg)
-  if name == "demo" or name.startswith("demo/"):
-    return _demo(name, data_dir)
-  if name.startswith("tfds:") and len(name) > len("tfds:"):
-    return _tfds(name, data_dir)
-  if name == IMAGENET21K_P:
-    return _prepared(name, IMAGENET21K_P, data_dir,
-                     "imagenet21k_p --manual_dir=RAW --data_dir=DIR")
-  if name.startswith("folder:"):
-    folder = name[len("folder:"):]
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-]*", folder):
-      raise ValueError(f"Bad dataset name {name!r}: use 'folder:NAME' with NAME the --name "
-                       "given to `python -m input_pipeline.prepare folder`.")
-    return _prepared(name, f"{FOLDER_BUILDER}/{folder}", data_dir,
-                     f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
-  raise ValueError(f"Unknown dataset name {name!r}; known: {list(KNOWN_NAMES)}.")
+  return _loader(name)(name, _data_dir(data_cfg))
+
+
+register_source("demo", _demo)
+register_source("demo/", _demo, "demo/truncPERCENT")
+register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
+register_source(IMAGENET21K_P, _imagenet21k_p)
+register_source("folder:", _folder, "folder:NAME")
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:

@@ -1,8 +1,10 @@
 """grain train/eval iterators: decode, augment, skip corrupt records, batch per host.
 
 Sources are random-access (len + __getitem__) and yield dicts with 'image' (encoded PNG/JPEG
-bytes) and 'label' (int); other keys are ignored. Decoding happens in the pipeline (in grain
-worker processes when data.num_workers > 0).
+bytes) and the fields the objective reads ('label' by default; see record_fields); other keys
+are not shipped. Decoding happens in the pipeline (in grain worker processes when
+data.num_workers > 0). A source may bring its own index sampler (see _host_sampler), which
+replaces shuffle, repeat and the host slice below.
 
 Train: MapDataset.source -> shuffle -> repeat (infinite) [-> weighted mix of several such
 streams (mixed_train_iterator)] -> decode + augment (random_map: each record's generator comes
@@ -30,7 +32,9 @@ The handler writes one `process_<i>-of-<n>.json` per host (jax.process_index/cou
 restore needs the same host count.
 """
 import dataclasses
+import functools
 import math
+import sys
 from typing import Any, Mapping, Sequence
 
 from absl import logging
@@ -180,15 +184,62 @@ class _WithSourceIndex(grain.transforms.MapWithIndex):
     return f"{index % self._n} of source {self._source_id}", record
 
 
+DEFAULT_FIELDS = {"label": 0}
+
+
+def _check_fields(fields: Mapping[str, int]) -> dict[str, int]:
+  fields = dict(fields)
+  for name, size in fields.items():
+    if name in ("image", "mask", "index") or name.startswith(("_", "num_")):
+      raise ValueError(f"batch field {name!r} is reserved")
+    if not _is_int(size) or size < 0:
+      raise ValueError(f"batch field {name!r}: size must be 0 (scalar) or the padded length "
+                       f"of an id list, got {size!r}")
+  return fields
+
+
+def record_fields(record: Mapping[str, Any], fields: Mapping[str, int], index) -> dict:
+  """The shipped fields of a record: scalars as int32/float32; an id list (size K > 0) as
+  int32 [K] padded with -1 plus its length in 'num_<name>'."""
+  out = {}
+  for name, size in fields.items():
+    if name not in record:
+      raise KeyError(f"record {index} has no field {name!r} (keys: {sorted(record)})")
+    value = record[name]
+    if size == 0:
+      out[name] = np.asarray(value, np.float32 if isinstance(value, float) else np.int32)
+      continue
+    ids = np.asarray(value, np.int64).reshape(-1)
+    if len(ids) > size:
+      raise ValueError(f"record {index} has {len(ids)} entries in {name!r}, more than its "
+                       f"padded length {size}; raise the dataset's max length for {name!r}")
+    padded = np.full((size,), -1, np.int32)
+    padded[:len(ids)] = ids
+    out[name], out[f"num_{name}"] = padded, np.int32(len(ids))
+  return out
+
+
+def empty_fields(fields: Mapping[str, int]) -> dict:
+  """Zero scalars and all-padding id lists: the fields of a padding row."""
+  out = {}
+  for name, size in fields.items():
+    if size == 0:
+      out[name] = np.int32(0)
+    else:
+      out[name], out[f"num_{name}"] = np.full((size,), -1, np.int32), np.int32(0)
+  return out
+
+
 class _TrainDecode(grain.transforms.RandomMap):
-  """(source index, record) -> {'image' uint8, 'label' int32} or a corrupt marker.
+  """(source index, record) -> {'image' uint8, fields...} or a corrupt marker.
 
   With repeated augmentation k > 1, 'image' is [k, S, S, 3]: the record decoded once and
   augmented k times in a row with the record's generator.
   """
 
-  def __init__(self, settings: _Settings):
+  def __init__(self, settings: _Settings, fields: Mapping[str, int]):
     self._s = settings
+    self._fields = dict(fields)
 
   def random_map(self, element, rng: np.random.Generator):
     index, record = element
@@ -202,7 +253,7 @@ class _TrainDecode(grain.transforms.RandomMap):
       _corrupt(index, e, self._s.fail_on_corrupt)
       return {_CORRUPT: index}
     out = copies[0] if len(copies) == 1 else np.stack(copies)
-    return {"image": out, "label": np.int32(record["label"])}
+    return {"image": out, **record_fields(record, self._fields, index)}
 
   def _augment(self, image, rng: np.random.Generator, index) -> np.ndarray:
     size = self._s.image_size
@@ -259,16 +310,17 @@ class _FinishTrainBatch(grain.transforms.Map):
   normalises them on device).
 
   Repeated augmentation: [b / k, k, S, S, 3] becomes [b, S, S, 3] copy-major (row
-  c * b / k + j is copy c of record j).
+  c * b / k + j is copy c of record j); the other fields are tiled alike.
   """
 
   def map(self, batch):
-    images, labels = batch["image"], batch["label"].astype(np.int32)
+    images = batch.pop("image")
+    skipped = np.int32(batch.pop("_skipped").sum())
     if images.ndim == 5:
       k = images.shape[1]
       images = images.swapaxes(0, 1).reshape((-1,) + images.shape[2:])
-      labels = np.tile(labels, k)
-    return {"image": images, "label": labels, "_skipped": np.int32(batch["_skipped"].sum())}
+      batch = {name: np.tile(v, (k,) + (1,) * (v.ndim - 1)) for name, v in batch.items()}
+    return {"image": images, **batch, "_skipped": skipped}
 
 
 def _read_options(buffer: int, settings: _Settings) -> grain.ReadOptions:
@@ -296,6 +348,25 @@ def _check_seed(seed: int) -> None:
     raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
 
+class _SampledStream(grain.MapDataset):
+  """Infinite (source index, record) stream of one host: position j reads
+  source[sampler[j]]."""
+
+  def __init__(self, source, sampler):
+    super().__init__()
+    self._source = source
+    self._sampler = sampler
+
+  def __len__(self) -> int:
+    return sys.maxsize
+
+  def __getitem__(self, position):
+    if isinstance(position, slice):
+      return self.slice(position)
+    index = int(self._sampler[position])
+    return index, self._source[index]
+
+
 def _source_stream(source, seed: int, source_id: int | None) -> grain.MapDataset:
   """Infinite stream of (reference, record): a new shuffle of `source` every epoch."""
   if len(source) == 0:
@@ -306,10 +377,20 @@ def _source_stream(source, seed: int, source_id: int | None) -> grain.MapDataset
   return ds.shuffle(seed=_derived_seed(seed, 1, source_id or 0)).repeat()
 
 
+def _host_sampler(source, seed: int, process_index: int, process_count: int):
+  """The source's own index sampler for this host (e.g. a resampler), or None: sources may
+  define `index_sampler(seed, process_index, process_count)` returning an object whose
+  `[j]` is the source index of this host's j-th record, a pure function of (seed, j)."""
+  make = getattr(source, "index_sampler", None)
+  return None if make is None else make(seed, process_index, process_count)
+
+
 def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batch_size: int,
-                   seed: int, process_index: int,
-                   process_count: int) -> grain.DatasetIterator:
-  """Repeated augmentation, decode + augment, host slice, skip corrupt, batch, workers."""
+                   seed: int, process_index: int, process_count: int,
+                   fields: Mapping[str, int],
+                   host_stream: bool = False) -> grain.DatasetIterator:
+  """Repeated augmentation, decode + augment, host slice (unless the stream is already this
+  host's, `host_stream`), skip corrupt, batch, workers."""
   per_host = _per_host_batch(global_batch_size, process_index, process_count)
   k = settings.repeated_augment
   if per_host % k:
@@ -317,8 +398,12 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
                      f"{per_host} (global_batch_size={global_batch_size}, "
                      f"process_count={process_count})")
   records = per_host // k  # Distinct records per host batch.
-  ds = stream.random_map(_TrainDecode(settings), seed=_derived_seed(seed, 2))
-  ds = ds[process_index::process_count]
+  if host_stream:
+    ds = stream.random_map(_TrainDecode(settings, fields),
+                           seed=_derived_seed(seed, 2, process_index))
+  else:
+    ds = stream.random_map(_TrainDecode(settings, fields), seed=_derived_seed(seed, 2))
+    ds = ds[process_index::process_count]
   read = _read_options(settings.prefetch * records, settings)
   it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
   it_ds = it_ds.batch(records, drop_remainder=True)
@@ -327,12 +412,17 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
 
 
 def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
-                   process_index: int, process_count: int) -> grain.DatasetIterator:
+                   process_index: int, process_count: int,
+                   fields: Mapping[str, int] = DEFAULT_FIELDS) -> grain.DatasetIterator:
   """Infinite, shuffled, augmented, checkpointable iterator over this host's batches.
 
-  Batches: 'image' uint8 [b, S, S, 3], 'label' int32 [b], '_skipped' int32
-  scalar (corrupt records this host skipped while making the batch), with
-  b = global_batch_size // process_count.
+  Batches: 'image' uint8 [b, S, S, 3], the `fields` (name -> 0 for a scalar, int32 [b]; or
+  K for an id list, int32 [b, K] padded with -1 plus 'num_<name>' int32 [b]; default
+  'label'), '_skipped' int32 scalar (corrupt records this host skipped while making the
+  batch), with b = global_batch_size // process_count.
+
+  A source with an `index_sampler` (see _host_sampler) is read in the sampler's order on
+  each host instead of shuffled and sliced across hosts.
 
   Repeated augmentation, data.repeated_augment = k > 1 (k must divide b): each host batch
   holds b / k records from the stream (host slicing as above), each decoded once and
@@ -344,12 +434,13 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
   """
   return mixed_train_iterator([source], [1.0], data_cfg, global_batch_size=global_batch_size,
                               seed=seed, process_index=process_index,
-                              process_count=process_count)
+                              process_count=process_count, fields=fields)
 
 
 def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, *,
                          global_batch_size: int, seed: int, process_index: int,
-                         process_count: int) -> grain.DatasetIterator:
+                         process_count: int,
+                         fields: Mapping[str, int] = DEFAULT_FIELDS) -> grain.DatasetIterator:
   """Like train_iterator, over a weighted mix of one or more sources (one: train_iterator).
 
   Each source is shuffled (its own seed from `seed`) and repeated on its own, then
@@ -371,12 +462,22 @@ def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, 
     if isinstance(w, bool) or not isinstance(w, (int, float, np.number)) or not (
         math.isfinite(w) and w > 0):
       raise ValueError(f"weight {i} must be a positive finite number, got {w!r}")
+  fields = _check_fields(fields)
+  batches = functools.partial(_train_batches, settings=settings,
+                              global_batch_size=global_batch_size, seed=int(seed),
+                              process_index=process_index, process_count=process_count,
+                              fields=fields)
+  samplers = [_host_sampler(src, int(seed), process_index, process_count) for src in sources]
+  if any(s is not None for s in samplers):
+    if len(sources) > 1:
+      raise ValueError("a source with its own index sampler cannot be mixed with other "
+                       "sources; leave data.mix empty")
+    return batches(_SampledStream(sources[0], samplers[0]), host_stream=True)
   ids = range(len(sources)) if len(sources) > 1 else [None]  # None: no 'of source s'.
   streams = [_source_stream(src, int(seed), i) for i, src in zip(ids, sources)]
   stream = streams[0] if len(streams) == 1 else grain.MapDataset.mix(
       streams, [float(w) for w in weights])
-  return _train_batches(stream, settings, global_batch_size=global_batch_size, seed=int(seed),
-                        process_index=process_index, process_count=process_count)
+  return batches(stream)
 
 
 class _PaddedHostSource:
@@ -400,8 +501,9 @@ class _PaddedHostSource:
 class _EvalDecode(grain.transforms.Map):
   """(index, record) -> eval row; padding and corrupt rows are zeros with mask 0."""
 
-  def __init__(self, settings: _Settings):
+  def __init__(self, settings: _Settings, fields: Mapping[str, int]):
     self._s = settings
+    self._fields = dict(fields)
 
   def map(self, element):
     index, record = element
@@ -415,30 +517,29 @@ class _EvalDecode(grain.transforms.Map):
         _corrupt(index, e, self._s.fail_on_corrupt)
         image = None
     if image is None:
-      return {"image": np.zeros((size, size, 3), np.uint8), "label": np.int32(0),
+      return {"image": np.zeros((size, size, 3), np.uint8), **empty_fields(self._fields),
               "mask": np.float32(0), "index": np.int64(-1),
               "_skipped": np.int32(record is not None)}
-    return {"image": image, "label": np.int32(record["label"]), "mask": np.float32(1),
-            "index": np.int64(index), "_skipped": np.int32(0)}
+    return {"image": image, **record_fields(record, self._fields, index),
+            "mask": np.float32(1), "index": np.int64(index), "_skipped": np.int32(0)}
 
 
 class _FinishEvalBatch(grain.transforms.Map):
   """Sums the per-row skip counts to one int32 scalar; images stay uint8."""
 
   def map(self, batch):
-    return {"image": batch["image"], "label": batch["label"].astype(np.int32),
-            "mask": batch["mask"].astype(np.float32),
-            "index": batch["index"].astype(np.int64),
-            "_skipped": np.int32(batch["_skipped"].sum())}
+    return {**batch, "_skipped": np.int32(batch["_skipped"].sum())}
 
 
 def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: int,
-                  process_count: int) -> grain.IterDataset:
+                  process_count: int,
+                  fields: Mapping[str, int] = DEFAULT_FIELDS) -> grain.IterDataset:
   """Re-iterable eval batches of this host; every host yields the same number of batches.
 
   Host p takes source rows p, p + P, p + 2P, ... (P = process_count) and pads them to
   num_eval_batches(len(source), global_batch_size) batches of global_batch_size // P rows.
-  Batches: 'image' uint8 [b, S, S, 3], 'label' int32 [b], 'mask' float32 [b] (1 = real
+  Batches: 'image' uint8 [b, S, S, 3], the `fields` as in train_iterator (zeros and
+  padding in mask-0 rows), 'mask' float32 [b] (1 = real
   example, 0 = padding or corrupt), 'index' int64 [b] (source index, -1 for mask-0 rows),
   '_skipped' int32 scalar (corrupt records in the batch). Across hosts every source record
   appears exactly once.
@@ -448,7 +549,7 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
   num_rows = num_eval_batches(len(source), global_batch_size) * per_host
   ds = grain.MapDataset.source(
       _PaddedHostSource(source, process_index, process_count, num_rows))
-  ds = ds.map(_EvalDecode(settings))
+  ds = ds.map(_EvalDecode(settings, _check_fields(fields)))
   finish = _FinishEvalBatch()
   if settings.num_workers == 0:
     # In-process: threads decode single records, then rows are grouped into batches.

@@ -16,12 +16,15 @@ def _const_images(b, h, w, dtype=np.float32):
 
 
 _jit_mix = jax.jit(mixup.mix_batch, static_argnames=(
-    "num_classes", "mixup_alpha", "cutmix_alpha", "switch_prob", "label_smoothing"))
+    "mixup_alpha", "cutmix_alpha", "switch_prob", "label_smoothing"))
 
 
-def _mix(key, images, labels, **kw):
-  kw.setdefault("num_classes", 10)
-  return _jit_mix(jax.random.key(key), jnp.asarray(images), jnp.asarray(labels), **kw)
+def _one_hot(labels, num_classes):
+  return jax.nn.one_hot(jnp.asarray(labels), num_classes, dtype=jnp.float32)
+
+
+def _mix(key, images, labels, num_classes=10, **kw):
+  return _jit_mix(jax.random.key(key), jnp.asarray(images), _one_hot(labels, num_classes), **kw)
 
 
 def _lam(targets, labels):
@@ -121,7 +124,7 @@ def test_switch_prob_picks_cutmix_or_mixup():
     assert not is_cutmix(_mix(key, images, labels, mixup_alpha=1.0, cutmix_alpha=1.0,
                               switch_prob=0.0)[0])
   mix = jax.jit(jax.vmap(functools.partial(
-      mixup.mix_batch, images=jnp.asarray(images), labels=jnp.asarray(labels), num_classes=4,
+      mixup.mix_batch, images=jnp.asarray(images), targets=_one_hot(labels, 4),
       mixup_alpha=1.0, cutmix_alpha=1.0, switch_prob=0.3)))
   outs, _ = mix(jax.random.split(jax.random.key(0), 400))
   share = np.mean([is_cutmix(o) for o in outs])
@@ -132,7 +135,7 @@ def test_mixup_lambda_is_beta_distributed():
   alpha = 0.4
   labels = jnp.arange(2)
   mix = jax.jit(jax.vmap(lambda k: mixup.mix_batch(
-      k, jnp.zeros((2, 1, 1, 3)), labels, num_classes=2, mixup_alpha=alpha,
+      k, jnp.zeros((2, 1, 1, 3)), _one_hot(labels, 2), mixup_alpha=alpha,
       cutmix_alpha=0.0)[1][0, 0]))
   lam = np.asarray(mix(jax.random.split(jax.random.key(3), 4000)))
   assert lam.min() >= 0 and lam.max() <= 1
@@ -161,14 +164,14 @@ def test_jit_on_a_sharded_batch_matches_eager_and_keeps_dtype():
   batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   n = len(jax.devices())
   images = jnp.asarray(np.random.default_rng(4).random((n, 6, 6, 3)), jnp.bfloat16)
-  labels = jnp.arange(n) % 3
-  kw = dict(num_classes=3, mixup_alpha=0.5, cutmix_alpha=1.0, label_smoothing=0.1)
+  targets = _one_hot(jnp.arange(n) % 3, 3)
+  kw = dict(mixup_alpha=0.5, cutmix_alpha=1.0, label_smoothing=0.1)
   fn = jax.jit(functools.partial(mixup.mix_batch, **kw))
   for key in range(4):
     rng = jax.random.key(key)
-    want_images, want_targets = mixup.mix_batch(rng, images, labels, **kw)
+    want_images, want_targets = mixup.mix_batch(rng, images, targets, **kw)
     got_images, got_targets = fn(rng, jax.device_put(images, batch),
-                                 jax.device_put(labels, batch))
+                                 jax.device_put(targets, batch))
     assert got_images.dtype == jnp.bfloat16 and got_targets.dtype == jnp.float32
     assert got_targets.shape == (n, 3)
     np.testing.assert_array_equal(np.asarray(got_images, np.float32),
@@ -181,13 +184,25 @@ def test_jit_on_a_sharded_batch_matches_eager_and_keeps_dtype():
     (dict(cutmix_alpha=float("nan")), "cutmix_alpha"),
     (dict(switch_prob=1.5), "switch_prob"),
     (dict(label_smoothing=1.0), "label_smoothing"),
-    (dict(num_classes=0), "num_classes"),
 ])
 def test_bad_arguments(kw, match):
-  args = dict(num_classes=4, mixup_alpha=0.2, cutmix_alpha=0.0)
+  args = dict(mixup_alpha=0.2, cutmix_alpha=0.0)
   args.update(kw)
   with pytest.raises(ValueError, match=match):
-    mixup.mix_batch(jax.random.key(0), jnp.zeros((2, 2, 2, 3)), jnp.zeros(2, jnp.int32), **args)
-  with pytest.raises(ValueError, match="labels"):
-    mixup.mix_batch(jax.random.key(0), jnp.zeros((2, 2, 2, 3)), jnp.zeros(3, jnp.int32),
-                    num_classes=4, mixup_alpha=0.2, cutmix_alpha=0.0)
+    mixup.mix_batch(jax.random.key(0), jnp.zeros((2, 2, 2, 3)), jnp.zeros((2, 4)), **args)
+  with pytest.raises(ValueError, match="targets"):
+    mixup.mix_batch(jax.random.key(0), jnp.zeros((2, 2, 2, 3)), jnp.zeros((3, 4)),
+                    mixup_alpha=0.2, cutmix_alpha=0.0)
+
+
+def test_multi_hot_targets_mix_like_one_hots():
+  """Mixed multi-hot targets (multi-label objectives) are lam * y + (1 - lam) * flip(y)."""
+  images = np.random.default_rng(7).random((4, 3, 3, 3), np.float32)
+  y = np.array([[1, 0, 1, 0], [0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1]], np.float32)
+  for key in range(3):
+    out, targets = _jit_mix(jax.random.key(key), jnp.asarray(images), jnp.asarray(y),
+                            mixup_alpha=1.0, cutmix_alpha=0.0)
+    # Pixel (0, 0, 0) of row 0 is lam * x0 + (1 - lam) * x3: solve for lam.
+    x0, x3 = images[0, 0, 0, 0], images[3, 0, 0, 0]
+    lam = (float(out[0, 0, 0, 0]) - x3) / (x0 - x3)
+    np.testing.assert_allclose(targets, lam * y + (1 - lam) * y[::-1], atol=1e-5)

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from bigpretrain import evaluate
+from bigpretrain import evaluators
 from bigpretrain import metrics
 from bigpretrain import sharding
 from bigpretrain import train
@@ -60,9 +60,8 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
   n = exp.dataset.info.num_examples["validation"]
   assert n % 48 != 0
   state = exp.init_state()
-  step = evaluate.make_eval_step(exp.model_def, exp.objective, exp.shardings, exp.mesh,
-                                 config.data.normalize)
-  results = evaluate.evaluate(step, state, exp.dataset, config, exp.mesh)
+  [evaluator] = evaluators.build(config, exp)
+  results = evaluator.run(state)
   assert results["eval/num_examples"] == n
   assert 0.0 <= results["eval/top1"] <= results["eval/top5"] <= 1.0
 

@@ -49,6 +49,12 @@ def _accepted_kwargs(factory) -> tuple[set[str] | None, set[str]]:
   return names - fixed - set(_RESERVED) - {"self"}, fixed
 
 
+def accepts(name: str, option: str) -> bool:
+  """Whether registered model `name` takes keyword `option` (and does not fix it)."""
+  accepted, fixed = _accepted_kwargs(_REGISTRY[name]) if name in _REGISTRY else (set(), set())
+  return option not in fixed and (accepted is None or option in accepted)
+
+
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
@@ -84,9 +90,14 @@ class ModelDef:
   abstract_extra: nnx.State
 
   @classmethod
-  def from_config(cls, model_cfg, num_classes: int, compute_dtype: str = "float32"):
-    """From a `config.model`-style mapping: 'name' plus the model's keyword options."""
+  def from_config(cls, model_cfg, num_classes: int, compute_dtype: str = "float32",
+                  image_size: int | None = None):
+    """From a `config.model`-style mapping: 'name' plus the model's keyword options.
+    `image_size` (config.data.image_size) fills the model's image_size option if unset."""
     kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
+    if image_size is not None and "image_size" not in kwargs and accepts(model_cfg["name"],
+                                                                         "image_size"):
+      kwargs["image_size"] = image_size
     kwargs["dtype"] = jnp.dtype(compute_dtype)
     kwargs["num_classes"] = num_classes
     abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0), **kwargs))
@@ -102,11 +113,23 @@ class ModelDef:
   def merge(self, params, extra):
     return nnx.merge(self.graphdef, params, extra)
 
+  def config(self) -> dict:
+    """The `config.model` mapping that rebuilds this model (a checkpoint's meta)."""
+    return {"name": self.name, **{k: v for k, v in self.kwargs.items()
+                                  if k not in ("dtype", "num_classes")}}
+
   def abstract_pure_params(self):
     return nnx.to_pure_dict(self.abstract_params)
 
   def abstract_pure_extra(self):
     return nnx.to_pure_dict(self.abstract_extra)
+
+
+def load_pretrained(path: str) -> nnx.Module:
+  """The model of a run's workdir, a checkpoint dir or a `bigpretrain.convert` output, with
+  its weights, on the first local device; call it with train=False (the default)."""
+  from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
+  return pretrained.load(path).module()
 
 
 def _register_all():

@@ -1,10 +1,47 @@
-"""Shared pieces of the objectives: config checking, top-k and semantic eval metrics."""
-import re
-
+"""The objective contract, and the pieces objectives share (config checks, eval metrics)."""
+import jax
 import jax.numpy as jnp
 
 from bigpretrain.semantic import metrics as semantic_metrics
 from bigpretrain.semantic import tree as semantic_tree
+from bigpretrain.semantic import wordnet
+
+
+class Objective:
+  """What a train step computes from a batch. Subclasses set the class attributes and
+  implement `loss`; the trainer checks the declarations in `build()`, before compiling.
+
+  reads:        batch fields besides 'image' that loss and eval_metrics use; the dataset must
+                have them, and the input pipeline ships only these.
+  soft_targets: True if `loss` consumes batch['targets'] [B, C] (mixup/cutmix mixes what
+                `dense_targets` returns); False makes mixup/cutmix a build-time error.
+  """
+  reads: tuple[str, ...] = ("label",)
+  soft_targets: bool = False
+
+  def loss(self, model, batch, rng, frozen):
+    """-> (scalar loss, {metric name: scalar}); traced inside the jitted train step. `model`
+    is the merged NNX module; `frozen` is what `load_frozen` returned."""
+    raise NotImplementedError
+
+  def dense_targets(self, batch) -> jax.Array:
+    """float32 [B, C] hard targets that mixup/cutmix mixes (objectives with soft_targets)."""
+    raise NotImplementedError(f"{type(self).__name__} does not take soft targets.")
+
+  def eval_metrics(self, model, batch, topk) -> dict:
+    """{name: (numerator, denominator)} summed over the batch, padded rows masked out; names
+    without a prefix (the evaluator adds its own)."""
+    raise NotImplementedError
+
+  def finalize_eval(self, totals: dict) -> dict:
+    """Metrics derived from the totals summed over a whole split (e.g. mAP from histograms)."""
+    del totals
+    return {}
+
+  def load_frozen(self, mesh, rules, compute_dtype):
+    """(tree, shardings) of fixed step inputs (a distillation teacher), or (None, None)."""
+    del mesh, rules, compute_dtype
+    return None, None
 
 
 def check_keys(cfg, allowed: set[str]) -> None:
@@ -16,13 +53,13 @@ def check_keys(cfg, allowed: set[str]) -> None:
 
 
 def topk_metrics(logits, labels, mask, topk=(1, 5)) -> dict:
-  """{'eval/top{k}': (num_correct, num_examples)} over rows with mask 1."""
+  """{'top{k}': (num_correct, num_examples)} over rows with mask 1."""
   out = {}
   order = jnp.argsort(-logits, axis=-1)
   for k in topk:
     k = min(k, logits.shape[-1])
     hit = jnp.any(order[:, :k] == labels[:, None], axis=-1)
-    out[f"eval/top{k}"] = (jnp.sum(hit * mask), jnp.sum(mask))
+    out[f"top{k}"] = (jnp.sum(hit * mask), jnp.sum(mask))
   return out
 
 
@@ -30,13 +67,10 @@ def eval_mask(batch, batch_size: int):
   return batch["mask"] if "mask" in batch else jnp.ones((batch_size,), jnp.float32)
 
 
-_WNID = re.compile(r"^[nvar]\d{8}$")
-
-
-def class_tree(info):
-  """The WordNet tree over the dataset's classes, or None when its classes are not wnids."""
-  names = list(info.class_names or ())
-  if not names or not all(_WNID.match(n) for n in names):
+def class_tree(class_names):
+  """The WordNet tree over the classes, or None when the class names are not wnids."""
+  names = list(class_names or ())
+  if not names or not all(wordnet.is_wnid(n) for n in names):
     return None
   return semantic_tree.SemanticTree.from_wnids(names)
 
@@ -45,10 +79,10 @@ def semantic_eval_metrics(logits, labels, mask, tree) -> dict:
   """Semantic top-1 (pooled over levels, as in the ImageNet-21K paper) and per-level top-1."""
   targets = jnp.asarray(tree.target_table)[labels]
   targets = jnp.where(mask[:, None] > 0, targets, -1)
-  out = {"eval/semantic_top1": semantic_metrics.semantic_accuracy(logits, targets, tree)}
+  out = {"semantic_top1": semantic_metrics.semantic_accuracy(logits, targets, tree)}
   correct, valid = semantic_metrics.per_level_accuracy(logits, targets, tree)
   for k in range(tree.num_levels):
-    out[f"eval/level{k}_top1"] = (correct[k], valid[k])
+    out[f"level{k}_top1"] = (correct[k], valid[k])
   return out
 
 

@@ -27,15 +27,15 @@ from bigpretrain.objectives import base
 KINDS = ("bce", "ce")
 
 
-class Cosub:
+class Cosub(base.Objective):
   """Co-training of `num_submodels` stochastic-depth submodels of one network."""
+  soft_targets = True
 
-  def __init__(self, cfg, info, topk=(1, 5)):
+  def __init__(self, cfg, info):
     base.check_keys(cfg, {"kind", "num_submodels", "label_weight", "label_smoothing",
                           "bce_binarize"})
-    self.topk = topk
     self.num_classes = info.num_classes
-    self.tree = base.class_tree(info)  # Semantic eval metrics on WordNet-labelled data.
+    self.tree = base.class_tree(info.class_names)  # Semantic eval metrics on WordNet-labelled data.
     self.kind = cfg.get("kind", "bce")
     self.num_submodels = cfg.get("num_submodels", 2)
     self.label_weight = float(cfg.get("label_weight", 0.5))
@@ -62,15 +62,15 @@ class Cosub:
                        f"{self.label_smoothing}): smoothed targets are all > 0, so binarising "
                        "would make every class positive.")
 
+  def dense_targets(self, batch) -> jax.Array:
+    return jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32)
+
   def targets(self, batch) -> jax.Array:
     """[B, C] float32 targets: mixed soft labels or smoothed one-hot labels, maybe binarised."""
     if "targets" in batch:
-      if self.label_smoothing > 0:
-        raise ValueError("config.objective.label_smoothing > 0 with mixup/cutmix on: the trainer "
-                         "already builds soft targets; set config.mixup.label_smoothing instead.")
       y = batch["targets"].astype(jnp.float32)
     else:
-      y = jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32)
+      y = self.dense_targets(batch)
       if self.label_smoothing > 0:
         y = optax.smooth_labels(y, self.label_smoothing)
     if self.bce_binarize:
@@ -112,5 +112,5 @@ class Cosub:
         jnp.all(pred == pred[:, :1], axis=-1).astype(jnp.float32))
     return loss, aux
 
-  def eval_metrics(self, model, batch):
-    return base.classification_eval(model, batch, self.topk, self.tree)[2]
+  def eval_metrics(self, model, batch, topk):
+    return base.classification_eval(model, batch, topk, self.tree)[2]

@@ -28,15 +28,17 @@ def average_precision_from_histograms(pos: np.ndarray, neg: np.ndarray) -> np.nd
     return (precision * pos).sum(1) / total
 
 
-class MultiLabel:
-  """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1."""
+class MultiLabel(base.Objective):
+  """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1.
 
+  With mixup/cutmix the targets are the mixed multi-hot vectors (the losses are linear in y).
+  """
+  soft_targets = True
   KEYS = {"loss", "gamma_neg", "gamma_pos", "clip", "map_bins"}
 
-  def __init__(self, cfg, info, topk=(1, 5)):
+  def __init__(self, cfg, info):
     base.check_keys(cfg, self.KEYS)
-    self.topk = topk
-    self.tree = base.class_tree(info)
+    self.tree = base.class_tree(info.class_names)
     if self.tree is None:
       raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
                        "multi_label needs the semantic tree to add ancestors as positives.")
@@ -55,10 +57,13 @@ class MultiLabel:
     ids = self.targets[labels]  # [B, L], -1 where the label has no class at that level.
     return jnp.sum(jax.nn.one_hot(ids, self.num_classes), axis=1)  # one_hot(-1) is all zero.
 
+  def dense_targets(self, batch):
+    return self.multi_hot(batch["label"])
+
   def loss(self, model, batch, rng, frozen=None):
     del frozen
     logits = model(batch["image"], train=True, rng=rng)
-    y = self.multi_hot(batch["label"])
+    y = batch["targets"] if "targets" in batch else self.multi_hot(batch["label"])
     if self.kind == "asl":
       loss = losses.asymmetric_loss(logits, y, gamma_neg=self.gamma_neg,
                                     gamma_pos=self.gamma_pos, clip=self.clip)
@@ -66,8 +71,8 @@ class MultiLabel:
       loss = losses.binary_cross_entropy(logits, y)
     return loss, {}
 
-  def eval_metrics(self, model, batch):
-    logits, mask, out = base.classification_eval(model, batch, self.topk, self.tree)
+  def eval_metrics(self, model, batch, topk):
+    logits, mask, out = base.classification_eval(model, batch, topk, self.tree)
     # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.
     y = self.multi_hot(batch["label"]) * mask[:, None]
     bins = jnp.clip((jax.nn.sigmoid(logits) * self.bins).astype(jnp.int32), 0, self.bins - 1)
@@ -82,4 +87,4 @@ class MultiLabel:
   def finalize_eval(self, totals) -> dict:
     pos, neg = totals["ap_hist"]
     ap = average_precision_from_histograms(pos, neg)
-    return {"eval/mAP": float(np.nanmean(ap))}
+    return {"mAP": float(np.nanmean(ap))}

@@ -2,6 +2,8 @@
 
 One softmax per hierarchy level of the WordNet tree over the classes, each label
 contributing to its own level and its ancestors' levels, levels balanced by W_k.
+Mixup/cutmix is not accepted: the recipe has none, and a mixed label has no single path
+through the tree.
 """
 import jax.numpy as jnp
 
@@ -9,16 +11,15 @@ from bigpretrain import losses
 from bigpretrain.objectives import base
 
 
-class SemanticSoftmax:
+class SemanticSoftmax(base.Objective):
   """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k."""
 
-  def __init__(self, cfg, info, topk=(1, 5), allowed=("label_smoothing", "max_weight")):
-    self.topk = topk
+  def __init__(self, cfg, info, allowed=("label_smoothing", "max_weight")):
     base.check_keys(cfg, set(allowed))
-    self.tree = base.class_tree(info)
+    self.tree = base.class_tree(info.class_names)
     if self.tree is None:
       raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
-                       "semantic_softmax needs them to build the semantic tree.")
+                       f"{cfg.name} needs them to build the semantic tree.")
     self.label_smoothing = float(cfg.get("label_smoothing", 0.2))
     self.max_weight = float(cfg.get("max_weight", 20.0))
     self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.
@@ -32,5 +33,5 @@ class SemanticSoftmax:
                                              max_weight=self.max_weight)
     return loss, {f"train/level{k}_loss": l for k, l in enumerate(aux["level_losses"])}
 
-  def eval_metrics(self, model, batch):
-    return base.classification_eval(model, batch, self.topk, self.tree)[2]
+  def eval_metrics(self, model, batch, topk):
+    return base.classification_eval(model, batch, topk, self.tree)[2]

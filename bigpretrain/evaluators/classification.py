@@ -1,0 +1,90 @@
+"""The objective's own eval metrics over a whole split: every example counted once, on any
+number of hosts (top-k, semantic top-1 on WordNet-labelled data, mAP for multi-label...)."""
+import jax
+import numpy as np
+
+from bigpretrain import preprocess
+from bigpretrain import sharding
+from bigpretrain.evaluators import base
+from input_pipeline import pipeline
+
+
+def make_eval_step(model_def, objective, shardings, mesh, normalize: str, topk):
+  """(params, extra, batch) -> {name: totals} summed over the global batch; uint8 images are
+  normalised by the `normalize` preset (config.data.normalize)."""
+
+  def eval_step(params, extra, batch):
+    batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
+    return objective.eval_metrics(model_def.merge(params, extra), batch, topk)
+
+  return jax.jit(eval_step,
+                 in_shardings=(shardings["params"], shardings["extra"],
+                               sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def ratios(totals: dict) -> dict:
+  """numerator / denominator of each scalar (num, den) entry with den > 0."""
+  out = {}
+  for k, value in totals.items():
+    num, den = value
+    if np.ndim(num) == 0 and den > 0:
+      out[k] = float(num) / float(den)
+  return out
+
+
+def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_size: int,
+             fields) -> tuple[dict, int, int]:
+  """Sums `eval_step` over `split`: (host totals, corrupt records skipped, batches)."""
+  batches = pipeline.eval_iterator(
+      dataset.source(split), data_cfg, global_batch_size=batch_size,
+      process_index=jax.process_index(), process_count=jax.process_count(), fields=fields)
+  totals, skipped, count = None, 0, 0
+  for batch in batches:
+    skipped += int(batch.pop("_skipped"))  # Corrupt records arrive as masked rows.
+    batch.pop("index", None)
+    out = eval_step(state["params"], state["extra"], sharding.global_batch(batch, mesh))
+    totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+    count += 1
+  if totals is None:
+    raise ValueError(f"Split {split!r} of {dataset.info.name!r} is empty.")
+  return jax.device_get(totals), skipped, count
+
+
+class Classification(base.Evaluator):
+  """Settings: topk (tuple of ints, default (1, 5)). Evaluating on another dataset needs the
+  train dataset's class list (e.g. ImageNet-v2 for an ImageNet model)."""
+  KEYS = ("topk",)
+
+  def __init__(self, name, cfg, exp):
+    super().__init__(name, cfg, exp)
+    self.topk = tuple(cfg.get("topk", (1, 5)))
+    if not self.topk or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                                for k in self.topk):
+      raise ValueError(f"config.evals.{name}.topk={self.topk!r} must be a non-empty tuple of "
+                       "ints >= 1.")
+    info, train_info = self.dataset.info, exp.dataset.info
+    if info.class_names != train_info.class_names or info.num_classes != train_info.num_classes:
+      raise ValueError(f"config.evals.{name}: dataset {info.name!r} has other classes than "
+                       f"{train_info.name!r}; a classification eval needs the same class list.")
+    missing = [f for f in exp.objective.reads if info.features.get(f) is None]
+    if missing:
+      raise ValueError(f"config.evals.{name}: dataset {info.name!r} lacks the fields "
+                       f"{missing} that objective {exp.config.objective.name!r} reads.")
+    self.fields = {f: info.features[f] for f in exp.objective.reads}
+    self.objective = exp.objective
+    self.exp = exp
+    self.step = make_eval_step(exp.model_def, exp.objective, exp.shardings, exp.mesh,
+                               exp.config.data.normalize, self.topk)
+
+  def run(self, state) -> dict:
+    config = self.exp.config
+    totals, skipped, _ = evaluate(self.step, state, self.dataset, config.data, self.exp.mesh,
+                                  split=self.split, batch_size=config.batch_size,
+                                  fields=self.fields)
+    results = ratios(totals)
+    results.update(self.objective.finalize_eval(totals))
+    results["skipped_records"] = skipped
+    if "top1" in totals:
+      results["num_examples"] = float(totals["top1"][1])
+    return {f"{self.name}/{k}": v for k, v in results.items()}
