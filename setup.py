@@ -4,8 +4,8 @@ import setuptools
 setuptools.setup(
     name="bigpretrain",
     version="0.1.0",
-    description="JAX/Flax large-scale image pretraining: semantic softmax, cosub, "
-    "semi-supervised teacher/student and SWAG recipes on one sharded trainer.",
+    description="JAX/Flax large-scale image pretraining recipes (ImageNet-21K semantic "
+    "softmax, cosub) on one sharded trainer.",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
     package_data={"bigpretrain.semantic": ["data/*.txt"], "input_pipeline": ["demo_wnids.txt"]},

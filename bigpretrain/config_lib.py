@@ -7,11 +7,11 @@ compilation, naming the offending key, and locks the config.
 from collections.abc import Iterable, Mapping
 import difflib
 import math
-import os
 from typing import Any
 
 import ml_collections
 
+from bigpretrain import cache
 from bigpretrain import mixup
 from bigpretrain import optim
 from bigpretrain.sharding import MESH_AXES
@@ -258,6 +258,4 @@ def compilation_cache_dir(config: Mapping[str, Any]) -> str | None:
     return None
   if value:
     return value
-  root = os.environ.get('BIGPRETRAIN_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'bigpretrain')
-  return os.path.join(root, 'jax')
+  return str(cache.root() / 'jax')

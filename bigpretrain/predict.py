@@ -19,7 +19,8 @@ from bigpretrain import preprocess
 from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
 from bigpretrain.semantic import wordnet
-from input_pipeline import augment
+from input_pipeline import augment_spec
+from input_pipeline import decoding
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
                                 required=True)
@@ -33,9 +34,9 @@ def load_images(paths, data_cfg) -> np.ndarray:
   images = []
   for p in paths:
     with open(p, "rb") as f:
-      image = augment.open_image(f.read())
+      image = decoding.open_image(f.read())
     images.append(np.asarray(
-        augment.EVAL_RESIZES[data_cfg["eval_resize"]](image, data_cfg["image_size"])))
+        augment_spec.EVAL_RESIZES[data_cfg["eval_resize"]](image, data_cfg["image_size"])))
   return np.stack(images)
 
 

@@ -194,7 +194,7 @@ class Experiment(ModelSetup):
   tx: optax.GradientTransformation = None
   schedule: object = None
   total_steps: int = 0
-  frozen: object = None  # The objective's fixed inputs (a KD teacher), already sharded.
+  frozen: object = None  # The objective's fixed inputs (e.g. a frozen model), already sharded.
   frozen_shardings: object = None
 
   @property

@@ -1,29 +1,23 @@
-"""Image augmentations and normalisation for uint8 RGB images (numpy HWC arrays or PIL images).
+"""Image augmentation ops and normalisation for uint8 RGB images (numpy HWC arrays or PIL
+images).
 
 Every random op takes an explicit `np.random.Generator`, so the grain pipeline can hand each
 record a generator derived from (seed, position) and get reproducible results. Pixel work goes
 through PIL (Image, ImageOps, ImageEnhance, ImageFilter); numpy only pads and normalises.
-Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind;
-`apply_train_ops` keeps a PIL image between ops to avoid array copies.
+Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind.
 
-Ops also accept an image from `open_image` whose pixels are not decoded yet. The resizing ops
-then decode a JPEG straight to a 1/2, 1/4 or 1/8 scale when their output still gets at least
-its full resolution from it (libjpeg's DCT scaling through PIL's `draft`): a 1024 x 768 photo
-squished to 224 is decoded at 512 x 384, in 4.2 instead of 6.2 ms for a 420 KiB file (entropy
-decoding is not reduced). inception_crop picks its box from the header size first, so the
-scale follows the box. Any other op decodes in full.
-
-Train ops are selected by a '|'-separated string (config `data.train_augment`), each entry
-`name` or `name(arg, ...)`, e.g. 'inception_crop|flip|randaugment(2, 9)'. See TRAIN_OPS.
+Ops also accept an image from `decoding.open_image` whose pixels are not decoded yet: the
+resizing ops then decode a JPEG at the reduced scale their output allows (see decoding.py);
+inception_crop picks its box from the header size first, so the scale follows the box. Any
+other op decodes in full. The op-string spec that selects ops by name is augment_spec.py.
 """
-import functools
-import io
 import math
-import re
 from typing import Callable, Union
 
 import numpy as np
-from PIL import Image, ImageEnhance, ImageFile, ImageFilter, ImageOps
+from PIL import Image, ImageEnhance, ImageFilter, ImageOps
+
+from input_pipeline import decoding
 
 Img = Union[np.ndarray, Image.Image]
 
@@ -39,56 +33,10 @@ NORMALIZE_PRESETS = ("0_1", "imagenet", "minus1_1")
 FILL = tuple(round(255 * m) for m in IMAGENET_MEAN)
 
 
-class CorruptImageError(ValueError):
-  """The bytes are not a decodable image (bad header, truncated or broken data)."""
-
-
-def open_image(data: bytes) -> Image.Image:
-  """Reads only the header of PNG/JPEG/... bytes; the first op that needs pixels decodes them
-  (see the module docstring). Raises CorruptImageError if the header is not an image's."""
-  try:
-    return Image.open(io.BytesIO(data))
-  except Exception as e:  # pylint: disable=broad-except
-    # PIL reports bad data through many types (UnidentifiedImageError, SyntaxError,
-    # DecompressionBombError, ...); any of them means the record is unusable.
-    raise CorruptImageError(f"{type(e).__name__}: {e}") from e
-
-
-def _undecoded(image: Img) -> bool:
-  """True for an open_image result whose pixels are not loaded yet (PIL empties `tile`)."""
-  return isinstance(image, ImageFile.ImageFile) and bool(image.tile)
-
-
-def _decode(image: Image.Image, max_factor: int = 1) -> tuple[Image.Image, int]:
-  """Decodes an open_image result to RGB, a JPEG downscaled in the decoder by the largest of
-  8, 4, 2 that is <= max_factor; returns (image, factor used). Errors: CorruptImageError."""
-  factor = 1
-  if max_factor >= 2 and image.format == "JPEG":
-    wanted = next(f for f in (8, 4, 2) if f <= max_factor)
-    width = image.width
-    drafted = image.draft(None, (width // wanted, image.height // wanted))
-    if drafted is not None:  # (mode, (0, 0, width / scale, height / scale)).
-      factor = round(width / drafted[1][2])
-  try:
-    image.load()
-    return (image if image.mode == "RGB" else image.convert("RGB")), factor
-  except Exception as e:  # pylint: disable=broad-except
-    raise CorruptImageError(f"{type(e).__name__}: {e}") from e
-
-
-def decode(image: Img, min_width: int = 0, min_height: int = 0) -> Img:
-  """Pixels of an open_image result (RGB), JPEG-downscaled while both sides stay at least
-  (min_width, min_height); arrays and decoded images are returned as they are."""
-  if not _undecoded(image):
-    return image
-  max_factor = min(image.width // min_width, image.height // min_height) if (
-      min_width > 0 and min_height > 0) else 1
-  return _decode(image, max_factor)[0]
-
-
-def _to_pil(image: Img) -> Image.Image:
-  if _undecoded(image):
-    return decode(image)
+def to_pil(image: Img) -> Image.Image:
+  """An RGB PIL image of any accepted input (decoding an undecoded one in full)."""
+  if decoding.is_undecoded(image):
+    return decoding.decode(image)
   if isinstance(image, Image.Image):
     if image.mode != "RGB":
       raise ValueError(f"expected an RGB PIL image, got mode {image.mode!r}")
@@ -115,24 +63,24 @@ def _size(image: Img) -> tuple[int, int]:
 def _resize_box(image: Img, size: tuple[int, int],
                 box: tuple[float, float, float, float] | None = None) -> Img:
   """Resizes the `box` (left, upper, right, lower) region of `image` to (width, height)."""
-  return _like(_to_pil(image).resize(size, resample=RESAMPLE, box=box), image)
+  return _like(to_pil(image).resize(size, resample=RESAMPLE, box=box), image)
 
 
 def random_flip(image: Img, rng: np.random.Generator) -> Img:
   """Mirrors the image left-right with probability 1/2."""
   if rng.random() < 0.5:
-    return _like(_to_pil(image).transpose(Image.Transpose.FLIP_LEFT_RIGHT), image)
+    return _like(to_pil(image).transpose(Image.Transpose.FLIP_LEFT_RIGHT), image)
   return image
 
 
 def squish(image: Img, image_size: int) -> Img:
   """Resizes to image_size x image_size, ignoring the aspect ratio."""
-  return _resize_box(decode(image, image_size, image_size), (image_size, image_size))
+  return _resize_box(decoding.decode(image, image_size, image_size), (image_size, image_size))
 
 
 def resize_shorter(image: Img, shorter: int) -> Img:
   """Resizes so the shorter side is `shorter`, keeping the aspect ratio."""
-  image = decode(image, shorter, shorter)
+  image = decoding.decode(image, shorter, shorter)
   h, w = _size(image)
   if w <= h:
     new_w, new_h = shorter, max(shorter, round(h * shorter / w))
@@ -144,7 +92,7 @@ def resize_shorter(image: Img, shorter: int) -> Img:
 
 
 def _crop(image: Img, top: int, left: int, size: int) -> Img:
-  return _like(_to_pil(image).crop((left, top, left + size, top + size)), image)
+  return _like(to_pil(image).crop((left, top, left + size, top + size)), image)
 
 
 def center_crop(image: Img, image_size: int, crop_fraction: float = CROP_FRACTION) -> Img:
@@ -221,8 +169,8 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
   box = (left, top, left + cw, top + ch)
-  if _undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
-    image, factor = _decode(image, min(cw, ch) // image_size)
+  if decoding.is_undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
+    image, factor = decoding.decode_scaled(image, min(cw, ch) // image_size)
     box = tuple(min(v / factor, limit) for v, limit in zip(box, image.size * 2))
   return _resize_box(image, (image_size, image_size), box=box)
 
@@ -245,7 +193,7 @@ def cutout(image: Img, rng: np.random.Generator, prob: float = 0.5,
   colour = tuple(int(c) for c in rng.integers(0, 256, 3))
   top, left = cy - ch // 2, cx - cw // 2
   box = (max(0, left), max(0, top), min(w, left + cw), min(h, top + ch))
-  out = _to_pil(image).copy()
+  out = to_pil(image).copy()
   out.paste(colour, box)
   return _like(out, image)
 
@@ -261,7 +209,7 @@ def color_jitter(image: Img, rng: np.random.Generator, brightness: float = 0.3,
   order = rng.permutation(3)
   strengths = (brightness, contrast, saturation)
   enhancers = (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color)
-  out = _to_pil(image)
+  out = to_pil(image)
   for k in order:
     s = strengths[k]
     if s > 0:
@@ -271,17 +219,17 @@ def color_jitter(image: Img, rng: np.random.Generator, brightness: float = 0.3,
 
 def grayscale(image: Img) -> Img:
   """ITU-R 601 luma (PIL 'L'), repeated over the three channels."""
-  return _like(_to_pil(image).convert("L").convert("RGB"), image)
+  return _like(to_pil(image).convert("L").convert("RGB"), image)
 
 
 def solarize(image: Img, threshold: int = 128) -> Img:
   """Inverts every pixel value >= threshold."""
-  return _like(ImageOps.solarize(_to_pil(image), threshold), image)
+  return _like(ImageOps.solarize(to_pil(image), threshold), image)
 
 
 def gaussian_blur(image: Img, sigma: float) -> Img:
   """Gaussian blur with standard deviation `sigma` pixels."""
-  return _like(_to_pil(image).filter(ImageFilter.GaussianBlur(radius=sigma)), image)
+  return _like(to_pil(image).filter(ImageFilter.GaussianBlur(radius=sigma)), image)
 
 
 # 3-Augment's choices, picked uniformly.
@@ -370,170 +318,11 @@ def rand_augment(image: Img, rng: np.random.Generator, num_ops: int = 2,
   is num_ops=2, magnitude=9, prob=0.5.
   """
   indices = rng.integers(0, len(RAND_AUGMENT_NAMES), num_ops)
-  out = _to_pil(image)
+  out = to_pil(image)
   for i in indices:
     if rng.random() < prob:
       out = RAND_AUGMENT_OPS[RAND_AUGMENT_NAMES[i]](out, magnitude / 10, rng)
   return _like(out, image)
-
-
-TrainOp = Callable[[Img, np.random.Generator, int], Img]
-
-
-def _number(op: str, what: str, value, lo: float, hi: float, integer: bool = False):
-  """Checks one op argument."""
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if ok and integer:
-    ok = float(value).is_integer()
-  if not ok or not lo <= value <= hi:
-    kind = "an int" if integer else "a number"
-    raise ValueError(f"augmentation op {op!r}: {what} must be {kind} in [{lo}, {hi}], "
-                     f"got {value!r}")
-  return int(value) if integer else float(value)
-
-
-def _arity(op: str, args: tuple, allowed: tuple[int, ...], usage: str) -> None:
-  if len(args) not in allowed:
-    raise ValueError(f"augmentation op {op!r}: expected {usage}, got {len(args)} argument(s)")
-
-
-def _no_args(fn: Callable[[], TrainOp], usage: str):
-  def build(op, *args):
-    _arity(op, args, (0,), usage)
-    return fn()
-  return build
-
-
-def _build_inception_crop(op, *args):
-  _arity(op, args, (0, 2), "inception_crop or inception_crop(min_scale, max_scale)")
-  scale = (0.08, 1.0)
-  if args:
-    scale = (_number(op, "min_scale", args[0], 0, 1), _number(op, "max_scale", args[1], 0, 1))
-    if not 0 < scale[0] <= scale[1]:
-      raise ValueError(f"augmentation op {op!r}: need 0 < min_scale <= max_scale")
-  return lambda image, rng, size: inception_crop(image, rng, size, scale=scale)
-
-
-def _build_randaugment(op, *args):
-  _arity(op, args, (0, 2, 3), "randaugment or randaugment(N, M[, P])")
-  n, m, p = 2, 9.0, 0.5
-  if args:
-    n = _number(op, "N (ops per image)", args[0], 0, 100, integer=True)
-    m = _number(op, "M (magnitude)", args[1], 0, 10)
-  if len(args) == 3:
-    p = _number(op, "P (op probability)", args[2], 0, 1)
-  return lambda image, rng, size: rand_augment(image, rng, n, m, p)
-
-
-def _build_cutout(op, *args):
-  _arity(op, args, (0, 1, 2), "cutout, cutout(P) or cutout(P, factor)")
-  p = _number(op, "P (probability)", args[0], 0, 1) if args else 0.5
-  factor = _number(op, "factor", args[1], 0, 1) if len(args) > 1 else 0.5
-  return lambda image, rng, size: cutout(image, rng, p, factor)
-
-
-def _build_color_jitter(op, *args):
-  _arity(op, args, (0, 1, 3), "color_jitter, color_jitter(S) or color_jitter(B, C, S)")
-  if not args:
-    args = (0.3,)
-  values = [_number(op, "strength", a, 0, 1) for a in args]
-  b, c, s = values * 3 if len(values) == 1 else values
-  return lambda image, rng, size: color_jitter(image, rng, b, c, s)
-
-
-def _build_three_augment(op, *args):
-  _arity(op, args, (0, 1), "three_augment or three_augment(jitter)")
-  jitter = _number(op, "jitter", args[0], 0, 1) if args else 0.3
-  return lambda image, rng, size: three_augment(image, rng, jitter)
-
-
-def _build_simple_random_crop(op, *args):
-  _arity(op, args, (0, 1), "simple_random_crop or simple_random_crop(pad)")
-  pad = _number(op, "pad", args[0], 0, 1024, integer=True) if args else 4
-  return lambda image, rng, size: simple_random_crop(image, rng, size, pad)
-
-
-# Train-time ops: name -> builder(name, *args) -> op(image, rng, image_size).
-TRAIN_OPS: dict[str, Callable[..., TrainOp]] = {
-    "flip": _no_args(lambda: lambda image, rng, size: random_flip(image, rng), "flip"),
-    "squish": _no_args(lambda: lambda image, rng, size: squish(image, size), "squish"),
-    "inception_crop": _build_inception_crop,
-    "resize_crop": _no_args(lambda: resize_crop, "resize_crop"),
-    "simple_random_crop": _build_simple_random_crop,
-    "randaugment": _build_randaugment,
-    "cutout": _build_cutout,
-    "color_jitter": _build_color_jitter,
-    "three_augment": _build_three_augment,
-}
-# Ops after which the image is image_size x image_size.
-RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
-
-# Eval-time resizes by name, with the signature op(image, image_size).
-EVAL_RESIZES: dict[str, Callable[[Img, int], Img]] = {
-    "squish": squish,
-    "center_crop": center_crop,
-}
-
-_OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?")
-
-
-def _parse_op(text: str, spec: str) -> tuple[str, tuple]:
-  """'name' or 'name(1, 0.5)' -> (name, (1, 0.5))."""
-  match = _OP_RE.fullmatch(text)
-  if not match:
-    raise ValueError(f"cannot parse augmentation op {text!r} in data.train_augment={spec!r}; "
-                     "write name or name(arg, ...)")
-  name, arg_text = match.group(1), match.group(2)
-  if name not in TRAIN_OPS:
-    raise ValueError(f"unknown augmentation op {name!r} in data.train_augment={spec!r}; "
-                     f"known ops: {sorted(TRAIN_OPS)}")
-  args = []
-  if arg_text is not None and arg_text.strip():
-    for a in arg_text.split(","):
-      a = a.strip()
-      try:
-        args.append(int(a) if re.fullmatch(r"[+-]?\d+", a) else float(a))
-      except ValueError:
-        raise ValueError(f"augmentation op {text!r}: argument {a!r} is not a number") from None
-  return name, tuple(args)
-
-
-def _canonical(name: str, args: tuple) -> str:
-  return f"{name}({', '.join(repr(a) for a in args)})" if args else name
-
-
-def parse_train_ops(spec: str) -> tuple[str, ...]:
-  """Splits and checks a '|'-separated op list; returns the ops in canonical form.
-
-  'inception_crop | flip|randaugment(2,9)' -> ('inception_crop', 'flip', 'randaugment(2, 9)').
-  An unknown op, unparsable text or bad arguments raise ValueError naming the op.
-  """
-  ops = []
-  for text in spec.split("|"):
-    text = text.strip()
-    if text:
-      name, args = _parse_op(text, spec)
-      TRAIN_OPS[name](name, *args)  # Validates the arguments.
-      ops.append(_canonical(name, args))
-  return tuple(ops)
-
-
-@functools.lru_cache(maxsize=None)
-def _build(op: str) -> TrainOp:
-  name, args = _parse_op(op, op)
-  return TRAIN_OPS[name](name, *args)
-
-
-def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
-                    image_size: int) -> np.ndarray:
-  """Applies the ops (as parse_train_ops returns them) in order; returns a uint8 array.
-
-  `image` may be an open_image result: the first op decodes it (see the module docstring).
-  """
-  out = image if _undecoded(image) else _to_pil(image)
-  for op in ops:
-    out = _build(op)(out, rng, image_size)
-  return np.asarray(_to_pil(out))
 
 
 def normalization_affine(preset: str) -> tuple[np.ndarray, np.ndarray]:
@@ -559,7 +348,7 @@ def normalize(images: np.ndarray, preset: str) -> np.ndarray:
   if x.ndim < 2 or x.shape[-1] != 3:
     raise ValueError(f"normalize expects [..., W, 3] pixels, got shape {x.shape}")
   # Constants tiled over whole rows: broadcasting a length-3 axis would run numpy's inner
-  # loop three elements at a time (about 5x slower).
+  # loop three elements at a time (several times slower).
   w = x.shape[-2]
   out = np.multiply(x.reshape(-1, w * 3), np.tile(scale, w), dtype=np.float32)
   out += np.tile(offset, w)

@@ -18,8 +18,8 @@ are: lower case, no separators) plus noise tags, for SWAG-style training.
 Features: 'image' (PNG), 'label' (ClassLabel over the wnids), 'hashtags' (list of str),
 'true_label' (the untruncated class, for analysis).
 
-Generation (about 15 s on 2 CPU cores, 66 MB) happens on first use into `<cache>/tensorflow_datasets`
-(<cache> = $BIGPRETRAIN_CACHE or ~/.cache/bigpretrain) or a given data dir, under a file lock
+Generation happens on first use into `<cache>/tensorflow_datasets` (<cache>: see
+bigpretrain/cache.py) or a given data dir, under a file lock
 so that concurrent processes generate it once. Change the truncation share with the config
 name: `--config.data.name=demo/trunc35` (35%), `demo/trunc0` (exact labels); plain `demo` is
 `demo/trunc20`. In code: `prepare(data_dir, truncation=0.35)`.
@@ -43,6 +43,7 @@ from PIL import Image
 from PIL import ImageDraw
 import tensorflow_datasets as tfds
 
+from bigpretrain import cache
 from bigpretrain.semantic import tree as tree_lib
 from bigpretrain.semantic import wordnet
 
@@ -74,10 +75,8 @@ _NOISE_TAGS = ("love", "instagood", "photooftheday", "nofilter", "picoftheday", 
 
 
 def default_data_dir() -> pathlib.Path:
-  """`<cache>/tensorflow_datasets`, <cache> = $BIGPRETRAIN_CACHE or ~/.cache/bigpretrain."""
-  root = os.environ.get("BIGPRETRAIN_CACHE") or os.path.join(
-      os.path.expanduser("~"), ".cache", "bigpretrain")
-  return pathlib.Path(root) / "tensorflow_datasets"
+  """`<cache>/tensorflow_datasets`, <cache> the bigpretrain cache (bigpretrain/cache.py)."""
+  return cache.root() / "tensorflow_datasets"
 
 
 # ------------------------------------------------------------------------------------------

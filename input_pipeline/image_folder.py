@@ -1,4 +1,5 @@
-"""ImageFolder-style trees -> tfds datasets, converted once by the imagenet21k_p Beam job.
+"""ImageFolder-style trees -> tfds datasets, converted once by the shared Beam image job
+(beam_images.py).
 
   python -m input_pipeline.prepare folder --manual_dir=RAW --data_dir=OUT --name=NAME \
       [--val_per_class=K] [--min_images=N] [--image_size=S] [--jpeg_quality=Q] [--beam_runner=...]
@@ -27,7 +28,7 @@ from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
-from input_pipeline import imagenet21k_p as job
+from input_pipeline import beam_images as job
 
 BUILDER_NAME = "bigpretrain_folder"
 SPLIT_DIRS = {"train": "train", "val": "validation", "validation": "validation",

@@ -43,6 +43,8 @@ import ml_collections
 import numpy as np
 
 from input_pipeline import augment
+from input_pipeline import augment_spec
+from input_pipeline import decoding
 
 # A corrupt record travels to the skip step as {_CORRUPT: source_index}.
 _CORRUPT = "_corrupt_index"
@@ -58,9 +60,9 @@ def data_defaults() -> ml_collections.ConfigDict:
       image_size=224,
       train_split="train",
       eval_split="validation",
-      # '|'-separated ops applied in order; see augment.TRAIN_OPS.
+      # '|'-separated ops applied in order; see augment_spec.TRAIN_OPS.
       train_augment="flip",
-      # 'squish' or 'center_crop'; see augment.EVAL_RESIZES.
+      # 'squish' or 'center_crop'; see augment_spec.EVAL_RESIZES.
       eval_resize="squish",
       # '0_1', 'imagenet' or 'minus1_1' (applied on device); see augment.normalize.
       normalize="0_1",
@@ -107,10 +109,10 @@ def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Setti
     raise ValueError(f"data.image_size must be a positive int, got {cfg['image_size']!r}")
   if not isinstance(cfg["train_augment"], str):
     raise ValueError(f"data.train_augment must be a str, got {cfg['train_augment']!r}")
-  train_ops = augment.parse_train_ops(cfg["train_augment"])
-  if cfg["eval_resize"] not in augment.EVAL_RESIZES:
+  train_ops = augment_spec.parse_train_ops(cfg["train_augment"])
+  if cfg["eval_resize"] not in augment_spec.EVAL_RESIZES:
     raise ValueError(f"unknown data.eval_resize={cfg['eval_resize']!r}; "
-                     f"expected one of {sorted(augment.EVAL_RESIZES)}")
+                     f"expected one of {sorted(augment_spec.EVAL_RESIZES)}")
   if cfg["normalize"] not in augment.NORMALIZE_PRESETS:
     raise ValueError(f"unknown data.normalize={cfg['normalize']!r}; "
                      f"expected one of {augment.NORMALIZE_PRESETS}")
@@ -151,9 +153,9 @@ def num_eval_batches(n: int, global_batch_size: int) -> int:
 
 
 def decode_image(data: bytes) -> np.ndarray:
-  """Decodes PNG/JPEG bytes in full to uint8 [H, W, 3] RGB; raises augment.CorruptImageError
+  """Decodes PNG/JPEG bytes in full to uint8 [H, W, 3] RGB; raises decoding.CorruptImageError
   (a ValueError) if the bytes are not an image."""
-  return np.asarray(augment.decode(augment.open_image(data)))
+  return np.asarray(decoding.decode(decoding.open_image(data)))
 
 
 def _corrupt(index, error: Exception, fail: bool) -> None:
@@ -244,12 +246,12 @@ class _TrainDecode(grain.transforms.RandomMap):
   def random_map(self, element, rng: np.random.Generator):
     index, record = element
     try:
-      image = augment.open_image(_image_bytes(record, index))
+      image = decoding.open_image(_image_bytes(record, index))
       if self._s.repeated_augment > 1:  # Decode once, in full, for all the copies.
-        image = augment.decode(image)
+        image = decoding.decode(image)
       # The first op decodes a single copy (JPEGs at a reduced scale where it allows).
       copies = [self._augment(image, rng, index) for _ in range(self._s.repeated_augment)]
-    except augment.CorruptImageError as e:
+    except decoding.CorruptImageError as e:
       _corrupt(index, e, self._s.fail_on_corrupt)
       return {_CORRUPT: index}
     out = copies[0] if len(copies) == 1 else np.stack(copies)
@@ -257,12 +259,12 @@ class _TrainDecode(grain.transforms.RandomMap):
 
   def _augment(self, image, rng: np.random.Generator, index) -> np.ndarray:
     size = self._s.image_size
-    image = augment.apply_train_ops(image, self._s.train_ops, rng, size)
+    image = augment_spec.apply_train_ops(image, self._s.train_ops, rng, size)
     if image.shape != (size, size, 3):
       raise ValueError(
           f"data.train_augment={self._s.train_augment!r} made a {image.shape} image from "
           f"record {index}, expected ({size}, {size}, 3); include a resizing op "
-          f"(one of {augment.RESIZING_OPS})")
+          f"(one of {augment_spec.RESIZING_OPS})")
     return image
 
 
@@ -326,7 +328,7 @@ class _FinishTrainBatch(grain.transforms.Map):
 def _read_options(buffer: int, settings: _Settings) -> grain.ReadOptions:
   """Reads `buffer` elements ahead. In-process, up to 16 threads decode in parallel (PIL
   releases the GIL); in each worker process 2 threads overlap reading with decoding, as the
-  workers already fill the cores (more threads measured ~10% slower on 2 cores)."""
+  workers already fill the cores (more threads only add contention)."""
   threads = 16 if settings.num_workers == 0 else 2
   return grain.ReadOptions(num_threads=min(threads, buffer), prefetch_buffer_size=buffer)
 
@@ -511,9 +513,9 @@ class _EvalDecode(grain.transforms.Map):
     image = None
     if record is not None:
       try:  # The resize decodes (JPEGs at a reduced scale where it allows).
-        image = augment.open_image(_image_bytes(record, index))
-        image = np.asarray(augment.EVAL_RESIZES[self._s.eval_resize](image, size))
-      except augment.CorruptImageError as e:
+        image = decoding.open_image(_image_bytes(record, index))
+        image = np.asarray(augment_spec.EVAL_RESIZES[self._s.eval_resize](image, size))
+      except decoding.CorruptImageError as e:
         _corrupt(index, e, self._s.fail_on_corrupt)
         image = None
     if image is None:

@@ -9,6 +9,8 @@ from PIL import Image, ImageFilter
 
 from bigpretrain import preprocess
 from input_pipeline import augment
+from input_pipeline import augment_spec
+from input_pipeline import decoding
 
 
 def _noise(h, w, seed=0):
@@ -134,17 +136,17 @@ def test_normalize_unknown_preset():
 
 
 def test_parse_and_apply_train_ops():
-  assert augment.parse_train_ops("inception_crop|flip") == ("inception_crop", "flip")
-  assert augment.parse_train_ops(" squish | flip |") == ("squish", "flip")
-  assert augment.parse_train_ops("") == ()
-  assert augment.parse_train_ops("squish|randaugment(2,9)|cutout( 0.5 , 0.5 )") == (
+  assert augment_spec.parse_train_ops("inception_crop|flip") == ("inception_crop", "flip")
+  assert augment_spec.parse_train_ops(" squish | flip |") == ("squish", "flip")
+  assert augment_spec.parse_train_ops("") == ()
+  assert augment_spec.parse_train_ops("squish|randaugment(2,9)|cutout( 0.5 , 0.5 )") == (
       "squish", "randaugment(2, 9)", "cutout(0.5, 0.5)")
-  assert augment.parse_train_ops("simple_random_crop(4)|three_augment|color_jitter(0.3)") == (
+  assert augment_spec.parse_train_ops("simple_random_crop(4)|three_augment|color_jitter(0.3)") == (
       "simple_random_crop(4)", "three_augment", "color_jitter(0.3)")
   with pytest.raises(ValueError, match="'rotate'"):
-    augment.parse_train_ops("squish|rotate")
+    augment_spec.parse_train_ops("squish|rotate")
   image = _noise(6, 9)
-  out = augment.apply_train_ops(image, ("squish", "flip"), np.random.default_rng(1), 4)
+  out = augment_spec.apply_train_ops(image, ("squish", "flip"), np.random.default_rng(1), 4)
   rng = np.random.default_rng(1)
   expected = augment.squish(image, 4)
   np.testing.assert_array_equal(out, expected[:, ::-1] if rng.random() < 0.5 else expected)
@@ -170,7 +172,7 @@ def test_ops_reject_non_uint8_images():
 ])
 def test_parse_rejects_bad_ops_naming_them(spec, match):
   with pytest.raises(ValueError, match=match):
-    augment.parse_train_ops(spec)
+    augment_spec.parse_train_ops(spec)
 
 
 # Each train op after a squish to 16 x 16: shape, dtype, determinism per seed, seed dependence.
@@ -188,9 +190,9 @@ def _photo(h=20, w=28, seed=0):
 
 @pytest.mark.parametrize("spec", _OP_SPECS)
 def test_train_op_shape_dtype_and_seed_behaviour(spec):
-  ops = augment.parse_train_ops(spec if "crop" in spec else "squish|" + spec)
+  ops = augment_spec.parse_train_ops(spec if "crop" in spec else "squish|" + spec)
   image = _photo()
-  run = lambda seed: augment.apply_train_ops(image, ops, np.random.default_rng(seed), 16)
+  run = lambda seed: augment_spec.apply_train_ops(image, ops, np.random.default_rng(seed), 16)
   first = run(0)
   assert first.shape == (16, 16, 3) and first.dtype == np.uint8
   np.testing.assert_array_equal(run(0), first)
@@ -200,7 +202,7 @@ def test_train_op_shape_dtype_and_seed_behaviour(spec):
 def test_ops_keep_the_input_kind():
   image = _photo()
   for op in ("randaugment(2, 9, 1.0)", "three_augment", "simple_random_crop", "cutout(1.0)"):
-    build = augment._build(op)
+    build = augment_spec._build(op)
     from_array = build(image, np.random.default_rng(4), 16)
     from_pil = build(Image.fromarray(image), np.random.default_rng(4), 16)
     assert isinstance(from_array, np.ndarray) and isinstance(from_pil, Image.Image)
@@ -399,7 +401,7 @@ def _encode(array: np.ndarray, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
 ])
 def test_decode_scale_keeps_both_sides_above_the_minimum(size, min_side, expected):
   w, h = size
-  image = augment.decode(augment.open_image(_encode(_blobby_photo(h, w))), min_side, min_side)
+  image = decoding.decode(decoding.open_image(_encode(_blobby_photo(h, w))), min_side, min_side)
   assert image.size == expected and image.mode == "RGB"
   assert min(image.size) >= min_side
 
@@ -407,7 +409,7 @@ def test_decode_scale_keeps_both_sides_above_the_minimum(size, min_side, expecte
 def test_reduced_decode_matches_full_decode_and_downscale():
   array = _blobby_photo(768, 1024)
   data = _encode(array)
-  reduced = np.asarray(augment.decode(augment.open_image(data), 224, 224)).astype(float)
+  reduced = np.asarray(decoding.decode(decoding.open_image(data), 224, 224)).astype(float)
   full = Image.open(io.BytesIO(data)).convert("RGB")
   box_2x = np.asarray(full.reduce(2)).astype(float)  # 2x2 means of the full decode.
   assert reduced.shape == box_2x.shape == (384, 512, 3)
@@ -422,12 +424,12 @@ def test_ops_on_undecoded_jpegs_match_ops_on_decoded_ones(op):
     data = _encode(_blobby_photo(h, w, seed=h))
     for seed in range(3):
       rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
-      lazy = augment.apply_train_ops(augment.open_image(data), (op,), rng_a, 112) if (
-          op not in augment.EVAL_RESIZES) else augment.EVAL_RESIZES[op](
-              augment.open_image(data), 112)
+      lazy = augment_spec.apply_train_ops(decoding.open_image(data), (op,), rng_a, 112) if (
+          op not in augment_spec.EVAL_RESIZES) else augment_spec.EVAL_RESIZES[op](
+              decoding.open_image(data), 112)
       decoded = Image.open(io.BytesIO(data)).convert("RGB")
-      eager = augment.apply_train_ops(decoded, (op,), rng_b, 112) if (
-          op not in augment.EVAL_RESIZES) else augment.EVAL_RESIZES[op](decoded, 112)
+      eager = augment_spec.apply_train_ops(decoded, (op,), rng_b, 112) if (
+          op not in augment_spec.EVAL_RESIZES) else augment_spec.EVAL_RESIZES[op](decoded, 112)
       lazy, eager = np.asarray(lazy), np.asarray(eager)
       assert lazy.shape == eager.shape == (112, 112, 3) and lazy.dtype == np.uint8
       assert rng_a.random() == rng_b.random()
@@ -436,18 +438,18 @@ def test_ops_on_undecoded_jpegs_match_ops_on_decoded_ones(op):
 
 def test_undecoded_png_grayscale_cmyk_and_corrupt_bytes():
   array = _blobby_photo(40, 50)
-  png = augment.decode(augment.open_image(_encode(array, "PNG")), 8, 8)
+  png = decoding.decode(decoding.open_image(_encode(array, "PNG")), 8, 8)
   np.testing.assert_array_equal(np.asarray(png), array)  # Never downscaled: not a JPEG.
-  gray = augment.squish(augment.open_image(_encode(_blobby_photo(600, 600), mode="L")), 64)
+  gray = augment.squish(decoding.open_image(_encode(_blobby_photo(600, 600), mode="L")), 64)
   assert gray.mode == "RGB" and gray.size == (64, 64)
   g = np.asarray(gray)
   np.testing.assert_array_equal(g[..., 0], g[..., 2])
-  cmyk = augment.decode(augment.open_image(_encode(_blobby_photo(600, 800), mode="CMYK")),
+  cmyk = decoding.decode(decoding.open_image(_encode(_blobby_photo(600, 800), mode="CMYK")),
                         200, 200)
   assert cmyk.mode == "RGB" and cmyk.size == (400, 300)  # Downscaled by 2 and converted.
-  with pytest.raises(augment.CorruptImageError, match="UnidentifiedImageError"):
-    augment.open_image(b"not an image at all")
-  truncated = augment.open_image(_encode(_blobby_photo(600, 800))[:3000])  # The header survives.
-  with pytest.raises(augment.CorruptImageError, match="truncated"):
+  with pytest.raises(decoding.CorruptImageError, match="UnidentifiedImageError"):
+    decoding.open_image(b"not an image at all")
+  truncated = decoding.open_image(_encode(_blobby_photo(600, 800))[:3000])  # The header survives.
+  with pytest.raises(decoding.CorruptImageError, match="truncated"):
     augment.squish(truncated, 64)
-  assert issubclass(augment.CorruptImageError, ValueError)
+  assert issubclass(decoding.CorruptImageError, ValueError)

@@ -26,6 +26,7 @@ import tensorflow_datasets as tfds
 from bigpretrain import train
 from bigpretrain.semantic import tree as tree_lib
 from tests import helpers
+from input_pipeline import beam_images
 from input_pipeline import datasets
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p as i21k
@@ -149,11 +150,11 @@ def test_validation_names_rule_and_independence_of_order():
   names = [f"img_{i}.JPEG" for i in range(20)]
   digests = {n: hashlib.sha256(f"n01440764/{n}".encode()).hexdigest() for n in names}
   expected = set(sorted(names, key=digests.get)[:5])
-  assert i21k.validation_names("n01440764", names, 5) == expected
-  assert i21k.validation_names("n01440764", list(reversed(names)), 5) == expected
-  assert i21k.validation_names("n01440764", names, 0) == set()
+  assert beam_images.validation_names("n01440764", names, 5) == expected
+  assert beam_images.validation_names("n01440764", list(reversed(names)), 5) == expected
+  assert beam_images.validation_names("n01440764", names, 0) == set()
   # The class is part of the hashed string: another wnid ranks the same names differently.
-  assert i21k.validation_names("n04379243", names, 5) != expected
+  assert beam_images.validation_names("n04379243", names, 5) != expected
 
 
 @pytest.mark.parametrize("size, expected", [
@@ -165,7 +166,7 @@ def test_validation_names_rule_and_independence_of_order():
 def test_squish_jpeg_sizes(size, expected):
   buf = io.BytesIO()
   Image.fromarray(_smooth_image(0, *size)).save(buf, format="PNG")
-  out = i21k.squish_jpeg(buf.getvalue(), 224, 80)
+  out = beam_images.squish_jpeg(buf.getvalue(), 224, 80)
   with Image.open(io.BytesIO(out)) as image:
     assert (image.format, image.mode, image.size) == ("JPEG", "RGB", expected)
 
@@ -175,27 +176,27 @@ def test_squish_jpeg_matches_pil_resize_and_quality_matters():
   Image.fromarray(_smooth_image(3, 1000, 700)).save(buf, format="PNG")
   reference = np.asarray(Image.open(io.BytesIO(buf.getvalue())).resize(
       (224, 224), Image.Resampling.BICUBIC), dtype=np.float32)
-  out = np.asarray(Image.open(io.BytesIO(i21k.squish_jpeg(buf.getvalue(), 224, 95))),
+  out = np.asarray(Image.open(io.BytesIO(beam_images.squish_jpeg(buf.getvalue(), 224, 95))),
                    dtype=np.float32)
   assert np.abs(out - reference).mean() < 2.0
   noisy = io.BytesIO()
   Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 300, 3), np.uint8)).save(
       noisy, format="PNG")
-  assert len(i21k.squish_jpeg(noisy.getvalue(), 224, 30)) < len(
-      i21k.squish_jpeg(noisy.getvalue(), 224, 95))
+  assert len(beam_images.squish_jpeg(noisy.getvalue(), 224, 30)) < len(
+      beam_images.squish_jpeg(noisy.getvalue(), 224, 95))
 
 
 def test_corrupt_bytes_raise():
   with pytest.raises(Exception):
-    i21k.squish_jpeg(b"\xff\xd8\xff garbage", 224, 75)
+    beam_images.squish_jpeg(b"\xff\xd8\xff garbage", 224, 75)
   with pytest.raises(Exception):
-    i21k.verified_image(b"GIF89a garbage")
+    beam_images.verified_image(b"GIF89a garbage")
 
 
 def test_choose_classes_threshold_is_strict():
-  sources = [i21k.ClassSource(w, f"/x/{w}", "dir") for w in ("n1", "n2", "n3", "n4")]
+  sources = [beam_images.ClassSource(w, f"/x/{w}", "dir") for w in ("n1", "n2", "n3", "n4")]
   counts = [(501, ""), (500, ""), (0, "ReadError: bad tar"), (900, "")]
-  kept, dropped, unreadable = i21k.choose_classes(sources, counts, 500)
+  kept, dropped, unreadable = beam_images.choose_classes(sources, counts, 500)
   assert kept == ["n1", "n4"]
   assert dropped == {"n2": 500, "n3": 0}
   assert unreadable == {"n3": "ReadError: bad tar"}
@@ -221,11 +222,11 @@ def test_detect_layout(raw, tmp_path):
 
 
 def test_list_files_tar_offsets(raw):
-  source = i21k.ClassSource(BIRD, str(raw["tars"] / f"{BIRD}.tar"), "tar")
-  files = i21k.list_files(source)
+  source = beam_images.ClassSource(BIRD, str(raw["tars"] / f"{BIRD}.tar"), "tar")
+  files = beam_images.list_files(source)
   assert [f[0] for f in files] == [f"{BIRD}_{i}.JPEG" for i in range(COUNTS[BIRD])]  # './' gone.
   for name, offset, size in files:
-    assert i21k.read_file(source.path, offset, size) == raw["files"][f"{BIRD}/{name}"]
+    assert beam_images.read_file(source.path, offset, size) == raw["files"][f"{BIRD}/{name}"]
 
 
 def test_bad_parameters(tmp_path):
@@ -368,7 +369,7 @@ def test_rerun_reuses_and_checks_parameters(prepared, tmp_path, caplog):
 def test_stale_incomplete_folder_is_reported_and_ignored(prepared, caplog):
   stale = prepared["stale"]
   with caplog.at_level(logging.WARNING):
-    found = i21k.note_incomplete(stale.parent)
+    found = beam_images.note_incomplete(stale.parent)
   assert found == [str(stale)]
   assert "interrupted runs" in caplog.text
   # The run that found it finished in its own folder; the stale one was not read or renamed.

