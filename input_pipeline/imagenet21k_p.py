@@ -62,6 +62,7 @@ from input_pipeline import beam_images as job
 NAME = "imagenet21k_p"
 MIN_IMAGES = 500  # A class is kept only with more files than this.
 VAL_PER_CLASS = 50
+IMAGE_SIZE = 224  # Squish-resized to 224x224 (section 2.1).
 
 
 def detect_layout(raw_dir) -> tuple[str, list[job.ClassSource], list[str]]:
@@ -116,7 +117,7 @@ def readable_name(wnid: str) -> str:
 
 def prepare(manual_dir, data_dir, *, beam_runner=None, beam_options: Sequence[str] | None = None,
             min_images: int = MIN_IMAGES, val_per_class: int = VAL_PER_CLASS,
-            image_size: int = job.IMAGE_SIZE, jpeg_quality: int = job.JPEG_QUALITY
+            image_size: int = IMAGE_SIZE, jpeg_quality: int = job.JPEG_QUALITY
             ) -> tfds.core.DatasetBuilder:
   """Prepares `imagenet21k_p` in data_dir from the raw release in manual_dir, or reuses it.
 

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from absl import logging
 
+from input_pipeline import beam_images
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Validation images per class (sha256 rule).")
     p.add_argument("--image_size", type=_size, default=image_size,
                    help="Squish side; 'keep' (or none) keeps sizes.")
-    p.add_argument("--jpeg_quality", type=int, default=imagenet21k_p.JPEG_QUALITY,
+    p.add_argument("--jpeg_quality", type=int, default=beam_images.JPEG_QUALITY,
                    help="Quality of re-encoded JPEGs.")
 
   p21k = sub.add_parser("imagenet21k_p", help="ImageNet-21K-P from the raw ImageNet-21K.")
