@@ -136,9 +136,10 @@ def _register_all():
   # pylint: disable=g-import-not-at-top
   from bigpretrain.models import mixer
   from bigpretrain.models import mobilenet_v3
+  from bigpretrain.models import regnet
   from bigpretrain.models import resnet
   from bigpretrain.models import vit
-  modules = [mixer, mobilenet_v3, resnet, vit]
+  modules = [mixer, mobilenet_v3, regnet, resnet, vit]
   for module in modules:
     for model_name, factory in sorted(module.MODELS.items()):
       register(model_name, factory)

@@ -19,6 +19,13 @@ def partitioned(init, names: Sequence[str | None]):
   return nnx.with_partitioning(init, tuple(names))
 
 
+def make_divisible(value: float, divisor: int = 8) -> int:
+  """Rounds to the nearest multiple of `divisor`, never going more than 10% below `value`
+  (timm's / torchvision's _make_divisible, used for MobileNetV3 and RegNet widths)."""
+  out = max(divisor, int(value + divisor / 2) // divisor * divisor)
+  return out + divisor if out < 0.9 * value else out
+
+
 def classifier_head(in_features: int, num_classes: int, *, param_dtype, rngs,
                     kernel_init=nnx.initializers.zeros) -> nnx.Linear:
   """The float32 linear classifier every model ends with (zero-initialised by default)."""

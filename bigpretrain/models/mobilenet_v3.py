@@ -30,10 +30,7 @@ _CONV_NAMES = (None, None, "conv_in", "conv_out")
 _DEPTHWISE_NAMES = (None, None, None, "conv_out")
 
 
-def make_divisible(value: float, divisor: int = 8) -> int:
-  """Rounds to the nearest multiple of `divisor`, never going more than 10% below `value`."""
-  out = max(divisor, int(value + divisor / 2) // divisor * divisor)
-  return out + divisor if out < 0.9 * value else out
+make_divisible = layers.make_divisible
 
 
 class _Ops:

@@ -1,10 +1,17 @@
-"""ResNet v1.5 (He et al. 2016; torchvision layout: the stride sits on the 3x3 conv).
+"""ResNet v1.5 (He et al. 2016) and ResNeXt (Xie et al. 2017) in torchvision's layout.
+
+BasicBlock (two 3x3 convs; ResNet-18/34) or Bottleneck (1x1, 3x3, 1x1 x4) blocks; the stride
+sits on the 3x3 conv (v1.5). ResNeXt is the Bottleneck with a grouped 3x3 conv of `groups`
+groups and width int(planes * width_per_group / 64) * groups (torchvision's formula), so
+"32x4d" is groups=32, width_per_group=4, and the FB WSL "32x48d" is groups=32,
+width_per_group=48.
 
 BatchNorm runs on batch statistics when train=True (updating the nnx.BatchStat running
 averages, momentum 0.9 in Flax terms = 0.1 in PyTorch terms) and on the running averages
 otherwise. Under jit with a sharded batch the statistics are those of the global batch.
 Init: convs He-normal (fan_out), the last BatchNorm scale of every residual branch zero
-(Goyal et al. 2017, so each block starts as the identity), zero head.
+(Goyal et al. 2017, so each block starts as the identity; zero_init_residual=False gives
+torchvision's default of one), zero head.
 Padding is symmetric (k // 2), as in torchvision, so PyTorch weights would give equal outputs.
 """
 import functools
@@ -16,38 +23,74 @@ from flax import nnx
 from bigpretrain.models import layers
 
 _CONV_NAMES = (None, None, "conv_in", "conv_out")
+# A grouped conv's input dim is per group: only its output dim is sharded.
+_GROUPED_NAMES = (None, None, None, "conv_out")
 
 
-def _conv(in_ch, out_ch, kernel, *, stride=1, dtype, param_dtype, rngs, names=_CONV_NAMES):
+def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs, names=None):
+  """Bias-free conv with symmetric k // 2 padding, He-normal (fan_out) init."""
+  if names is None:
+    names = _CONV_NAMES if groups == 1 else _GROUPED_NAMES
   pad = kernel // 2
   init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
   return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride,
-                  padding=((pad, pad), (pad, pad)), use_bias=False,
-                  kernel_init=layers.partitioned(init, names), dtype=dtype,
+                  padding=((pad, pad), (pad, pad)), feature_group_count=groups,
+                  use_bias=False, kernel_init=layers.partitioned(init, names), dtype=dtype,
                   param_dtype=param_dtype, rngs=rngs)
 
 
-def _batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
+def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
+  """BatchNorm with PyTorch's defaults (momentum 0.1 = Flax 0.9, eps 1e-5)."""
   return nnx.BatchNorm(ch, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
                        scale_init=nnx.initializers.zeros if zero_scale else nnx.initializers.ones,
                        rngs=rngs)
 
 
+class BasicBlock(nnx.Module):
+  """3x3 (carrying the stride), 3x3; projection shortcut when the shape changes."""
+
+  expansion = 1
+
+  def __init__(self, in_ch: int, planes: int, *, stride: int, dtype, param_dtype,
+               rngs: nnx.Rngs, zero_init_residual: bool = True):
+    out_ch = planes * self.expansion
+    cv = functools.partial(conv, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    bn = functools.partial(batch_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.conv1, self.bn1 = cv(in_ch, planes, 3, stride=stride), bn(planes)
+    self.conv2, self.bn2 = cv(planes, out_ch, 3), bn(out_ch, zero_scale=zero_init_residual)
+    if stride != 1 or in_ch != out_ch:
+      self.downsample_conv = cv(in_ch, out_ch, 1, stride=stride)
+      self.downsample_bn = bn(out_ch)
+    else:
+      self.downsample_conv = self.downsample_bn = None
+
+  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    ura = not train
+    y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
+    y = self.bn2(self.conv2(y), use_running_average=ura)
+    if self.downsample_conv is not None:
+      x = self.downsample_bn(self.downsample_conv(x), use_running_average=ura)
+    return jax.nn.relu(x + y)
+
+
 class Bottleneck(nnx.Module):
-  """1x1 reduce, 3x3 (carrying the stride), 1x1 expand x4; projection shortcut when needed."""
+  """1x1 reduce, 3x3 (grouped for ResNeXt, carrying the stride), 1x1 expand to planes x4;
+  projection shortcut when the shape changes."""
 
   expansion = 4
 
-  def __init__(self, in_ch: int, width: int, *, stride: int, dtype, param_dtype,
-               rngs: nnx.Rngs):
-    out_ch = width * self.expansion
-    conv = functools.partial(_conv, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    bn = functools.partial(_batch_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.conv1, self.bn1 = conv(in_ch, width, 1), bn(width)
-    self.conv2, self.bn2 = conv(width, width, 3, stride=stride), bn(width)
-    self.conv3, self.bn3 = conv(width, out_ch, 1), bn(out_ch, zero_scale=True)
+  def __init__(self, in_ch: int, planes: int, *, stride: int, dtype, param_dtype,
+               rngs: nnx.Rngs, groups: int = 1, width_per_group: int = 64,
+               zero_init_residual: bool = True):
+    width = int(planes * (width_per_group / 64.0)) * groups
+    out_ch = planes * self.expansion
+    cv = functools.partial(conv, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    bn = functools.partial(batch_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.conv1, self.bn1 = cv(in_ch, width, 1), bn(width)
+    self.conv2, self.bn2 = cv(width, width, 3, stride=stride, groups=groups), bn(width)
+    self.conv3, self.bn3 = cv(width, out_ch, 1), bn(out_ch, zero_scale=zero_init_residual)
     if stride != 1 or in_ch != out_ch:
-      self.downsample_conv = conv(in_ch, out_ch, 1, stride=stride)
+      self.downsample_conv = cv(in_ch, out_ch, 1, stride=stride)
       self.downsample_bn = bn(out_ch)
     else:
       self.downsample_conv = self.downsample_bn = None
@@ -62,31 +105,51 @@ class Bottleneck(nnx.Module):
     return jax.nn.relu(x + y)
 
 
+_BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+
+
 class ResNet(nnx.Module):
-  """Bottleneck ResNet classifier: `model(images, *, train, rng) -> float32 logits [B, C]`."""
+  """ResNet / ResNeXt classifier: `model(images, *, train, rng) -> float32 logits [B, C]`.
+
+  `block` is 'basic' or 'bottleneck'; `groups` and `width_per_group` (ResNeXt) apply to the
+  bottleneck only, as in torchvision.
+  """
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, stage_sizes: tuple[int, ...],
+               block: str = "bottleneck", groups: int = 1, width_per_group: int = 64,
                image_size=224, dtype=jnp.float32, param_dtype=jnp.float32,
-               drop_path_rate: float = 0.0):
+               drop_path_rate: float = 0.0, zero_init_residual: bool = True):
     if drop_path_rate:
       raise ValueError(f"ResNet does not implement stochastic depth; got drop_path_rate="
                        f"{drop_path_rate!r} (only 0 is accepted)")
+    if block not in _BLOCKS:
+      raise ValueError(f"block must be one of {sorted(_BLOCKS)}, got {block!r}")
+    if groups < 1 or width_per_group < 1:
+      raise ValueError(f"groups and width_per_group must be >= 1, got {groups}, "
+                       f"{width_per_group}")
+    if block == "basic" and (groups, width_per_group) != (1, 64):
+      raise ValueError("the basic block supports only groups=1 and width_per_group=64 "
+                       f"(as torchvision); got {groups}, {width_per_group}")
+    block_cls = _BLOCKS[block]
+    block_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                    zero_init_residual=zero_init_residual)
+    if block == "bottleneck":
+      block_kw.update(groups=groups, width_per_group=width_per_group)
     self.num_classes = num_classes
     self.image_size = image_size  # informational: the network is resolution-agnostic
     self.dtype = dtype
     # The stem sees 3 input channels, too few to shard: its input dim stays replicated.
-    self.stem_conv = _conv(3, 64, 7, stride=2, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs, names=(None, None, None, "conv_out"))
-    self.stem_bn = _batch_norm(64, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.stem_conv = conv(3, 64, 7, stride=2, dtype=dtype, param_dtype=param_dtype,
+                          rngs=rngs, names=(None, None, None, "conv_out"))
+    self.stem_bn = batch_norm(64, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     blocks = []
     in_ch = 64
     for stage, num in enumerate(stage_sizes):
-      width = 64 * 2**stage
+      planes = 64 * 2**stage
       for i in range(num):
         stride = 2 if (i == 0 and stage > 0) else 1
-        blocks.append(Bottleneck(in_ch, width, stride=stride, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs))
-        in_ch = width * Bottleneck.expansion
+        blocks.append(block_cls(in_ch, planes, stride=stride, **block_kw))
+        in_ch = planes * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.depth = self.num_blocks = len(blocks)
     self.num_features = in_ch
@@ -94,7 +157,7 @@ class ResNet(nnx.Module):
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
-    """Globally average-pooled final features [B, 2048] in float32."""
+    """Globally average-pooled final features [B, num_features] in float32 (head input)."""
     del rng  # nothing stochastic
     x = self.stem_bn(self.stem_conv(images.astype(self.dtype)), use_running_average=not train)
     x = jax.nn.relu(x)
@@ -108,8 +171,21 @@ class ResNet(nnx.Module):
     return self.head(self.features(images, train=train, rng=rng))
 
 
+def _resnext(stage_sizes, groups, width_per_group):
+  return functools.partial(ResNet, stage_sizes=stage_sizes, block="bottleneck", groups=groups,
+                           width_per_group=width_per_group)
+
+
 MODELS = {
+    "resnet18": functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), block="basic"),
     "resnet50": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3)),
     "resnet101": functools.partial(ResNet, stage_sizes=(3, 4, 23, 3)),
     "resnet152": functools.partial(ResNet, stage_sizes=(3, 8, 36, 3)),
+    "resnext50_32x4d": _resnext((3, 4, 6, 3), 32, 4),
+    # ResNeXt-101 32xCd, C in {4, 8, 16, 48}: the students and teachers of Yalniz et al. 2019
+    # (section 4); 32x48d is Mahajan et al. 2018's WSL model, the rest as in torchvision.
+    "resnext101_32x4d": _resnext((3, 4, 23, 3), 32, 4),
+    "resnext101_32x8d": _resnext((3, 4, 23, 3), 32, 8),
+    "resnext101_32x16d": _resnext((3, 4, 23, 3), 32, 16),
+    "resnext101_32x48d": _resnext((3, 4, 23, 3), 32, 48),
 }

@@ -11,9 +11,16 @@ Init: patch embedding lecun-normal, attention/MLP kernels xavier-uniform, positi
 truncated-normal(0.02), class token zeros, and a zero-initialised head (as big_vision does:
 every class starts at logit 0; pass head_zeroinit=False for truncated-normal(0.02)).
 
+pre_logits=True adds the representation layer before the classifier, Linear(width, width)
+then tanh: SWAG section 3.2 ("an additional linear layer with output dimension equal to the
+input dimension, similar to [ViT]"); the tanh and the layout follow torchvision's
+`representation_size` head (heads.pre_logits + Tanh) and ClassyVision's, which SWAG's code
+uses, so their weights map one to one. Its init: lecun-normal kernel, zero bias (as theirs).
+
 Parameter paths (the trainer's layer-decay and weight-decay rules rely on them):
 patch_embed/{kernel,bias}, cls_token, pos_embed, blocks/<i>/{norm1,attn/qkv,attn/proj,ls1,
-norm2,mlp/fc1,mlp/fc2,ls2}/..., norm/{scale,bias}, head/{kernel,bias}.
+norm2,mlp/fc1,mlp/fc2,ls2}/..., norm/{scale,bias}, pre_logits/{kernel,bias} (optional),
+head/{kernel,bias}.
 """
 import functools
 
@@ -117,7 +124,7 @@ class VisionTransformer(nnx.Module):
                qkv_bias: bool = True, drop_path_rate: float = 0.0,
                drop_path_schedule: str = "linear", pos_embed_cls: bool = True,
                dtype=jnp.float32, param_dtype=jnp.float32, head_zeroinit: bool = True,
-               stochastic_depth: str = "mask"):
+               stochastic_depth: str = "mask", pre_logits: bool = False):
     if head not in ("token", "gap"):
       raise ValueError(f"head must be 'token' or 'gap', got {head!r}")
     h, w = _pair(image_size)
@@ -159,6 +166,11 @@ class VisionTransformer(nnx.Module):
         for rate in self.drop_path_rates])
     self.norm = nnx.LayerNorm(width, epsilon=1e-6, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
+    # Like the head, the representation layer runs in float32 (one [B, D] x [D, D] matmul).
+    self.pre_logits = nnx.Linear(
+        width, width, kernel_init=layers.partitioned(nnx.initializers.lecun_normal(),
+                                                     ("embed", None)),
+        dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs) if pre_logits else None
     head_init = (nnx.initializers.zeros if head_zeroinit
                  else nnx.initializers.truncated_normal(0.02))
     # The head runs in float32 whatever the compute dtype: logits feed softmaxes over up to
@@ -196,14 +208,16 @@ class VisionTransformer(nnx.Module):
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
-    """Pooled, final-normed features [B, width] in float32 (the head's input)."""
+    """Pooled, final-normed features [B, width] in float32 (the head's input: after the
+    tanh representation layer when pre_logits=True)."""
     layers.check_rng(train, self.drop_path_rates, rng, "VisionTransformer")
     x = self._tokens(images)
     for i, block in enumerate(self.blocks):
       x = block(x, train=train, rng=layers.fold_rng(rng, i))
     x = self.norm(x)
     x = x[:, 0] if self.head_type == "token" else jnp.mean(x, axis=1)
-    return x.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    return x if self.pre_logits is None else jnp.tanh(self.pre_logits(x))
 
   def __call__(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
