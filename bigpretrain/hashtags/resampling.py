@@ -111,8 +111,15 @@ class _Group:
       raise ValueError(f"no {name} images with positive importance to draw from")
     self.cdf /= self.cdf[-1]  # Exactly 1.0 at the end, so u < 1 never runs off the end.
 
-  def draw(self, u: np.ndarray) -> np.ndarray:
-    return self.indices[np.searchsorted(self.cdf, u, side="right")]
+  def draw(self, u):
+    """Image indices for uniforms u in [0, 1) (a float or an array)."""
+    if np.ndim(u) == 0:
+      return self.indices[np.searchsorted(self.cdf, u, side="right")]
+    # Sorted queries walk the cdf in order: far fewer cache misses when it is large.
+    order = np.argsort(u)
+    out = np.empty(u.shape, self.indices.dtype)
+    out[order] = self.indices[np.searchsorted(self.cdf, u[order], side="right")]
+    return out
 
 
 class ResampledIndices:
