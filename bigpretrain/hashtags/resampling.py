@@ -11,7 +11,8 @@ ResampledIndices is that epoch as a random-access index sampler: sample j is a p
 (seed, j), so a data iterator that checkpoints its position resumes exactly, hosts draw their
 own shares without talking to each other, and no list of M indices is ever built (M is
 billions in the paper). Memory is the per-group cumulative importance: 12 bytes per image
-below 2^31 images, 16 above.
+below 2^31 images, 16 above, on every host, since each host reads the one global stream
+(for_host); that is O(all images), not O(images per host).
 
 How sample j is drawn (epoch e = j // M, position r = j % M):
 - head or tail: a keyed pseudo-random permutation pi_e of [0, M) (a Feistel network with
