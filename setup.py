@@ -24,6 +24,7 @@ setuptools.setup(
         "ml-collections>=1.1",
         "absl-py>=2.1",
         "numpy>=1.26",
+        "scipy>=1.11",  # Already a jax dependency; zero_shot fits Platt scaling with L-BFGS.
         "pillow>=10.0",
         "tensorboardX>=2.6",
         "tqdm>=4.66",

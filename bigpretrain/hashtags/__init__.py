@@ -1,0 +1,1 @@
+"""SWAG hashtags: the WordNet vocabulary (canonical hashtags) and head/tail resampling."""

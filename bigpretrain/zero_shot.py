@@ -1,0 +1,238 @@
+"""Zero-shot transfer of a hashtag model (SWAG, Singh et al. 2022, section 4.4, appendix D).
+
+- class_map: each class synset -> the canonical hashtag(s) with the largest WordNet path
+  similarity to it (many-to-many, ties kept; #crane serves both crane classes).
+- aggregate: hashtag scores [N, H] -> class scores [N, C] through that map: 'sum' (RegNetY
+  with Platt scaling), 'mean' (RegNetY without), 'max_split' (ViT: 1/n of a hashtag's score to
+  each of its n classes, then the max per class).
+- platt_fit / platt_apply: the transductive Platt scaler p' = softmax(diag(w) p + b) that
+  makes the predicted class distribution on the test set uniform (see platt_fit for how).
+"""
+from collections.abc import Sequence
+
+from absl import logging
+import jax.numpy as jnp
+import numpy as np
+from nltk.corpus.reader.wordnet import WordNetError
+import scipy.optimize
+
+from bigpretrain.hashtags import vocabulary
+from bigpretrain.semantic import wordnet
+
+AGGREGATIONS = ("sum", "mean", "max_split")
+
+
+def _ancestor_distances(synset) -> dict[str, int]:
+  """Synset name -> fewest hypernym (or instance-hypernym) edges up from `synset`, itself
+  included at 0: the distances nltk's path_similarity takes its minimum over."""
+  dist = {}
+  frontier = [synset]
+  depth = 0
+  while frontier:
+    nxt = []
+    for s in frontier:
+      if s.name() not in dist:
+        dist[s.name()] = depth
+        nxt.extend(s.hypernyms() + s.instance_hypernyms())
+    frontier = nxt
+    depth += 1
+  return dist
+
+
+def class_map(class_wnids: Sequence[str],
+              vocabulary_labels: Sequence[str]) -> list[tuple[int, ...]]:
+  """For each class, the indices (ascending) of the canonical hashtags of maximum path
+  similarity to its synset (appendix D).
+
+  The similarity of a hashtag to a class is the largest nltk path_similarity,
+  1 / (1 + shortest hypernym path), between any of its synsets and the class synset; every
+  hashtag reaching the maximum is kept. Computed with one ancestor table per synset instead
+  of C x (vocabulary synsets) nltk calls.
+
+  Args:
+    class_wnids: C distinct noun wnids ('n02012849'), the target dataset's classes.
+    vocabulary_labels: H distinct canonical hashtags ('crane.n.04+crane.n.05+grus.n.01').
+  """
+  wn = wordnet.load()
+  if len(set(class_wnids)) != len(class_wnids) or not class_wnids:
+    raise ValueError("class_wnids must be a non-empty list of distinct wnids")
+  if len(set(vocabulary_labels)) != len(vocabulary_labels) or not vocabulary_labels:
+    raise ValueError("vocabulary_labels must be a non-empty list of distinct canonical hashtags")
+  classes = []
+  for wnid in class_wnids:
+    synset = wordnet.synset_from_wnid(wnid)  # ValueError naming a malformed/unknown wnid.
+    if synset.pos() != "n":
+      raise ValueError(f"class {wnid} ({synset.name()}) is not a noun synset; hashtags are "
+                       "nouns, so the class map needs noun classes")
+    classes.append(synset)
+  # Vocabulary synsets, numbered in sorted order; each label is a run of their ids.
+  label_names = [vocabulary.label_synsets(label) for label in vocabulary_labels]
+  names = sorted({name for names in label_names for name in names})
+  synset_id = {name: i for i, name in enumerate(names)}
+  flat = np.array([synset_id[n] for names_ in label_names for n in names_], np.int64)
+  starts = np.cumsum([0] + [len(n) for n in label_names[:-1]])
+  # Ancestor -> (vocabulary synset ids below it, their distances to it).
+  below: dict[str, tuple[list[int], list[int]]] = {}
+  for name in names:
+    try:
+      synset = wn.synset(name)
+    except (WordNetError, ValueError) as e:  # nltk's errors for unknown or malformed names.
+      labels = [l for l, n in zip(vocabulary_labels, label_names) if name in n]
+      raise ValueError(f"hashtag label {labels[0]!r}: {name!r} is not a WordNet 3.0 synset "
+                       f"({e})") from None
+    for ancestor, d in _ancestor_distances(synset).items():
+      ids, ds = below.setdefault(ancestor, ([], []))
+      ids.append(synset_id[name])
+      ds.append(d)
+  below_arrays = {a: (np.array(i), np.array(d)) for a, (i, d) in below.items()}
+  out = []
+  for synset in classes:
+    dist = np.full(len(names), np.inf)  # Shortest path from this class to each synset.
+    for ancestor, d in _ancestor_distances(synset).items():
+      if ancestor in below_arrays:
+        ids, ds = below_arrays[ancestor]
+        dist[ids] = np.minimum(dist[ids], d + ds)
+    label_dist = np.minimum.reduceat(dist[flat], starts)
+    out.append(tuple(np.flatnonzero(label_dist == label_dist.min()).tolist()))
+  return out
+
+
+def aggregate(hashtag_scores, mapping: Sequence[Sequence[int]], method: str):
+  """Class scores [N, C] from hashtag scores [N, H] and a class map (class -> hashtag ids).
+
+  'sum': the sum of the class's hashtag scores; 'mean': their mean; 'max_split': the max over
+  the class's hashtags of score / (number of classes that hashtag maps to).
+  """
+  if method not in AGGREGATIONS:
+    raise ValueError(f"unknown aggregation {method!r}; expected one of {AGGREGATIONS}")
+  scores = jnp.asarray(hashtag_scores)
+  if scores.ndim != 2:
+    raise ValueError(f"hashtag_scores must be [N, H], got shape {scores.shape}")
+  num_hashtags = scores.shape[1]
+  lists = [np.asarray(m, np.int64).reshape(-1) for m in mapping]
+  if not lists or any(not m.size for m in lists):
+    raise ValueError("every class needs at least one hashtag in the class map")
+  allids = np.concatenate(lists)
+  if allids.min() < 0 or allids.max() >= num_hashtags:
+    raise ValueError(f"class map hashtag ids must be in [0, {num_hashtags}), got "
+                     f"{allids.min()}..{allids.max()}")
+  width = max(m.size for m in lists)
+  idx = np.zeros((len(lists), width), np.int64)  # [C, K], padded with hashtag 0 ...
+  valid = np.zeros((len(lists), width), bool)  # ... masked out here.
+  for c, m in enumerate(lists):
+    idx[c, :m.size], valid[c, :m.size] = m, True
+  gathered = scores[:, idx]  # [N, C, K]
+  if method == "max_split":
+    num_classes = np.bincount(allids, minlength=num_hashtags)  # Classes per hashtag.
+    split = gathered / num_classes[idx]
+    return jnp.where(valid, split, -jnp.inf).max(axis=-1)
+  total = jnp.where(valid, gathered, 0).sum(axis=-1)
+  return total if method == "sum" else total / valid.sum(axis=-1)
+
+
+def _check_probs(probs) -> np.ndarray:
+  p = np.asarray(probs, np.float64)
+  if p.ndim != 2 or p.shape[0] < 1 or p.shape[1] < 2:
+    raise ValueError(f"probs must be [N, C] with N >= 1 and C >= 2, got shape {p.shape}")
+  if not (np.isfinite(p).all() and (p >= 0).all()):
+    raise ValueError("probs must be finite and >= 0")
+  if not (p.sum(axis=1) > 0).all():
+    raise ValueError(f"probs rows must have positive mass; row {np.argmin(p.sum(axis=1))} "
+                     "is all zeros")
+  return p
+
+
+def _uniform_prior_targets(p: np.ndarray, tol: float, max_iter: int) -> np.ndarray:
+  """q_nc proportional to p_nc v_c with mean_n q_n uniform: Sinkhorn scaling in log space."""
+  mass = p.sum(axis=0)
+  if not (mass > 0).all():
+    raise ValueError(f"class {np.argmin(mass)} has zero probability on every example; no "
+                     "prior correction can make the predictions uniform")
+  num_classes = p.shape[1]
+  logp = np.log(np.maximum(p / p.sum(axis=1, keepdims=True), np.finfo(np.float64).tiny))
+  log_v = np.zeros(num_classes)
+  for _ in range(max_iter):
+    z = logp + log_v
+    logq = z - np.logaddexp.reduce(z, axis=1, keepdims=True)
+    marginal = np.exp(logq).mean(axis=0) * num_classes  # 1 everywhere when uniform.
+    if np.abs(marginal - 1).max() < tol:
+      break
+    log_v -= np.log(marginal)
+  else:
+    logging.warning("Platt targets: prior correction not converged after %d iterations "
+                    "(max |C * mean q - 1| = %.2g)", max_iter, np.abs(marginal - 1).max())
+  return np.exp(logq)
+
+
+def platt_fit(probs, *, tol: float = 1e-5, max_iter: int = 1000) -> tuple[np.ndarray,
+                                                                          np.ndarray]:
+  """Fits the transductive Platt scaler p' = softmax(diag(w) p + b) on test predictions
+  [N, C], without labels, so that the mean p' is uniform (section 4.4). Returns (w, b) [C].
+
+  The paper minimises the cross-entropy between the mean p' and the uniform distribution,
+  which is degenerate: w = 0 makes every p' uniform and wins while discarding the image.
+  Well-posed version, two convex problems:
+  1. targets q_n: the predictions with their class prior replaced so that mean_n q_n is
+     uniform, q_nc proportional to p_nc v_c (the label-free prior correction of Saerens et
+     al. 2002 with the new prior known; Sinkhorn scaling finds v, unique up to scale);
+  2. (w, b) = argmin mean_n CE(q_n, softmax(diag(w) p_n + b)), Platt's own fit with q as the
+     targets (L-BFGS from w = 1, b = 0). Its gradient in b is mean_n (p'_n - q_n), so at the
+     minimum the mean p' is exactly uniform, the paper's objective at its optimum, while each
+     p'_n stays as close to q_n as the scaler allows (w = 0 scores log C per image instead).
+  b is returned with zero mean (softmax ignores a constant shift).
+
+  Args:
+    probs: [N, C] non-negative class scores of the test set (rows need not sum to 1, e.g.
+      'sum'-aggregated hashtag probabilities).
+    tol: stop when every class's mean target is within a factor 1 +- tol of 1 / C (step 1);
+      L-BFGS's gradient tolerance is tol / C (step 2).
+    max_iter: iteration cap of each step.
+  """
+  if max_iter < 1 or not tol > 0:
+    raise ValueError(f"platt_fit needs max_iter >= 1 and tol > 0, got {max_iter}, {tol}")
+  p = _check_probs(probs)
+  q = _uniform_prior_targets(p, tol, max_iter)
+  n, c = p.shape
+
+  def loss_and_grad(x):
+    w, b = x[:c], x[c:]
+    z = p * w + b
+    z -= z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    total = e.sum(axis=1, keepdims=True)
+    loss = np.mean(np.log(total[:, 0]) - (q * z).sum(axis=1))
+    d = (e / total - q) / n  # d loss / d z.
+    return loss, np.concatenate([(d * p).sum(axis=0), d.sum(axis=0)])
+
+  x0 = np.concatenate([np.ones(c), np.zeros(c)])
+  result = scipy.optimize.minimize(loss_and_grad, x0, jac=True, method="L-BFGS-B",
+                                   options={"maxiter": max_iter, "gtol": tol / c})
+  if not result.success:
+    logging.warning("platt_fit: L-BFGS stopped early (%s)", result.message)
+  w, b = result.x[:c], result.x[c:]
+  if not (np.isfinite(w).all() and np.isfinite(b).all()):
+    raise FloatingPointError(f"platt_fit diverged: {result.message}")
+  return w, b - b.mean()
+
+
+def platt_apply(probs, w, b) -> np.ndarray:
+  """p' = softmax(diag(w) p + b) for probs [N, C]; w, b [C] from platt_fit."""
+  p = np.asarray(probs)
+  if p.ndim != 2:
+    raise ValueError(f"probs must be [N, C], got shape {p.shape}")
+  w, b = np.asarray(w), np.asarray(b)
+  if w.shape != (p.shape[1],) or b.shape != (p.shape[1],):
+    raise ValueError(f"w and b must be [{p.shape[1]}], got {w.shape} and {b.shape}")
+  z = p * w + b
+  z = z - z.max(axis=1, keepdims=True)
+  e = np.exp(z)
+  return e / e.sum(axis=1, keepdims=True)
+
+
+def top1(scores, labels) -> float:
+  """Top-1 accuracy of class scores [N, C] against int labels [N]."""
+  scores, labels = np.asarray(scores), np.asarray(labels)
+  if scores.ndim != 2 or labels.shape != scores.shape[:1]:
+    raise ValueError(f"scores [N, C] and labels [N] needed, got {scores.shape} and "
+                     f"{labels.shape}")
+  return float(np.mean(scores.argmax(axis=1) == labels))

@@ -1,0 +1,161 @@
+"""Tests for SWAG zero-shot transfer: class map, aggregation, Platt scaling."""
+import numpy as np
+import pytest
+
+from bigpretrain import zero_shot
+from bigpretrain.hashtags import vocabulary
+from bigpretrain.semantic import wordnet
+
+CRANE_BIRD, CRANE_MACHINE = "n02012849", "n03126707"
+_TAGS = ["#crane", "#bird", "#truck", "#heron", "#machine", "#dog", "#hedgehog", "#porcupine",
+         "#tractor", "#stork", "#forklift", "#cat", "#eggplant"]
+
+
+@pytest.fixture(scope="module")
+def labels():
+  return sorted({vocabulary.canonical_hashtag(t) for t in _TAGS})
+
+
+def test_crane_maps_to_both_crane_classes(labels):
+  crane = labels.index(vocabulary.canonical_hashtag("#crane"))
+  mapping = zero_shot.class_map([CRANE_BIRD, CRANE_MACHINE], labels)
+  assert wordnet.synset_from_wnid(CRANE_BIRD).lexname() == "noun.animal"
+  assert wordnet.synset_from_wnid(CRANE_MACHINE).lexname() == "noun.artifact"
+  assert mapping == [(crane,), (crane,)]
+
+
+def test_a_class_keeps_every_tied_hashtag(labels):
+  """Appendix D: {porcupine, hedgehog} matches both #porcupine and #hedgehog."""
+  porcupine = wordnet.load().synset("porcupine.n.01")
+  mapping = zero_shot.class_map([wordnet.wnid(porcupine)], labels)
+  assert [labels[i] for i in mapping[0]] == ["hedgehog.n.02+porcupine.n.01", "porcupine.n.01"]
+
+
+def test_class_map_matches_nltk_path_similarity(labels):
+  """Brute force with nltk's path_similarity: argmax over hashtags of the max over their
+  synsets, ties kept."""
+  wn = wordnet.load()
+  wnids = [CRANE_BIRD, "n02084071", "n02123045", "n04465501", "n02002724", "n01503061",
+           "n04490091", "n07753592", "n03000134"]  # ... truck, banana, chainlink fence.
+  mapping = zero_shot.class_map(wnids, labels)
+  for wnid, got in zip(wnids, mapping):
+    cls = wordnet.synset_from_wnid(wnid)
+    sims = [max(cls.path_similarity(wn.synset(n)) for n in label.split("+")) for label in labels]
+    assert got == tuple(i for i, s in enumerate(sims) if s == max(sims)), wnid
+
+
+@pytest.mark.parametrize("wnids, vocab, match", [
+    (["n0201284"], ["crane.n.04"], "Malformed wnid"),
+    (["n99999999"], ["crane.n.04"], "not a WordNet 3.0 synset"),
+    (["v00028167"], ["crane.n.04"], "not a noun synset"),  # crane.v.01
+    ([CRANE_BIRD, CRANE_BIRD], ["crane.n.04"], "distinct wnids"),
+    ([], ["crane.n.04"], "non-empty"),
+    ([CRANE_BIRD], ["crane.n.04", "crane.n.04"], "distinct canonical hashtags"),
+    ([CRANE_BIRD], ["crane.n.04+kranich.n.01"], "'kranich.n.01' is not a WordNet 3.0 synset"),
+    ([CRANE_BIRD], [""], "non-empty str"),
+])
+def test_class_map_bad_input(wnids, vocab, match):
+  with pytest.raises(ValueError, match=match):
+    zero_shot.class_map(wnids, vocab)
+
+
+# ---------------------------------------------------------------------------- aggregation
+
+# Hashtags 0..3; class 0 <- {0, 1}, class 1 <- {1}, class 2 <- {2, 3, 1}. Hashtag 1 maps to
+# three classes, 0, 2 and 3 to one each.
+_MAP = [[0, 1], [1], [2, 3, 1]]
+_SCORES = np.array([[0.1, 0.6, 0.2, 0.1],
+                    [0.4, 0.3, 0.0, 0.3]])
+
+
+@pytest.mark.parametrize("method, want", [
+    ("sum", [[0.7, 0.6, 0.9], [0.7, 0.3, 0.6]]),
+    ("mean", [[0.35, 0.6, 0.3], [0.35, 0.3, 0.2]]),
+    ("max_split", [[0.2, 0.2, 0.2], [0.4, 0.1, 0.3]]),
+])
+def test_aggregation_by_hand(method, want):
+  got = zero_shot.aggregate(_SCORES, _MAP, method)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scores, mapping, method, match", [
+    (_SCORES, _MAP, "median", "unknown aggregation"),
+    (_SCORES[0], _MAP, "sum", r"\[N, H\]"),
+    (_SCORES, [[0], []], "sum", "at least one hashtag"),
+    (_SCORES, [[0], [4]], "sum", r"in \[0, 4\)"),
+])
+def test_aggregation_bad_input(scores, mapping, method, match):
+  with pytest.raises(ValueError, match=match):
+    zero_shot.aggregate(scores, mapping, method)
+
+
+# ---------------------------------------------------------------------------- Platt
+
+
+def _toy(prior, n=1500, c=10, seed=0):
+  """Gaussian classes, uniform true labels; the model's probabilities carry `prior` (like a
+  hashtag model's Zipfian label frequencies). Returns probs, labels, Bayes log-likelihoods."""
+  rng = np.random.default_rng(seed)
+  labels = np.arange(n) % c
+  centers = rng.normal(size=(c, 8))
+  x = centers[labels] + 0.9 * rng.normal(size=(n, 8))
+  loglik = -0.5 * ((x[:, None, :] - centers[None]) ** 2).sum(-1)
+  logp = loglik + np.log(prior)
+  probs = np.exp(logp - logp.max(axis=1, keepdims=True))
+  return probs / probs.sum(axis=1, keepdims=True), labels, loglik
+
+
+def test_platt_restores_accuracy_under_a_class_prior_shift():
+  c = 10
+  prior = 0.5 ** np.arange(c)  # Class 0 is 512x as frequent as class 9.
+  probs, labels, loglik = _toy(prior / prior.sum())
+  before = zero_shot.top1(probs, labels)
+  bayes = zero_shot.top1(loglik, labels)  # The accuracy the true prior would give.
+  w, b = zero_shot.platt_fit(probs)
+  after_probs = zero_shot.platt_apply(probs, w, b)
+  after = zero_shot.top1(after_probs, labels)
+  assert before < bayes - 0.15
+  assert after > before + 0.12 and after > bayes - 0.1, (before, after, bayes)
+  # The paper's goal: the mean prediction is uniform.
+  np.testing.assert_allclose(after_probs.mean(axis=0), 1 / c, rtol=1e-3)
+  # No collapse: every class predicted, none dominating; predictions stay confident.
+  predicted = np.bincount(after_probs.argmax(axis=1), minlength=c) / len(labels)
+  assert predicted.min() > 0.05 and predicted.max() < 0.3
+  entropy = -(after_probs * np.log(after_probs)).sum(axis=1).mean()
+  assert entropy < 0.6 * np.log(c)
+  assert w.min() > 1.0  # Not the degenerate w = 0.
+  assert abs(b.mean()) < 1e-9
+
+
+def test_platt_keeps_accuracy_without_a_shift():
+  probs, labels, _ = _toy(np.full(10, 0.1))
+  w, b = zero_shot.platt_fit(probs)
+  before = zero_shot.top1(probs, labels)
+  assert abs(zero_shot.top1(zero_shot.platt_apply(probs, w, b), labels) - before) < 0.02
+
+
+def test_platt_apply_is_softmax_of_diag_w_p_plus_b():
+  p = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+  w, b = np.array([2.0, -1.0, 0.5]), np.array([0.0, 0.3, -0.2])
+  z = p * w + b
+  want = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+  np.testing.assert_allclose(zero_shot.platt_apply(p, w, b), want, rtol=1e-12)
+  np.testing.assert_allclose(zero_shot.platt_apply(p, np.zeros(3), np.zeros(3)), 1 / 3)
+
+
+@pytest.mark.parametrize("probs, match", [
+    (np.ones(4), r"\[N, C\]"),
+    (np.ones((4, 1)), "C >= 2"),
+    (np.array([[0.5, np.nan]]), "finite"),
+    (np.array([[0.5, -0.1]]), ">= 0"),
+    (np.array([[0.5, 0.5], [0.0, 0.0]]), "row 1 is all zeros"),
+    (np.array([[0.5, 0.0], [1.0, 0.0]]), "class 1 has zero probability on every example"),
+])
+def test_platt_fit_bad_input(probs, match):
+  with pytest.raises(ValueError, match=match):
+    zero_shot.platt_fit(probs)
+
+
+def test_platt_apply_bad_shapes():
+  with pytest.raises(ValueError, match="w and b must be"):
+    zero_shot.platt_apply(np.ones((2, 3)), np.ones(2), np.ones(3))
