@@ -252,6 +252,8 @@ class _ReadShard(beam.DoFn):
                          + (" (balanced_with_tags needs the images' tags)" if with_tags else "")
                          + f"; it has {shard.schema_arrow.names}.")
       for batch in shard.iter_batches(batch_size=self._batch_size, columns=columns):
+        if not batch.num_rows:
+          continue
         ids = self._ids(batch, path)
         if with_tags:
           tags = batch.column("tags").to_pylist()
@@ -487,7 +489,7 @@ class _WriteShard(beam.DoFn):
     names = np.array([s for _, s in self._preds.sources], dtype=object)
     table = pa.table({
         "dataset": pa.array([self._preds.dataset] * len(ids), pa.string()),
-        "split": pa.array(names[rank] if len(ids) else [], pa.string()),
+        "split": pa.array(names[rank], pa.string()),
         "index": pa.array(index),
         "label": pa.array(labels),
         "score": pa.array(_as_score(scores)),
@@ -587,8 +589,13 @@ def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
 
 def _pipeline(pipeline, preds: Predictions, k: np.ndarray, variant: str, seed: int,
               out_dir: str, batch_size: int, naive: bool) -> None:
-  lemmas = (tags_lib.class_lemmas(preds.class_names) if variant == "balanced_with_tags"
-            else None)
+  lemmas = None
+  if variant == "balanced_with_tags":
+    try:
+      lemmas = tags_lib.class_lemmas(preds.class_names)
+    except ValueError as e:
+      raise ValueError(f"balanced_with_tags maps tags to classes through WordNet, so the "
+                       f"teacher's class names must be wnids: {e}") from e
   batches = (pipeline
              | "Shards" >> beam.Create(list(preds.shards))
              | "ReshuffleShards" >> beam.Reshuffle()

@@ -305,6 +305,8 @@ def test_beam_balanced_equals_select(predictions, tmp_path, options):
   info, table = _run(predictions, tmp_path / "out", k=k, beam_options=options)
   want = topk.select(predictions["ids"], predictions["classes"], predictions["scores"], k=k,
                      num_classes=C)
+  assert want == _brute_force(predictions["ids"], predictions["classes"], predictions["scores"],
+                              lambda c: k, C)
   assert selection.selected_ids(info, table) == _keys(want)
   # Planted cross-split ties were selected and ordered by the key: 'train' before 'unlabeled'.
   tied = [(v.index(("demo", "train", i)), v.index(("demo", "unlabeled", i)))
@@ -432,6 +434,20 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
                               [[0.5, 0.3, 0.2]])
   with pytest.raises(Exception, match="row of split 'validation'"):
     selection.prepare(partial, tmp_path / "out_split", k=1)
+
+
+def test_tags_variant_needs_wnids_and_tags(tmp_path):
+  pred = tmp_path / "pred"
+  pred.mkdir()
+  selection.write_predictions(pred / "a.parquet", "demo", "train", [0, 1], [[0, 1]] * 2,
+                              [[0.6, 0.4]] * 2)  # No tags column.
+  selection.write_info(pred, class_names=["cat", "dog"], top_p=2, dataset="demo",
+                       splits=["train"])
+  with pytest.raises(ValueError, match="class names must be wnids"):
+    selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
+  selection.write_info(pred, class_names=WNIDS[:2], top_p=2, dataset="demo", splits=["train"])
+  with pytest.raises(Exception, match=r"has no column\(s\) \['tags'\]"):
+    selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
 
 
 def test_rerun_with_other_parameters_is_an_error(predictions, tmp_path):
