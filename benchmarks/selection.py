@@ -10,7 +10,9 @@ candidates, as in the paper's Table 9) and descending scores rounded to 1e-3 (ma
 chosen so selection is non-trivial: at N = 1M an average class has N * P / C = 10k candidates
 for K = 2000. Timed: `input_pipeline.selection.prepare` end to end (pipeline start-up, reading,
 selecting, writing the index and the report) with the DirectRunner; --workers > 1 uses
-multi_processing workers.
+multi_processing workers. Both sizes select the same C * K pairs, so the output side (sorting
+and writing C * K index rows) costs the same at N and 4N; t(4N) / t(N) shows how the input side
+(reading and partial top-K of N * P pairs) grows on top of it.
 
 Fields: images_per_sec (at 4N), seconds at N and 4N, scaling_4n_over_n = t(4N) / t(N) (the issue
 asks <= 4.4), naive_seconds_n and speedup_vs_naive = t_naive(N) / t(N) for the naive form (one

@@ -5,7 +5,8 @@ the images that kept l are ranked by their score for l and the first K form D-ha
 the union over classes, an image appearing once for each class that selected it (the paper
 replicates it). Equal scores rank the smaller id first, so the selection is one exact set
 whatever the order or grouping of the input: the rule the Beam job input_pipeline/selection.py
-applies at scale (with `top_k_pairs` as its combiner), here on arrays in memory.
+applies at scale (its combiner merges partial top-Ks with `top_k_unsorted`), here on arrays in
+memory.
 
 Variants (section 4.4, supplement section 2): balanced-ranked is `select(..., k=K)`;
 unbalanced-ranked is `select(..., k=sizes)` with per-class sizes, e.g. `zipf_sizes(C, total)`;
@@ -100,7 +101,7 @@ def top_k_pairs(classes, ids, scores, k) -> tuple[np.ndarray, np.ndarray, np.nda
   classes, ids, scores: [M] each, one entry per candidate; k: an int, or an int array indexed
   by class (per-class K). Order: score descending, then id ascending. The selection of a union
   equals the selection of the union of selections, so partial results merge exactly in any
-  order and grouping (what the Beam combiner relies on).
+  order and grouping (what the Beam combiner relies on). A sort: O(M log M).
   """
   classes, ids, scores = np.asarray(classes), np.asarray(ids), np.asarray(scores)
   if classes.size == 0:
