@@ -30,7 +30,8 @@ setuptools.setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "apache-beam>=2.60"],  # Beam: the data-preparation tests.
-        "beam": ["apache-beam>=2.60"],
+        # Beam: the data-preparation jobs; pyarrow (a Beam dependency): selection's Parquet files.
+        "test": ["pytest>=8.0", "apache-beam>=2.60", "pyarrow>=15"],
+        "beam": ["apache-beam>=2.60", "pyarrow>=15"],
     },
 )

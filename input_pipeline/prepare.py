@@ -1,14 +1,21 @@
-"""Command line of the offline data preparation jobs (Apache Beam, written as tfds ArrayRecord).
+"""Command line of the offline data preparation jobs (Apache Beam): tfds ArrayRecord datasets,
+and the semi-supervised selection index.
 
   python -m input_pipeline.prepare imagenet21k_p --manual_dir=RAW --data_dir=OUT \
       [--beam_runner=...] [--min_images=500] [--val_per_class=50] [--image_size=224] \
       [--jpeg_quality=75]
   python -m input_pipeline.prepare folder --manual_dir=RAW --data_dir=OUT --name=NAME \
       [--val_per_class=0] [--min_images=0] [--image_size=S] [--jpeg_quality=75]
+  python -m input_pipeline.prepare selection --predictions=DIR --k=K --data_dir=OUT \
+      [--variant=balanced_ranked|unbalanced_ranked|balanced_with_tags] \
+      [--class_sizes=SIZES.json | --zipf_total=T [--zipf_exponent=1.0]] [--seed=0] \
+      [--expected_classes=CLASSES.txt]
 
 imagenet21k_p: input_pipeline/imagenet21k_p.py (the paper's three steps); folder: any
 ImageFolder tree, input_pipeline/image_folder.py. Train on the result with
 `--config.data.name=imagenet21k_p` (or `folder:NAME`) and `--config.data.dir=OUT`.
+selection: the semi-supervised recipe's top-K selection of D-hat from teacher predictions, an
+index into the source dataset (input_pipeline/selection.py, which documents both formats).
 
 The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
 FlinkRunner, SparkRunner, ...). Flags this command does not define are handed to Beam as
@@ -17,6 +24,7 @@ local cores), or `--project=P --region=R --temp_location=gs://... --setup_file=.
 (Dataflow). A finished dataset in OUT is reused, not regenerated. Prints a summary at the end.
 """
 import argparse
+import json
 import sys
 from typing import Sequence
 
@@ -25,6 +33,7 @@ from absl import logging
 from input_pipeline import beam_images
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p
+from input_pipeline import selection
 
 
 def _size(text: str) -> int | None:
@@ -57,7 +66,50 @@ def build_parser() -> argparse.ArgumentParser:
   pfolder = sub.add_parser("folder", help="Any ImageFolder tree, as folder:NAME.")
   common(pfolder, 0, 0, None)
   pfolder.add_argument("--name", required=True, help="Dataset name (read as folder:NAME).")
+
+  psel = sub.add_parser("selection", help="Top-K per class selection of D-hat from teacher "
+                        "predictions (semi-supervised recipe).")
+  psel.add_argument("--predictions", required=True,
+                    help="Folder of prediction shards and predictions.json.")
+  psel.add_argument("--data_dir", required=True, help="Folder to write D-hat's index into.")
+  psel.add_argument("--beam_runner", default=None,
+                    help="Beam runner (default: DirectRunner on this machine).")
+  psel.add_argument("--variant", default="balanced_ranked", choices=selection.VARIANTS)
+  psel.add_argument("--k", type=int, default=None,
+                    help="Images per class (balanced_ranked, balanced_with_tags).")
+  psel.add_argument("--class_sizes", default=None,
+                    help="unbalanced_ranked: JSON file {class name: K}; absent classes get 0.")
+  psel.add_argument("--zipf_total", type=int, default=None,
+                    help="unbalanced_ranked: Zipf per-class K summing to this total.")
+  psel.add_argument("--zipf_exponent", type=float, default=1.0, help="Zipf exponent.")
+  psel.add_argument("--seed", type=int, default=0,
+                    help="Zipf class order (unbalanced_ranked), random draw (with_tags).")
+  psel.add_argument("--expected_classes", default=None,
+                    help="Text file, one class name a line: the class list the teacher must "
+                    "have.")
+  psel.add_argument("--batch_size", type=int, default=selection.BATCH_SIZE,
+                    help="Prediction rows read per batch.")
   return parser
+
+
+def _read_lines(path: str) -> list[str]:
+  with open(path, encoding="utf-8") as f:
+    return [line.strip() for line in f if line.strip()]
+
+
+def run_selection(args, beam_options) -> str:
+  """The selection subcommand: runs it and returns its summary."""
+  class_sizes = None
+  if args.class_sizes:
+    with open(args.class_sizes, encoding="utf-8") as f:
+      class_sizes = json.load(f)
+  expected = _read_lines(args.expected_classes) if args.expected_classes else None
+  info = selection.prepare(
+      args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,
+      zipf_total=args.zipf_total, zipf_exponent=args.zipf_exponent, seed=args.seed,
+      expected_class_names=expected, beam_runner=args.beam_runner, beam_options=beam_options,
+      batch_size=args.batch_size)
+  return selection.summary(info, args.data_dir)
 
 
 def summary(builder) -> str:
@@ -92,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise SystemExit(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
   if beam_options:
     logging.info("Passing to Beam: %s", beam_options)
+  if args.dataset == "selection":
+    print(run_selection(args, beam_options), flush=True)
+    return 0
   kwargs = dict(beam_runner=args.beam_runner, beam_options=beam_options,
                 min_images=args.min_images, val_per_class=args.val_per_class,
                 image_size=args.image_size, jpeg_quality=args.jpeg_quality)
