@@ -24,18 +24,18 @@ Paper numbers (supplement): ViT-B, 400 epochs on ImageNet-1k + 20 epochs of fine
 83.8% top-1 (800 epochs: 84.2%), Table B.2; at resolution 112, 400 epochs, 5 seeds:
 ViT-S 73.15 +- 0.10 vs 72.63 +- 0.37 without cosub, ViT-B 77.75 vs 77.03 (B.4).
 
-Recipe (supplement A.1 on DeiT-III): LAMB as DeiT-III runs it (`--opt fusedlamb`: trust ratio
-and weight decay only on weights, none on biases, norms, LayerScale, position embedding and
-class token; global grad norm clipped at 1.0), lr = 1e-3 * sqrt(batch / 2048) (the sqrt rule,
-A.1; it follows --config.batch_size overrides), weight decay 0.02, 5 warm-up epochs from 1e-6
-then cosine down to 1e-5 (deit main.py's --warmup-lr and --min-lr defaults; stepped per
-step, not per epoch); BCE with binarised targets (label smoothing 0); mixup 0.8 / cutmix 1.0;
-Random Resized
-Crop + 3-Augment + flip; repeated augmentation x3 (our pipeline keeps the 3 copies in one
-global batch, so the batch is 1536 = 3 x 512 instead of the paper's 2048; the lr follows by
-the sqrt rule); ViT with LayerScale 1e-4, qkv bias, class token, position embedding added
-to the patches before the class token joins (pos_embed_cls=False), truncated-normal head;
-tau from Table A.1 ("Imnet1k train" row) by ViT size.
+Recipe (supplement A.1 on DeiT-III): LAMB as DeiT-III runs it (`--opt fusedlamb`: weight decay
+and trust ratio only on weight matrices, none on biases, norms, LayerScale, position embedding
+and class token; global grad norm clipped at 1.0), lr = 1e-3 * sqrt(batch / 2048) (the sqrt
+rule, A.1; it follows --config.batch_size overrides), weight decay 0.02, 5 warm-up epochs from
+1e-6 then cosine down to 1e-5 (deit main.py's --warmup-lr and --min-lr defaults; per step
+here, per epoch there); BCE with binarised targets (label smoothing 0); mixup 0.8 / cutmix
+1.0; Random Resized Crop + 3-Augment + flip; repeated augmentation x3 (our pipeline keeps the
+3 copies in one global batch, so the batch is 1536 = 3 x 512 instead of the paper's 2048; the
+lr follows by the sqrt rule); ViT with LayerScale 1e-4, qkv bias, class token, position
+embedding added to the patches before the class token joins (pos_embed_cls=False),
+truncated-normal head; tau from Table A.1 ("Imnet1k train" row) by ViT size (ViT-S, M, B, L,
+H: vit_s16, vit_m16, vit_b16, vit_l16, vit_h14).
 
 Args: dataset (demo | tfds:NAME), data_dir, model (registry name), epochs (400 or 800),
 tau (-1 = Table A.1 for the model size; the demo uses 0.5), submodels (2; 1 = no cosub,
