@@ -8,6 +8,7 @@ checkpoint; a few minutes on a 2-core CPU):
   python -m bigpretrain.main \
     --config=configs/cosub_finetune_in1k.py:init=/tmp/cosub_in21k_demo/checkpoints \
     --workdir=/tmp/cosub_ft_demo2
+  From the seed-0 demo pre-training (24.9% top-1), 400 steps of fine-tuning reach 29.1%.
 
 Paper scale (from the checkpoint of configs/cosub_in21k.py; ImageNet-1k as ArrayRecord):
   ARG=dataset=tfds:imagenet2012,data_dir=/data/tfds,model=vit_b16

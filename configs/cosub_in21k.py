@@ -7,8 +7,8 @@ Demo (no arg; the embedded `demo` dataset, 32x32, vit_demo, a few minutes on a 2
   python -m bigpretrain.main --config=configs/cosub_in21k.py --workdir=/tmp/cosub_in21k_demo
   Same recipe without cosub:  ... --config.objective.num_submodels=1
   At demo scale cosub does NOT beat the baseline: validation top-1 after the 400 steps (tau
-  0.5, seeds 0/1/2) is 23.2 / 19.9 / 19.1%, mean 20.7 +- 2.2 (std) with cosub, vs
-  21.9 / 21.0 / 20.2%, mean 21.1 +- 0.8 without. 2.5 epochs is an under-fitting regime,
+  0.5, seeds 0/1/2) is 24.9 / 21.2 / 22.4%, mean 22.8 +- 1.9 (std) with cosub, vs
+  26.7 / 24.5 / 21.5%, mean 24.2 +- 2.6 without. 2.5 epochs is an under-fitting regime,
   where a regulariser such as cosub has little to give.
 
 Paper scale (ImageNet-21K-P prepared by `python -m input_pipeline.prepare imagenet21k_p`; the
