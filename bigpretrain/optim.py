@@ -2,9 +2,10 @@
 
 One `make_optimizer` covers the four recipes: SGD with Nesterov momentum (semi-supervised,
 SWAG RegNetY), Adam with coupled L2 weight decay (ImageNet-21K: lr 3e-4, wd 1e-4, OneCycle),
-AdamW (DeiT-III / cosub, SWAG ViT) and LAMB. Weight decay skips 0/1-d params (biases, norm
-scales) and the paths matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each
-ViT block's updates geometrically. Params are pure nested dicts, paths are 'a/b/c' strings.
+AdamW (SWAG ViT) and LAMB (DeiT-III / cosub, as timm's Lamb). Weight decay skips 0/1-d params
+(biases, norm scales, LayerScale gammas) and the paths matched by `wd_exclude`; LayerDecay
+(cosub supplement A.1) scales each ViT block's updates geometrically. Params are pure nested
+dicts, paths are 'a/b/c' strings.
 """
 from collections.abc import Mapping, Sequence
 import math
@@ -21,6 +22,7 @@ OPTIMIZERS = ('sgd', 'adam', 'adamw', 'lamb')
 SCHEDULES = ('cosine', 'onecycle', 'step', 'constant')
 DEFAULT_WD_EXCLUDE = ('pos_embed', 'cls_token')
 LR_RULES = ('sqrt', 'linear', 'none')
+LAYER_DECAY_CONVENTIONS = ('cosub', 'mae')
 
 # Paths (matched as whole path components) that LayerDecay puts in layer 0.
 _LAYER0 = re.compile(r'(?:^|/)(?:patch_embed|cls_token|pos_embed)(?:/|$)')
@@ -35,12 +37,18 @@ def optim_defaults() -> ml_collections.ConfigDict:
       weight_decay=0.05,
       b1=0.9, b2=0.999, eps=1e-8,  # adam / adamw / lamb.
       momentum=0.9, nesterov=True,  # sgd.
+      # lamb: the trust ratio on every param, not only the weight-decayed ones (timm's
+      # always_adapt; False is timm's and apex FusedLAMB's default, which DeiT-III uses).
+      always_adapt=False,
       grad_clip_norm=0.0,  # Clip by global norm first in the chain; 0 = off.
       # Regexes searched in 'a/b/c' param paths; matches get no weight decay. Params with
       # ndim <= 1 (biases, norm scales) never get weight decay.
       wd_exclude=DEFAULT_WD_EXCLUDE,
       layer_decay=0.0,  # LD of LayerDecay; 0 = off.
       layer_decay_lr_scale=2.0,  # C_LD: lr multiplier when LayerDecay is on.
+      # 'cosub': block l of L gets LD^(L - l), the last block and the head x 1 (cosub
+      # supplement A.1); 'mae': LD^(L + 1 - l), the last block x LD (BEiT / MAE).
+      layer_decay_convention='cosub',
       schedule=dict(
           name='cosine',  # One of SCHEDULES.
           warmup_steps=-1,  # -1 = use warmup_frac; set at most one of the two.
@@ -107,6 +115,9 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
        'must be in [0, 1] (0 = off)'),
       (f'{p}.layer_decay_lr_scale', cfg['layer_decay_lr_scale'],
        cfg['layer_decay_lr_scale'] > 0, 'must be > 0'),
+      (f'{p}.layer_decay_convention', cfg['layer_decay_convention'],
+       cfg['layer_decay_convention'] in LAYER_DECAY_CONVENTIONS,
+       f'must be one of {LAYER_DECAY_CONVENTIONS}'),
       (f'{ps}.name', s['name'], s['name'] in SCHEDULES, f'must be one of {SCHEDULES}'),
       (f'{ps}.warmup_steps', s['warmup_steps'], s['warmup_steps'] >= -1,
        'must be >= 0, or -1 to use warmup_frac'),
@@ -219,12 +230,19 @@ def weight_decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_WD_EXCLUDE) 
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def layer_decay_multipliers(params: Any, layer_decay: float) -> Any:
-  """LayerDecay lr multipliers: layer l of L blocks gets LD^(L + 1 - l).
+def layer_decay_multipliers(params: Any, layer_decay: float,
+                            convention: str = 'cosub') -> Any:
+  """LayerDecay lr multipliers for a ViT with L blocks, by `convention`.
 
-  patch_embed / cls_token / pos_embed are layer 0, 'blocks/i/...' is layer i + 1, everything
-  else (final norm, head) is layer L + 1 with multiplier 1. L = number of distinct blocks.
+  patch_embed / cls_token / pos_embed are layer 0, 'blocks/i/...' is layer l = i + 1,
+  everything else (final norm, head) is layer L + 1.
+  'cosub' (supplement A.1: "the LR of all layers is affected, except those in the final
+  block"): layer l gets LD^(L - l), so the last block and the head get 1, layer 0 LD^L.
+  'mae' (BEiT's and MAE's param groups): layer l gets LD^(L + 1 - l), the last block LD.
   """
+  if convention not in LAYER_DECAY_CONVENTIONS:
+    raise _err('optim.layer_decay_convention', convention,
+               f'must be one of {LAYER_DECAY_CONVENTIONS}')
   paths = [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
   blocks = sorted({int(m.group(1)) for p in paths if (m := _BLOCK.search(p))})
   if not blocks:
@@ -233,6 +251,7 @@ def layer_decay_multipliers(params: Any, layer_decay: float) -> Any:
   if blocks != list(range(len(blocks))):
     raise ValueError(f'optim.layer_decay: block indices {blocks} are not 0..L-1.')
   num_layers = len(blocks)
+  top = num_layers if convention == 'cosub' else num_layers + 1  # The layer that gets 1.
 
   def multiplier(path, _):
     p = _path_str(path)
@@ -242,12 +261,13 @@ def layer_decay_multipliers(params: Any, layer_decay: float) -> Any:
       layer = 0
     else:
       layer = num_layers + 1
-    return float(layer_decay ** (num_layers + 1 - layer))
+    return float(layer_decay ** max(top - layer, 0))
 
   return jax.tree_util.tree_map_with_path(multiplier, params)
 
 
-def scale_by_layer_decay(layer_decay: float) -> optax.GradientTransformation:
+def scale_by_layer_decay(layer_decay: float,
+                         convention: str = 'cosub') -> optax.GradientTransformation:
   """Multiplies each update by its LayerDecay multiplier (paths read from the update tree)."""
 
   def init_fn(params):
@@ -256,7 +276,7 @@ def scale_by_layer_decay(layer_decay: float) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    mults = layer_decay_multipliers(updates, layer_decay)
+    mults = layer_decay_multipliers(updates, layer_decay, convention)
     updates = jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults)
     return updates, state
 
@@ -269,6 +289,9 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
 
   Chain: clip by global norm -> [coupled L2 for sgd/adam] -> sgd/adam moments -> [decoupled
   weight decay for adamw/lamb] -> [trust ratio for lamb] -> LayerDecay -> -lr(step).
+  LAMB is timm's Lamb / apex FusedLAMB as DeiT-III runs it: u = adam + wd * p, then
+  u * ||p|| / ||u|| (1 where either norm is 0) only on the weight-decayed params, unless
+  always_adapt; their clipping at global norm 1.0 is grad_clip_norm=1.0 here.
   The returned schedule is the lr actually applied (times C_LD when LayerDecay is on).
   """
   validate_optim_config(optim_cfg)
@@ -278,10 +301,20 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
   exclude = tuple(c['wd_exclude'])
   wd = c['weight_decay']
 
+  def decayed(params):
+    return weight_decay_mask(params, exclude)
+
   def decay():
     if wd == 0:
       return []
-    return [optax.add_decayed_weights(wd, mask=lambda p: weight_decay_mask(p, exclude))]
+    return [optax.add_decayed_weights(wd, mask=decayed)]
+
+  def adapted(params):  # timm: `if weight_decay != 0 or always_adapt`, per param group.
+    if c['always_adapt']:
+      return jax.tree.map(lambda _: True, params)
+    if wd == 0:
+      return jax.tree.map(lambda _: False, params)
+    return decayed(params)
 
   chain = []
   if c['grad_clip_norm'] > 0:
@@ -294,9 +327,9 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
   elif c['name'] == 'adamw':
     chain += [adam] + decay()
   elif c['name'] == 'lamb':
-    chain += [adam] + decay() + [optax.scale_by_trust_ratio()]
+    chain += [adam] + decay() + [optax.masked(optax.scale_by_trust_ratio(), adapted)]
   if c['layer_decay'] > 0:
-    chain.append(scale_by_layer_decay(c['layer_decay']))
+    chain.append(scale_by_layer_decay(c['layer_decay'], c['layer_decay_convention']))
   chain.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*chain), schedule
 

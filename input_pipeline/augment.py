@@ -175,24 +175,26 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
   return _resize_box(image, (image_size, image_size), box=box)
 
 
-def cutout(image: Img, rng: np.random.Generator, prob: float = 0.5,
+def cutout(image: Img, rng: np.random.Generator, prob: float = 1.0,
            factor: float = 0.5) -> Img:
-  """The ImageNet-21K recipe's Cutout: one random-colour rectangle of `factor` x the sides.
+  """The ImageNet-21K recipe's Cutout: one random-colour box of about `factor` x the sides.
 
-  The rule (draws in this order): with probability `prob` (u = rng.random() < prob), a box of
-  ch = round(factor * H) by cw = round(factor * W) pixels (a square on the recipe's square
-  images) is centred at cy ~ U{0..H-1}, cx ~ U{0..W-1}, i.e. rows [cy - ch // 2,
-  cy - ch // 2 + ch) and the same for columns, clipped to the image (so it can be smaller at
-  the borders), and filled with one colour (r, g, b), each channel ~ U{0..255}.
+  As the authors' CutoutPIL (Alibaba-MIIL ImageNet21K, src_files/helper_functions/
+  augmentations.py; cutout_factor=0.5 on every training image). The rule (draws in this
+  order): with probability `prob` (u = rng.random() < prob; 1 = every image, as theirs),
+  ch = floor(factor * H + 0.5), cw likewise, a centre cy ~ U{0..H-1}, cx ~ U{0..W-1}, and the
+  box of rows cy - ch // 2 .. cy + ch // 2 and columns cx - cw // 2 .. cx + cw // 2, both ends
+  included (PIL's ImageDraw.rectangle), clipped to the image, filled with one colour
+  (r, g, b), each channel ~ U{0..255}.
   """
   if rng.random() >= prob:
     return image
   h, w = _size(image)
-  ch, cw = round(factor * h), round(factor * w)
+  ch, cw = int(factor * h + 0.5), int(factor * w + 0.5)
   cy, cx = int(rng.integers(0, h)), int(rng.integers(0, w))
   colour = tuple(int(c) for c in rng.integers(0, 256, 3))
-  top, left = cy - ch // 2, cx - cw // 2
-  box = (max(0, left), max(0, top), min(w, left + cw), min(h, top + ch))
+  box = (max(0, cx - cw // 2), max(0, cy - ch // 2),
+         min(w, cx + cw // 2 + 1), min(h, cy + ch // 2 + 1))
   out = to_pil(image).copy()
   out.paste(colour, box)
   return _like(out, image)

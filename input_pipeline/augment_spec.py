@@ -64,7 +64,7 @@ def _build_randaugment(op, *args):
 
 def _build_cutout(op, *args):
   _arity(op, args, (0, 1, 2), "cutout, cutout(P) or cutout(P, factor)")
-  p = _number(op, "P (probability)", args[0], 0, 1) if args else 0.5
+  p = _number(op, "P (probability)", args[0], 0, 1) if args else 1.0
   factor = _number(op, "factor", args[1], 0, 1) if len(args) > 1 else 0.5
   return lambda image, rng, size: augment.cutout(image, rng, p, factor)
 

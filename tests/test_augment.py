@@ -210,41 +210,63 @@ def test_ops_keep_the_input_kind():
 
 
 def _cutout_expected(image, seed, prob, factor):
-  """Cutout's rule written out with the same draws."""
+  """Cutout's rule written out with the same draws (the authors' CutoutPIL, square images)."""
   rng = np.random.default_rng(seed)
   if rng.random() >= prob:
     return image, None
   h, w = image.shape[:2]
-  ch, cw = round(factor * h), round(factor * w)
+  c = int(factor * h + 0.5)  # Their h_cutout; the images here are square.
   cy, cx = rng.integers(0, h), rng.integers(0, w)
   colour = rng.integers(0, 256, 3)
   out = image.copy()
-  rows = slice(max(0, cy - ch // 2), min(h, cy - ch // 2 + ch))
-  cols = slice(max(0, cx - cw // 2), min(w, cx - cw // 2 + cw))
+  # ImageDraw.rectangle([x1, y1, x2, y2]) fills both corners: c // 2 either side of the centre.
+  rows = slice(max(0, cy - c // 2), min(h, cy + c // 2 + 1))
+  cols = slice(max(0, cx - c // 2), min(w, cx + c // 2 + 1))
   out[rows, cols] = colour
   return out, (rows, cols)
 
 
-def test_cutout_rule_size_and_probability():
+def test_cutout_rule_size_and_every_image_by_default():
   image = _photo(16, 16)
-  applied, full_squares = 0, 0
+  full_squares = 0
   for seed in range(200):
     out = augment.cutout(image, np.random.default_rng(seed))
+    expected, box = _cutout_expected(image, seed, 1.0, 0.5)
+    np.testing.assert_array_equal(out, expected)
+    assert box is not None and not np.array_equal(out, image)  # Every image, as theirs.
+    rows, cols = box
+    size = (rows.stop - rows.start, cols.stop - cols.start)
+    assert size[0] <= 9 and size[1] <= 9  # 8 // 2 = 4 pixels either side of the centre.
+    full_squares += size == (9, 9)
+    patch = out[rows, cols].reshape(-1, 3)
+    assert (patch == patch[0]).all()  # One colour.
+  assert full_squares > 10
+  # The config op's default is every image too; an explicit probability still works.
+  op = augment._build("cutout")  # pylint: disable=protected-access
+  changed = sum(not np.array_equal(op(image, np.random.default_rng(s), 16), image)
+                for s in range(100))
+  assert changed == 100
+  applied = 0
+  for seed in range(200):
+    out = augment.cutout(image, np.random.default_rng(seed), prob=0.5)
     expected, box = _cutout_expected(image, seed, 0.5, 0.5)
     np.testing.assert_array_equal(out, expected)
-    if box is not None:
-      applied += 1
-      rows, cols = box
-      size = (rows.stop - rows.start, cols.stop - cols.start)
-      assert size[0] <= 8 and size[1] <= 8  # Half of 16, less where clipped at a border.
-      full_squares += size == (8, 8)
-      patch = out[rows, cols].reshape(-1, 3)
-      assert (patch == patch[0]).all()  # One colour.
+    applied += box is not None
   assert 80 <= applied <= 120  # p = 0.5: 100 +- 4 sigma.
-  assert full_squares > 10
-  always = [augment.cutout(image, np.random.default_rng(s), prob=1.0) for s in range(20)]
-  assert all(not np.array_equal(o, image) for o in always)
   np.testing.assert_array_equal(augment.cutout(image, np.random.default_rng(0), prob=0.0), image)
+
+
+def test_cutout_box_on_a_224_image_is_113_pixels():
+  # CutoutPIL at 224 with factor 0.5: h_cutout = int(112.5) = 112, rows cy - 56 .. cy + 56.
+  image = np.zeros((224, 224, 3), np.uint8)
+  sides = set()
+  for seed in range(30):
+    out = augment.cutout(image, np.random.default_rng(seed))
+    rows, cols = np.nonzero(out.any(-1))  # The painted pixels (a black colour is unlikely).
+    if rows.min() > 0 and rows.max() < 223 and cols.min() > 0 and cols.max() < 223:
+      sides.add((rows.max() - rows.min() + 1, cols.max() - cols.min() + 1))
+      assert len(rows) == 113 * 113
+  assert sides == {(113, 113)}
 
 
 def test_color_jitter_factors_and_zero_strength():

@@ -356,13 +356,18 @@ def test_layer_decay_multipliers_for_a_12_block_vit():
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   ld = 0.75
   mults = optim.layer_decay_multipliers(params, ld)
-  # Block l (1-based) of L = 12 gets LD^(13 - l); embeddings are layer 0: LD^13; head/norm 1.
+  # Supplement A.1: block l (1-based) of L = 12 gets LD^(12 - l), the final block 1;
+  # embeddings are layer 0: LD^12; head/norm 1.
   for i in range(12):
     for leaf in jax.tree.leaves(mults["blocks"][i]):
-      assert leaf == pytest.approx(ld ** (12 - i))
+      assert leaf == pytest.approx(ld ** (11 - i))
   for key in ("patch_embed", "cls_token", "pos_embed"):
-    np.testing.assert_allclose(jax.tree.leaves(mults[key]), ld ** 13, rtol=1e-12)
+    np.testing.assert_allclose(jax.tree.leaves(mults[key]), ld ** 12, rtol=1e-12)
   assert set(jax.tree.leaves(mults["head"]) + jax.tree.leaves(mults["norm"])) == {1.0}
+  # BEiT / MAE: one more factor LD below the head.
+  mae = optim.layer_decay_multipliers(params, ld, "mae")
+  np.testing.assert_allclose(jax.tree.leaves(mae["blocks"][11]), ld, rtol=1e-12)
+  np.testing.assert_allclose(jax.tree.leaves(mae["pos_embed"]), ld ** 13, rtol=1e-12)
   # First AdamW step on unit gradients: update = -lr * C_LD * multiplier.
   cfg = optim.optim_defaults()
   cfg.update(dict(name="adamw", lr=1e-3, weight_decay=0.0, layer_decay=ld))
@@ -372,9 +377,9 @@ def test_layer_decay_multipliers_for_a_12_block_vit():
   concrete = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
   updates, _ = tx.update(concrete, tx.init(concrete), concrete)
   np.testing.assert_allclose(updates["blocks"][0]["mlp"]["fc1"]["kernel"],
-                             -2e-3 * ld ** 12, rtol=1e-5)
-  np.testing.assert_allclose(updates["blocks"][11]["ls2"]["gamma"], -2e-3 * ld, rtol=1e-5)
-  np.testing.assert_allclose(updates["pos_embed"], -2e-3 * ld ** 13, rtol=1e-5)
+                             -2e-3 * ld ** 11, rtol=1e-5)
+  np.testing.assert_allclose(updates["blocks"][11]["ls2"]["gamma"], -2e-3, rtol=1e-5)
+  np.testing.assert_allclose(updates["pos_embed"], -2e-3 * ld ** 12, rtol=1e-5)
   np.testing.assert_allclose(updates["head"]["kernel"], -2e-3, rtol=1e-5)
 
 
@@ -401,8 +406,10 @@ def test_sqrt_lr_rule_in_optim_and_configs():
     (cosub_in1k, "vit_h14", "", 0.6, 0.0),
     (cosub_in21k, "vit_b16", "", 0.1, 0.0),
     (cosub_in21k, "vit_l16", ",epochs=270", 0.35, 0.0),
-    (cosub_finetune_in1k, "vit_b16", "", 0.2, 0.75),
-    (cosub_finetune_in1k, "vit_h14", "", 0.6, 0.85),
+    (cosub_in1k, "vit_m16", "", 0.1, 0.0),
+    (cosub_finetune_in1k, "vit_b16", "", 0.15, 0.75),  # DeiT-III's fine-tuning drop path.
+    (cosub_finetune_in1k, "vit_h14", "", 0.45, 0.85),
+    (cosub_finetune_in1k, "vit_m16", "", 0.1, 0.75),
 ])
 def test_paper_scale_configs_take_table_a1_defaults(module, model, arg, tau, ld):
   config = module.get_config(f"dataset=tfds:imagenet2012,model={model}{arg}")
@@ -428,6 +435,23 @@ def test_config_recipe_details():
   assert "three_augment" in c21.data.train_augment and c21.num_epochs == 90
   ft = cosub_finetune_in1k.get_config("dataset=tfds:imagenet2012,init=/ckpt")
   assert ft.model_init == "/ckpt" and ft.optim.layer_decay_lr_scale == 2.0
+  # DeiT-III's 21k -> 1k fine-tuning (README_revenge.md): LAMB, cutmix only, smoothing 0.1,
+  # Simple Random Crop + 3-Augment, no repeated augmentation, 50 epochs.
+  assert (ft.objective.kind, ft.optim.name, ft.mixup.mixup_alpha, ft.mixup.cutmix_alpha,
+          ft.mixup.label_smoothing) == ("ce", "lamb", 0, 1, 0.1)
+  assert ft.data.train_augment == "simple_random_crop|three_augment|flip"
+  assert ft.data.repeated_augment == 1 and ft.num_epochs == 50
+  assert ft.optim.layer_decay_convention == "cosub"
+  assert cosub_finetune_in1k.get_config(
+      "layer_decay_convention=mae").optim.layer_decay_convention == "mae"
+  # LAMB clipped at global norm 1.0; cosine from 1e-6 to 1e-5 (deit main.py defaults),
+  # absolute values whatever the peak (with LayerDecay, the peak is lr * C_LD).
+  for config, peak in ((c1k, c1k.optim.lr), (c21, c21.optim.lr), (ft, 2 * ft.optim.lr)):
+    assert config.optim.grad_clip_norm == 1.0
+    _, schedule = optim.make_optimizer(config.optim, total_steps=1000)
+    assert float(schedule(0)) == pytest.approx(1e-6, rel=1e-4)
+    assert max(float(schedule(s)) for s in range(0, 1000, 5)) == pytest.approx(peak, rel=1e-3)
+    assert float(schedule(1000)) == pytest.approx(1e-5, rel=1e-4)
   assert cosub_in1k.get_config("submodels=1").objective.num_submodels == 1
   with pytest.raises(ValueError, match="Table A.1"):
     cosub_in1k.get_config("dataset=tfds:imagenet2012,model=vit_ti16")

@@ -93,6 +93,10 @@ def test_vit_gap_and_pos_embed_variants_param_counts():
   # LayerScale adds two width-sized vectors per block.
   model = _abstract("vit_s16", num_classes=1000, layerscale_init=1e-4)
   assert _num_params(model) == 22_050_664 + 12 * 2 * 384
+  # DeiT-III's ViT-M (width 512, depth 12, 8 heads) as it builds it: 38.8M (38,849,512).
+  model = _abstract("vit_m16", num_classes=1000, layerscale_init=1e-4, pos_embed_cls=False)
+  assert model.blocks[0].attn.num_heads == 8
+  assert _num_params(model) == 38_849_512
   # Larger models, by formula: 12*D^2 + 13*D per block, plus embeddings and head.
   d, depth, p = 1024, 24, 14
   tokens = (224 // p) ** 2 + 1

@@ -82,3 +82,44 @@ def test_semantic_kd_without_teacher_is_a_clear_error(tmp_path):
   config = semantic_kd.get_config()
   with pytest.raises(ValueError, match="teacher_checkpoint is empty"):
     train.build(config)
+
+
+def _reference_asl_sum(x, y, gamma_neg=4.0, gamma_pos=0.0, clip=0.05, eps=1e-8):
+  """The ASL repo's AsymmetricLoss.forward in numpy: -loss.sum() over batch and classes."""
+  xs_pos = 1 / (1 + np.exp(-x))
+  xs_neg = np.minimum(1 - xs_pos + clip, 1)
+  loss = y * np.log(np.maximum(xs_pos, eps)) + (1 - y) * np.log(np.maximum(xs_neg, eps))
+  pt = xs_pos * y + xs_neg * (1 - y)
+  loss = loss * (1 - pt) ** (gamma_pos * y + gamma_neg * (1 - y))
+  return -loss.sum()
+
+
+def test_multi_label_loss_scale_gives_the_reference_asl_sum():
+  # The reference sums ASL over each GPU's images and DDP averages the GPUs' gradients: with
+  # 2 devices of 4 images, that is 4 x the batch mean, which loss_scale=4 reproduces.
+  from ml_collections import ConfigDict
+  info = datasets.get_dataset(ConfigDict(dict(name="demo", dir=""))).info
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, info.num_classes, 8)
+  logits = rng.normal(size=(8, info.num_classes)) * 3
+  batch = {"image": jnp.zeros((8, 1)), "label": jnp.asarray(labels)}
+  model = lambda images, train, rng: jnp.asarray(logits, jnp.float32)  # noqa: E731
+  mean = multi_label.MultiLabel(ConfigDict(dict(name="multi_label")), info)
+  scaled = multi_label.MultiLabel(ConfigDict(dict(name="multi_label", loss_scale=4.0)), info)
+  y = np.asarray(mean.multi_hot(jnp.asarray(labels)))
+  per_device = [_reference_asl_sum(logits[i:i + 4], y[i:i + 4]) for i in (0, 4)]
+  reference = np.mean(per_device)
+  np.testing.assert_allclose(float(scaled.loss(model, batch, None)[0]), reference, rtol=1e-5)
+  np.testing.assert_allclose(float(mean.loss(model, batch, None)[0]), reference / 4, rtol=1e-5)
+  with pytest.raises(ValueError, match="loss_scale"):
+    multi_label.MultiLabel(ConfigDict(dict(name="multi_label", loss_scale=0.0)), info)
+
+
+def test_multi_label_config_scales_asl_at_paper_scale_only():
+  from configs import multi_label as multi_label_config
+  paper = multi_label_config.get_config("dataset=imagenet21k_p,data_dir=/data")
+  assert paper.objective.loss_scale == 64.0  # 512 images on 8 GPUs: 64 per reference sum.
+  assert paper.batch_size == 512
+  assert multi_label_config.get_config().objective.loss_scale == 1.0  # The demo: unchanged.
+  bce = multi_label_config.get_config("dataset=imagenet21k_p,data_dir=/data,loss=bce")
+  assert bce.objective.loss_scale == 1.0

@@ -152,18 +152,32 @@ def test_weight_decay_mask_on_vit_params():
   assert not mask['blocks/0/attn/qkv/bias']
 
 
-def test_layer_decay_multipliers_12_block_vit():
+@pytest.mark.parametrize('convention', ['cosub', 'mae'])
+def test_layer_decay_multipliers_12_block_vit(convention):
   ld = 0.75
-  mult = _by_path(optim.layer_decay_multipliers(_vit_params(depth=12), ld))
+  mult = _by_path(optim.layer_decay_multipliers(_vit_params(depth=12), ld, convention))
+  # cosub (supplement A.1): block l of L gets LD^(L - l), the final block is not affected;
+  # mae (BEiT / MAE): LD^(L + 1 - l), one more factor LD on every layer but the head.
+  shift = 0 if convention == 'cosub' else 1
   for path in ('patch_embed/kernel', 'patch_embed/bias', 'cls_token', 'pos_embed'):
-    assert mult[path] == pytest.approx(ld ** 13), path
-  for i in range(12):
+    assert mult[path] == pytest.approx(ld ** (12 + shift)), path
+  for i in range(12):  # blocks/i is l = i + 1.
     for leaf in ('norm1/scale', 'attn/qkv/kernel', 'mlp/fc2/bias'):
-      assert mult[f'blocks/{i}/{leaf}'] == pytest.approx(ld ** (12 - i)), (i, leaf)
+      assert mult[f'blocks/{i}/{leaf}'] == pytest.approx(ld ** (11 - i + shift)), (i, leaf)
   for path in ('norm/scale', 'norm/bias', 'head/kernel', 'head/bias'):
     assert mult[path] == 1.0
-  assert mult['blocks/11/attn/qkv/kernel'] == pytest.approx(0.75)
-  assert mult['blocks/0/attn/qkv/kernel'] == pytest.approx(0.75 ** 12)
+  last, first = mult['blocks/11/attn/qkv/kernel'], mult['blocks/0/attn/qkv/kernel']
+  if convention == 'cosub':
+    assert last == 1.0 and first == pytest.approx(0.75 ** 11)
+  else:
+    assert last == pytest.approx(0.75) and first == pytest.approx(0.75 ** 12)
+
+
+def test_layer_decay_convention_is_checked():
+  with pytest.raises(ValueError, match=r'optim\.layer_decay_convention'):
+    optim.layer_decay_multipliers(_vit_params(depth=2), 0.7, 'beit2')
+  with pytest.raises(ValueError, match=r'optim\.layer_decay_convention'):
+    optim.make_optimizer(_cfg(layer_decay=0.7, layer_decay_convention='beit2'), total_steps=10)
 
 
 def test_layer_decay_needs_blocks():
@@ -171,19 +185,22 @@ def test_layer_decay_needs_blocks():
     optim.layer_decay_multipliers({'conv': {'kernel': jnp.ones((3, 3))}}, 0.7)
 
 
-def test_layer_decay_applied_with_lr_scale():
+@pytest.mark.parametrize('convention, shift', [('cosub', 0), ('mae', 1)])
+def test_layer_decay_applied_with_lr_scale(convention, shift):
   params = _vit_params(depth=3)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
   cfg = _cfg(name='sgd', momentum=0.0, nesterov=False, weight_decay=0.0, lr=0.1,
-             layer_decay=0.5, **{'schedule.name': 'constant'})
+             layer_decay=0.5, layer_decay_convention=convention,
+             **{'schedule.name': 'constant'})
   tx, schedule = optim.make_optimizer(cfg, total_steps=10)
   assert float(schedule(0)) == pytest.approx(0.2)  # lr * C_LD (2.0).
   updates, _ = tx.update(grads, tx.init(params), params)
   u = _by_path(updates)
-  # Update = -lr * C_LD * LD^(L + 1 - layer) * g with L = 3.
-  assert float(u['pos_embed'][0, 0, 0]) == pytest.approx(-0.2 * 0.5 ** 4 * 0.5)
-  assert float(u['blocks/0/mlp/fc1/kernel'][0, 0]) == pytest.approx(-0.2 * 0.5 ** 3 * 0.5)
-  assert float(u['blocks/2/norm1/bias'][0]) == pytest.approx(-0.2 * 0.5 * 0.5)
+  # Update = -lr * C_LD * LD^(L - layer + shift) * g with L = 3; the head always x 1.
+  assert float(u['pos_embed'][0, 0, 0]) == pytest.approx(-0.2 * 0.5 ** (3 + shift) * 0.5)
+  assert float(u['blocks/0/mlp/fc1/kernel'][0, 0]) == pytest.approx(
+      -0.2 * 0.5 ** (2 + shift) * 0.5)
+  assert float(u['blocks/2/norm1/bias'][0]) == pytest.approx(-0.2 * 0.5 ** shift * 0.5)
   assert float(u['head/kernel'][0, 0]) == pytest.approx(-0.2 * 0.5)
 
 
@@ -229,7 +246,7 @@ def _numpy_reference(kind, lr, wd, b1=0.9, b2=0.999, eps=1e-8, momentum=0.9, ste
       u = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
       if kind in ('adamw', 'lamb'):
         u = u + decay * p
-      if kind == 'lamb':
+      if kind == 'lamb' and decay > 0:  # timm: trust ratio only where weight_decay != 0.
         pn, un = np.linalg.norm(p), np.linalg.norm(u)
         u = u * (pn / un if pn > 0 and un > 0 else 1.0)
       p = p - lr * u
@@ -254,6 +271,72 @@ def test_adam_coupled_differs_from_adamw_only_where_decayed():
   assert not np.allclose(adam['dense/kernel'], adamw['dense/kernel'])
   np.testing.assert_allclose(adam['dense/bias'], adamw['dense/bias'], rtol=1e-6)
   np.testing.assert_allclose(adam['pos_embed'], adamw['pos_embed'], rtol=1e-6)
+
+
+def _lamb_tree():
+  """DeiT-III-like leaves: decayed kernels, and bias / LayerScale / pos_embed / cls_token."""
+  rng = np.random.default_rng(3)
+  params = {'blocks': {0: {'attn': {'qkv': {'kernel': rng.normal(size=(4, 6)),
+                                            'bias': rng.normal(size=(6,))}},
+                           'ls1': {'gamma': np.full((4,), 1e-4)}}},
+            'pos_embed': rng.normal(size=(1, 3, 4)) * 0.02,
+            'cls_token': rng.normal(size=(1, 1, 4)) * 0.02,
+            'head': {'kernel': rng.normal(size=(4, 5)) * 0.02, 'bias': np.zeros(5)}}
+  grads = jax.tree.map(lambda x: rng.normal(size=x.shape), params)
+  return params, grads
+
+
+@pytest.mark.parametrize('always_adapt', [False, True])
+def test_lamb_one_step_matches_timm_rule_in_numpy(always_adapt):
+  params, grads = _lamb_tree()
+  lr, wd, b1, b2, eps = 1e-3, 0.02, 0.9, 0.999, 1e-8
+  cfg = _cfg(name='lamb', lr=lr, weight_decay=wd, b1=b1, b2=b2, eps=eps, grad_clip_norm=1.0,
+             always_adapt=always_adapt, **{'schedule.name': 'constant'})
+  tx, _ = optim.make_optimizer(cfg, total_steps=10)
+  p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  g32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), grads)
+  updates, _ = tx.update(g32, tx.init(p32), p32)
+  got = _by_path(optax.apply_updates(p32, updates))
+
+  # timm Lamb, step 1: grads / max(global_norm / 1.0, 1); m_hat = g, v_hat = g^2;
+  # u = m_hat / (sqrt(v_hat) + eps) (+ wd * p where decayed); u *= ||p|| / ||u|| where
+  # decayed (everywhere with always_adapt), 1 where either norm is 0; p -= lr * u.
+  flat_p, flat_g = _by_path(params), _by_path(grads)
+  global_norm = np.sqrt(sum(np.sum(g ** 2) for g in flat_g.values()))
+  assert global_norm > 1.0  # The clip is active.
+  decayed = {'blocks/0/attn/qkv/kernel', 'head/kernel'}
+  for path, p in flat_p.items():
+    g = flat_g[path] / max(global_norm, 1.0)
+    m = (1 - b1) * g / (1 - b1)
+    v = (1 - b2) * g * g / (1 - b2)
+    u = m / (np.sqrt(v) + eps)
+    if path in decayed:
+      u = u + wd * p
+    if path in decayed or always_adapt:  # Ratio 1 where a norm is 0 (the zero head bias).
+      pn, un = np.linalg.norm(p), np.linalg.norm(u)
+      u = u * (pn / un if pn > 0 and un > 0 else 1.0)
+    np.testing.assert_allclose(got[path], p - lr * u, rtol=1e-5, atol=1e-9, err_msg=path)
+  # The LayerScale gamma (1e-4) moves by lr per element like Adam, not by a factor (1 + lr).
+  step = np.abs(got['blocks/0/ls1/gamma'] - 1e-4)
+  if always_adapt:
+    np.testing.assert_allclose(step, lr * 1e-4, rtol=1e-3)
+  else:
+    np.testing.assert_allclose(step, lr, rtol=1e-3)
+
+
+def test_lamb_without_weight_decay_is_adam():
+  # timm adapts a param group only where weight_decay != 0 (or always_adapt).
+  params, grads = _lamb_tree()
+  base = dict(lr=1e-3, weight_decay=0.0, **{'schedule.name': 'constant'})
+  out = {}
+  for name in ('lamb', 'adamw'):
+    tx, _ = optim.make_optimizer(_cfg(name=name, **base), total_steps=10)
+    p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    updates, _ = tx.update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), grads),
+                           tx.init(p32), p32)
+    out[name] = _by_path(updates)
+  for path, u in out['adamw'].items():
+    np.testing.assert_allclose(out['lamb'][path], u, rtol=1e-6, err_msg=path)
 
 
 def test_clip_by_global_norm_comes_first():

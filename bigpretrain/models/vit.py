@@ -34,6 +34,7 @@ from bigpretrain.models import layers
 _SIZES = {
     "ti": (192, 12, 3, 768),
     "s": (384, 12, 6, 1536),
+    "m": (512, 12, 8, 2048),  # DeiT-III's ViT-M (deit models_v2.py deit_medium_patch16_LS).
     "b": (768, 12, 12, 3072),
     "l": (1024, 24, 16, 4096),
     "h": (1280, 32, 16, 5120),

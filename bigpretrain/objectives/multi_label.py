@@ -32,9 +32,11 @@ class MultiLabel(base.Objective):
   """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1.
 
   With mixup/cutmix the targets are the mixed multi-hot vectors (the losses are linear in y).
+  `loss_scale` multiplies the loss (a batch mean): the ASL reference returns the batch sum,
+  and under Adam with coupled L2 the loss scale sets the weight decay's effective strength.
   """
   soft_targets = True
-  KEYS = {"loss", "gamma_neg", "gamma_pos", "clip", "map_bins"}
+  KEYS = {"loss", "gamma_neg", "gamma_pos", "clip", "map_bins", "loss_scale"}
 
   def __init__(self, cfg, info):
     base.check_keys(cfg, self.KEYS)
@@ -49,6 +51,9 @@ class MultiLabel(base.Objective):
     self.gamma_pos = float(cfg.get("gamma_pos", 0.0))
     self.clip = float(cfg.get("clip", 0.05))
     self.bins = int(cfg.get("map_bins", 1000))
+    self.loss_scale = float(cfg.get("loss_scale", 1.0))
+    if not self.loss_scale > 0:
+      raise ValueError(f"config.objective.loss_scale={self.loss_scale!r}: must be > 0.")
     self.num_classes = info.num_classes
     self.targets = jnp.asarray(self.tree.target_table)
 
@@ -69,7 +74,7 @@ class MultiLabel(base.Objective):
                                     gamma_pos=self.gamma_pos, clip=self.clip)
     else:
       loss = losses.binary_cross_entropy(logits, y)
-    return loss, {}
+    return self.loss_scale * loss, {}
 
   def eval_metrics(self, model, batch, topk):
     logits, mask, out = base.classification_eval(model, batch, topk, self.tree)

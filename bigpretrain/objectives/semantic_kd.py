@@ -1,9 +1,16 @@
 """Semantic knowledge distillation (ImageNet-21K Pretraining for the Masses, section 3.4).
 
 Semantic softmax on the labels plus, per hierarchy level, an MSE between teacher and student
-level-softmaxes weighted by the teacher's confidence at that level. The teacher is whatever
-model its checkpoint describes, loaded frozen, sharded like the student and run inside the
-same jitted step.
+level-softmaxes weighted by the teacher's confidence at that level (eq. 3-4). The teacher is
+whatever model its checkpoint describes, loaded frozen, sharded like the student and run
+inside the same jitted step.
+
+The authors' released code (Alibaba-MIIL/ImageNet21K) has no semantic KD, so these are this
+project's own choices, not the paper's:
+- teacher confidence P_k: the sum of the teacher's top ceil(n_k / 20) probabilities at level
+  k (the paper defers P_k to its appendix F, "similar to" Xie et al.'s noisy student);
+- the MSE is summed over a level's n_k classes and averaged over the batch;
+- kd_weight 1: the semantic loss and the KD loss added with equal weight.
 """
 import jax
 
