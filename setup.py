@@ -28,6 +28,7 @@ setuptools.setup(
         "pillow>=10.0",
         "tensorboardX>=2.6",
         "tqdm>=4.66",
+        "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
         # Beam: the data-preparation jobs; pyarrow (a Beam dependency): selection's Parquet files.

@@ -15,6 +15,9 @@
   'folder:NAME'          an ImageFolder tree converted into data.dir by `python -m
                          input_pipeline.prepare folder --manual_dir=RAW --data_dir=DIR
                          --name=NAME` (image_folder.py); class_names are the folder names.
+  'selection:DIR'        the dataset D-hat selected into DIR by `python -m input_pipeline.prepare
+                         selection`, read through its index from the source dataset (in the
+                         same data.dir); its other splits pass through (selection_source.py).
 
 A source record is a dict with 'image' (the ENCODED PNG/JPEG bytes; grain workers decode
 them), 'label' (int), 'hashtags' (list of str) when the dataset has them, and the dataset's
@@ -210,6 +213,12 @@ def _folder(name: str, data_dir: str) -> Dataset:
                    f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
 
 
+def _selection(name: str, data_dir: str):
+  # Imported here: selection_source imports this module.
+  from input_pipeline import selection_source  # pylint: disable=import-outside-toplevel
+  return selection_source.SelectionDataset(name, data_dir)
+
+
 # Exact names, and prefixes (ending in ':' or '/') followed by a non-empty rest.
 _SOURCES: dict[str, Callable[[str, str], Dataset]] = {}
 _USAGE: dict[str, str] = {}
@@ -245,6 +254,7 @@ register_source("demo/", _demo, "demo/truncPERCENT")
 register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
 register_source(IMAGENET21K_P, _imagenet21k_p)
 register_source("folder:", _folder, "folder:NAME")
+register_source("selection:", _selection, "selection:DIR")
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:

@@ -1,0 +1,272 @@
+"""Teacher inference over an unlabelled pool: per image its top-P classes and scores.
+
+  python -m bigpretrain.infer --workdir=TEACHER --data=NAME --split=SPLIT --out=DIR \
+      [--data_dir=...] [--top_p=10] [--batch_size=256] [--logits] [--shard_size=50000]
+
+Stage 2 of the semi-supervised recipe (Yalniz et al., 2019, section 3.1): the teacher, in eval
+mode and with its checkpoint's preprocessing (meta['data']: image_size, eval_resize,
+normalize), scores every record of the split; the top_p (P = 10 in the paper, section 4.1)
+classes of each image and their softmax scores (raw logits with --logits: the supplement's
+ablation, section 1) are written in input_pipeline/selection.py's predictions format, keyed by
+(--data, --split, record index), for the selection job.
+
+Shards and resumption: shard s holds the records [s * S, (s + 1) * S) (S = --shard_size) as
+`SPLIT-SSSSS-of-NNNNN.parquet`, written whole to a temporary name and renamed, so a shard
+file exists only when complete. A killed run, re-run with the same flags, skips the shards
+that exist; other flags on a started folder are an error (inference.json records them).
+predictions.json is written last, with num_records; its presence means the folder is done.
+
+Hosts: every process runs this command (launch/ scripts); each reads its own slice of each
+shard (pipeline.eval_iterator: host p takes rows p, p + H, ...), the forward pass is one jit
+over the global mesh (--fsdp shards a large teacher's weights), the top-P rows come back
+replicated and process 0 writes the shards (OUT must be visible to it, e.g. gs:// or local).
+"""
+import json
+import math
+import sys
+import time
+import uuid
+
+from absl import app
+from absl import flags
+from absl import logging
+from etils import epath
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow.parquet as pq
+import tqdm
+
+from bigpretrain import checkpoint
+from bigpretrain import config_lib
+from bigpretrain import distributed
+from bigpretrain import preprocess
+from bigpretrain import sharding
+from bigpretrain.models import pretrained
+from input_pipeline import datasets
+from input_pipeline import pipeline
+from input_pipeline import selection
+
+PARAMS_FILE = "inference.json"
+DEFAULT_TOP_P = 10  # Section 4.1: "P = 10".
+DEFAULT_SHARD_SIZE = 50_000
+
+
+class RangeSource:
+  """Records [start, stop) of a random-access source, renumbered from 0."""
+
+  def __init__(self, source, start: int, stop: int):
+    if not 0 <= start <= stop <= len(source):
+      raise ValueError(f"Bad record range [{start}, {stop}) of a source of {len(source)}.")
+    self._source, self.start, self.stop = source, start, stop
+
+  def __len__(self) -> int:
+    return self.stop - self.start
+
+  def __getitem__(self, i: int):
+    if not 0 <= i < len(self):
+      raise IndexError(f"Index {i} out of range for {len(self)} records.")
+    return self._source[self.start + i]
+
+
+def shard_name(split: str, shard: int, num_shards: int) -> str:
+  return f"{split}-{shard:05d}-of-{num_shards:05d}.parquet"
+
+
+def shard_ranges(num_records: int, shard_size: int) -> list[tuple[int, int]]:
+  """[(start, stop)] of each shard: fixed ranges of record indices, the last one shorter."""
+  return [(a, min(a + shard_size, num_records)) for a in range(0, num_records, shard_size)]
+
+
+def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
+  """Jitted (params, extra, batch) -> replicated {'classes', 'scores', 'index', 'mask'}: the
+  eval-mode forward pass and its top_p softmax scores (or logits) per row."""
+
+  def step(params, extra, batch):
+    images = preprocess.normalize(batch["image"], normalize)
+    out = model_def.merge(params, extra)(images, train=False).astype(jnp.float32)
+    scores = out if logits else jax.nn.softmax(out, axis=-1)
+    values, classes = jax.lax.top_k(scores, top_p)  # Best first.
+    return {"classes": classes.astype(jnp.int32), "scores": values,
+            "index": batch["index"], "mask": batch["mask"]}
+
+  return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
+                                     sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def _check_params(out: epath.Path, params: dict) -> None:
+  """Records the run's parameters in a new folder; a started one must have the same."""
+  path = out / PARAMS_FILE
+  if path.exists():
+    found = json.loads(path.read_text())
+    if found != params:
+      diff = {k: (found.get(k), v) for k, v in params.items() if found.get(k) != v}
+      raise ValueError(f"{out} holds inference with other parameters {diff} (found, given); "
+                       "re-run with the same flags to resume, or use another --out.")
+  elif jax.process_index() == 0:
+    _write_atomic(path, json.dumps(params, indent=1).encode())
+
+
+def _write_atomic(path: epath.Path, data: bytes) -> None:
+  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+  tmp.write_bytes(data)
+  tmp.rename(path)
+
+
+def _agree(flags_: np.ndarray) -> np.ndarray:
+  """Process 0's view of which shards are pending, on every process."""
+  if jax.process_count() == 1:
+    return flags_
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.broadcast_one_to_all(flags_))
+
+
+def _write_shard(out: epath.Path, name: str, dataset: str, split: str, rows: dict) -> None:
+  """One shard in selection.py's format: tmp file + rename (selection reads only *.parquet)."""
+  tmp = out / f".{name}.tmp-{uuid.uuid4().hex}"
+  selection.write_predictions(tmp, dataset, split, rows["index"], rows["classes"],
+                              rows["scores"])
+  tmp.rename(out / name)
+
+
+def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
+        top_p: int = DEFAULT_TOP_P, batch_size: int = 256, logits: bool = False,
+        shard_size: int = DEFAULT_SHARD_SIZE, fsdp: int = 1, num_workers: int = 0,
+        progress: bool = True) -> dict:
+  """Writes (or completes) the predictions of `workdir`'s model on `data`:`split` in `out`;
+  returns predictions.json's content."""
+  if shard_size < 1:
+    raise ValueError(f"--shard_size must be >= 1, got {shard_size}.")
+  meta = checkpoint.read_meta(workdir)
+  dataset = datasets.get_dataset({"name": data, "dir": data_dir})
+  info = dataset.info
+  if split not in info.splits:
+    raise ValueError(f"Dataset {data!r} has no split {split!r}; its splits: "
+                     f"{list(info.splits)}.")
+  num_classes = int(meta["num_classes"])
+  class_names = list(meta["class_names"]) or [str(c) for c in range(num_classes)]
+  if num_classes != info.num_classes:
+    raise ValueError(f"The teacher in {workdir} predicts {num_classes} classes (trained on "
+                     f"{meta['dataset']!r}); dataset {data!r} has {info.num_classes}: the "
+                     "pool must be labelled in the teacher's class list.")
+  if meta["class_names"] and info.class_names:
+    selection.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
+  if not 1 <= top_p <= num_classes:
+    raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the teacher's classes).")
+
+  mesh = sharding.make_mesh({"data": -1, "fsdp": fsdp, "tensor": 1})
+  sharding.check_batch_size(batch_size, mesh)
+  loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
+  step = make_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
+                   top_p, logits)
+  data_cfg = {**meta["data"], "num_workers": num_workers}
+
+  source = dataset.source(split)
+  ranges = shard_ranges(len(source), shard_size)
+  names = [shard_name(split, s, len(ranges)) for s in range(len(ranges))]
+  root = epath.Path(out)
+  is_main = jax.process_index() == 0
+  if is_main:
+    root.mkdir(parents=True, exist_ok=True)
+  params = {"workdir": str(workdir), "dataset": data, "split": split, "top_p": top_p,
+            "scores": "logits" if logits else "softmax", "shard_size": shard_size,
+            "split_records": len(source)}
+  _check_params(root, params)
+  strays = sorted(set(p.name for p in root.glob("*.parquet")) - set(names))
+  if strays:
+    raise ValueError(f"{out} holds shards {strays[:3]} that this run would not write; "
+                     "use an empty --out.")
+  pending = _agree(np.array([not (root / n).exists() for n in names], bool))
+
+  todo = sum(b - a for (a, b), p in zip(ranges, pending) if p)
+  logging.info("Inference of %s on %s:%s: %d shards, %d pending (%d records).", workdir,
+               data, split, len(ranges), int(pending.sum()), todo)
+  bar = tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
+                  disable=not (progress and is_main), desc=f"{data}:{split}")
+  skipped = 0
+  for (start, stop), name, todo_shard in zip(ranges, names, pending):
+    if not todo_shard:
+      continue
+    batches = pipeline.eval_iterator(
+        RangeSource(source, start, stop), data_cfg, global_batch_size=batch_size,
+        process_index=jax.process_index(), process_count=jax.process_count(), fields={})
+    parts = []
+    for batch in batches:
+      skipped += int(batch.pop("_skipped"))
+      result = jax.device_get(step(loaded.variables["params"], loaded.variables["extra"],
+                                   sharding.global_batch(batch, mesh)))
+      keep = result.pop("mask") > 0
+      parts.append({k: v[keep] for k, v in result.items()})
+      bar.update(int(keep.sum()))
+    if is_main:
+      rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+      order = np.argsort(rows["index"], kind="stable")
+      rows = {k: v[order] for k, v in rows.items()}
+      rows["index"] = rows["index"] + start  # Range-source index -> record index.
+      if len(np.unique(rows["index"])) != len(rows["index"]):
+        raise RuntimeError(f"Shard {name}: a record came back twice from the eval pipeline.")
+      _write_shard(root, name, data, split, rows)
+  bar.close()
+  if skipped:
+    logging.warning("%d corrupt records skipped (not in the predictions).", skipped)
+
+  info_path = root / selection.INFO_FILE
+  if is_main and not info_path.exists():
+    missing = [n for n in names if not (root / n).exists()]
+    if missing:
+      raise RuntimeError(f"Shards {missing[:3]} are missing in {out} after the run.")
+    num_records = 0
+    for n in names:
+      with (root / n).open("rb") as f:
+        num_records += pq.ParquetFile(f).metadata.num_rows
+    tmp = root / f".info-tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    selection.write_info(tmp, class_names=class_names, top_p=top_p, dataset=data,
+                         splits=[split], num_records=num_records, scores=params["scores"])
+    (tmp / selection.INFO_FILE).rename(info_path)
+    tmp.rmdir()
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices("infer_done")
+  return json.loads(info_path.read_text())
+
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The teacher: a run folder or checkpoint dir.")
+_DATA = flags.DEFINE_string("data", None, "Dataset name, as config.data.name (e.g. demo).")
+_SPLIT = flags.DEFINE_string("split", None, "The split to score (e.g. unlabeled).")
+_OUT = flags.DEFINE_string("out", None, "Predictions folder (created; resumed if started).")
+_DATA_DIR = flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
+_TOP_P = flags.DEFINE_integer("top_p", DEFAULT_TOP_P, "Classes kept per image (P).")
+_BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
+_LOGITS = flags.DEFINE_bool("logits", False, "Write raw logits instead of softmax scores.")
+_SHARD = flags.DEFINE_integer("shard_size", DEFAULT_SHARD_SIZE, "Records per output shard.")
+_FSDP = flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
+_WORKERS = flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  for flag in (_WORKDIR, _DATA, _SPLIT, _OUT):
+    if not flag.value:
+      raise app.UsageError(f"--{flag.name} is required.")
+  distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  started = time.time()
+  try:
+    info = run(_WORKDIR.value, _DATA.value, _SPLIT.value, _OUT.value, data_dir=_DATA_DIR.value,
+               top_p=_TOP_P.value, batch_size=_BATCH.value, logits=_LOGITS.value,
+               shard_size=_SHARD.value, fsdp=_FSDP.value, num_workers=_WORKERS.value)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(1)
+  if jax.process_index() == 0:
+    print(f"{info['num_records']} predictions of {_DATA.value}:{_SPLIT.value} in {_OUT.value} "
+          f"({time.time() - started:.0f} s).")
+
+
+if __name__ == "__main__":
+  app.run(main)
