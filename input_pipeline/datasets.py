@@ -216,7 +216,8 @@ def _folder(name: str, data_dir: str) -> Dataset:
 
 
 def _hashtags_demo(name: str, data_dir: str):
-  from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top (it imports this module)
+  # Imported on use: hashtag_source imports this module.
+  from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top
   return hashtag_source.load(name, data_dir)
 
 

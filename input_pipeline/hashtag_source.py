@@ -10,8 +10,8 @@ through the WordNet canonicalisation (bigpretrain.hashtags.vocabulary, appendix 
 - train has an index_sampler: head/tail resampling (appendix A "Image Sampling"), alpha 0.7,
   epochs of as many samples as train images.
 
-Computing this reads every record (~10 s for the demo: 5 s of reading, 5 s of WordNet), so the
-result is cached as JSON next to the demo's files and read in well under a second after.
+Computing this reads every record and loads WordNet (seconds for the demo), so the result is
+cached as JSON (vocabulary and per-record ids) next to the demo's files and read from there.
 """
 import contextlib
 import fcntl
