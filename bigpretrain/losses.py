@@ -52,17 +52,26 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
                    0.0)
 
 
-def soft_target_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Cross-entropy against non-negative soft targets [B, C] (multi-hot or mixed), batch mean.
+def soft_target_cross_entropy(logits: jax.Array, targets: jax.Array, *,
+                              weights: jax.Array | None = None) -> jax.Array:
+  """Cross-entropy against non-negative soft targets [B, C] (multi-hot or mixed).
 
   Each target row is normalised to sum 1 (SWAG: 1/K per hashtag of an image); rows summing
-  to 0 contribute 0 but still count in the batch mean.
+  to 0 contribute 0. Without `weights` the result is the plain batch mean (empty rows still
+  count in B); with per-example `weights` [B] it is sum_b w_b l_b / sum_b w_b (0 when all
+  weights are 0), e.g. w_b = 1 for images with a label and 0 for the rest.
   """
   logits = _f32(logits)
   targets = _f32(targets)
   row_sum = jnp.sum(targets, axis=-1, keepdims=True)
   targets = targets / jnp.where(row_sum > 0, row_sum, 1.0)
-  return jnp.mean(-jnp.sum(targets * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+  per_example = -jnp.sum(targets * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+  if weights is None:
+    return jnp.mean(per_example)
+  weights = _f32(weights)
+  total = jnp.sum(weights)
+  return jnp.where(total > 0, jnp.sum(weights * per_example) / jnp.where(total > 0, total, 1.0),
+                   0.0)
 
 
 def binary_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -12,6 +12,9 @@
   'imagenet21k_p'        ImageNet-21K-P prepared in data.dir by `python -m input_pipeline.prepare
                          imagenet21k_p --manual_dir=RAW --data_dir=DIR` (imagenet21k_p.py);
                          class_names are the kept wnids, splits 'train' and 'validation'.
+  'hashtags:demo'        the demo read as a SWAG hashtag dataset: canonical hashtags as
+                         classes, 'hashtag_ids' per record, head/tail resampled train
+                         (hashtag_source.py).
   'folder:NAME'          an ImageFolder tree converted into data.dir by `python -m
                          input_pipeline.prepare folder --manual_dir=RAW --data_dir=DIR
                          --name=NAME` (image_folder.py); class_names are the folder names.
@@ -54,6 +57,8 @@ class DatasetInfo:
   # Record fields the pipeline can ship (besides 'image'): name -> 0 for a numeric scalar,
   # K > 0 for an id list padded to K, None for fields that stay on the host (text, bytes).
   features: dict[str, int | None] = dataclasses.field(default_factory=dict)
+  # Counts a source reports about itself (e.g. images it dropped); informational only.
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | None:
@@ -219,6 +224,12 @@ def _selection(name: str, data_dir: str):
   return selection_source.SelectionDataset(name, data_dir)
 
 
+def _hashtags_demo(name: str, data_dir: str):
+  # Imported on use: hashtag_source imports this module.
+  from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top
+  return hashtag_source.load(name, data_dir)
+
+
 # Exact names, and prefixes (ending in ':' or '/') followed by a non-empty rest.
 _SOURCES: dict[str, Callable[[str, str], Dataset]] = {}
 _USAGE: dict[str, str] = {}
@@ -255,6 +266,7 @@ register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
 register_source(IMAGENET21K_P, _imagenet21k_p)
 register_source("folder:", _folder, "folder:NAME")
 register_source("selection:", _selection, "selection:DIR")
+register_source("hashtags:demo", _hashtags_demo)
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:

@@ -242,7 +242,7 @@ def test_cutout_rule_size_and_every_image_by_default():
     assert (patch == patch[0]).all()  # One colour.
   assert full_squares > 10
   # The config op's default is every image too; an explicit probability still works.
-  op = augment._build("cutout")  # pylint: disable=protected-access
+  op = augment_spec._build("cutout")  # pylint: disable=protected-access
   changed = sum(not np.array_equal(op(image, np.random.default_rng(s), 16), image)
                 for s in range(100))
   assert changed == 100

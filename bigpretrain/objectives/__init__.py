@@ -9,6 +9,7 @@ from bigpretrain.objectives import cosub
 from bigpretrain.objectives import multi_label
 from bigpretrain.objectives import semantic_kd
 from bigpretrain.objectives import semantic_softmax
+from bigpretrain.objectives import soft_target
 from bigpretrain.objectives import softmax
 
 _REGISTRY = {}
@@ -60,5 +61,6 @@ def mixup_enabled(mixup_cfg) -> bool:
 for _name, _cls in (("cosub", cosub.Cosub), ("softmax", softmax.Softmax),
                     ("semantic_softmax", semantic_softmax.SemanticSoftmax),
                     ("semantic_kd", semantic_kd.SemanticKD),
-                    ("multi_label", multi_label.MultiLabel)):
+                    ("multi_label", multi_label.MultiLabel),
+                    ("soft_target", soft_target.SoftTarget)):
   register(_name, _cls)

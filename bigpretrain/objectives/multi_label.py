@@ -28,6 +28,30 @@ def average_precision_from_histograms(pos: np.ndarray, neg: np.ndarray) -> np.nd
     return (precision * pos).sum(1) / total
 
 
+def ap_histograms(scores, positives, mask, bins: int):
+  """Per-class score histograms of positives and negatives, each float32 [C, bins].
+
+  scores [B, C] in [0, 1] fall into `bins` equal bins; positives [B, C] are 0/1; rows with
+  mask 0 count nowhere. Summed over batches and hosts, the histograms give per-class AP
+  (average_precision_from_histograms) without keeping any score.
+  """
+  num_classes = scores.shape[-1]
+  y = positives * mask[:, None]
+  binned = jnp.clip((scores * bins).astype(jnp.int32), 0, bins - 1)
+  index = (jnp.arange(num_classes)[None, :] * bins + binned).reshape(-1)
+  size = num_classes * bins
+  pos = jax.ops.segment_sum(y.reshape(-1), index, num_segments=size)
+  neg = jax.ops.segment_sum(((1 - positives) * mask[:, None]).reshape(-1), index,
+                            num_segments=size)
+  return pos.reshape(num_classes, bins), neg.reshape(num_classes, bins)
+
+
+def mean_average_precision(histograms) -> float:
+  """mAP over the classes with at least one positive, from summed ap_histograms."""
+  pos, neg = histograms
+  return float(np.nanmean(average_precision_from_histograms(pos, neg)))
+
+
 class MultiLabel(base.Objective):
   """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1.
 
@@ -79,17 +103,9 @@ class MultiLabel(base.Objective):
   def eval_metrics(self, model, batch, topk):
     logits, mask, out = base.classification_eval(model, batch, topk, self.tree)
     # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.
-    y = self.multi_hot(batch["label"]) * mask[:, None]
-    bins = jnp.clip((jax.nn.sigmoid(logits) * self.bins).astype(jnp.int32), 0, self.bins - 1)
-    index = (jnp.arange(self.num_classes)[None, :] * self.bins + bins).reshape(-1)
-    size = self.num_classes * self.bins
-    pos = jax.ops.segment_sum(y.reshape(-1), index, num_segments=size)
-    neg = jax.ops.segment_sum(((1 - y) * mask[:, None]).reshape(-1), index, num_segments=size)
-    out["ap_hist"] = (pos.reshape(self.num_classes, self.bins),
-                      neg.reshape(self.num_classes, self.bins))
+    out["ap_hist"] = ap_histograms(jax.nn.sigmoid(logits), self.multi_hot(batch["label"]),
+                                   mask, self.bins)
     return out
 
   def finalize_eval(self, totals) -> dict:
-    pos, neg = totals["ap_hist"]
-    ap = average_precision_from_histograms(pos, neg)
-    return {"mAP": float(np.nanmean(ap))}
+    return {"mAP": mean_average_precision(totals["ap_hist"])}
