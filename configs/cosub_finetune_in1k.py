@@ -21,7 +21,7 @@ Paper numbers (supplement Table B.2), 50 fine-tuning epochs after 90 epochs of 2
 pre-training: ViT-B 86.0% top-1 (86.3% after 270 epochs), ViT-L 87.5%.
 
 Recipe: DeiT-III's 21k -> 1k fine-tuning (facebookresearch/deit README_revenge.md, "finetuning
-on ImageNet-1k" commands): LAMB (`--opt fusedlamb`, as in configs/cosub_in1k.py), weight decay
+on ImageNet-1k" commands): LAMB (`--opt fusedlamb`, as in configs/cosub_common.py), weight decay
 0.02, 50 epochs, 5 warm-up epochs from 1e-6 then cosine down to 1e-5, batch 2048 (`--batch 64
 --node 4 --gpu 8`), softmax CE with label smoothing 0.1, cutmix 1.0 and no mixup (`--mixup 0
 --cutmix 1.0 --smoothing 0.1`), Simple Random Crop + 3-Augment (colour jitter 0.3) + flip
@@ -41,7 +41,7 @@ Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epoc
 tau (-1 = DeiT-III's fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
 the demo uses 0.75), layer_decay_convention (cosub | mae), submodels (2).
 """
-from configs import cosub_in1k
+from configs import cosub_common
 
 DEMO_LAYER_DECAY = 0.75
 # DeiT-III's --drop-path for 21k -> 1k fine-tuning (README_revenge.md), by ViT size; ViT-M has
@@ -52,17 +52,17 @@ BASE_LR = 1e-4  # A.2, at batch 2048: a tenth of the training lr.
 
 def get_config(arg=None):
   """cosub fine-tuning on 1k; `arg` e.g. 'dataset=tfds:imagenet2012,model=vit_b16,init=DIR'."""
-  arg = cosub_in1k.parse(arg, init="", epochs=50.0, layer_decay=-1.0,
-                         layer_decay_convention="cosub")
+  arg = cosub_common.parse(arg, init="", epochs=50.0, layer_decay=-1.0,
+                           layer_decay_convention="cosub")
   if arg.tau >= 0:
     tau = arg.tau
   elif arg.dataset == "demo" and not arg.model:
-    tau = cosub_in1k.DEMO_TAU
+    tau = cosub_common.DEMO_TAU
   else:
-    tau = FINETUNE_TAU[cosub_in1k.vit_size(arg.model or "vit_b16")]
-  config = cosub_in1k.base(arg, tau=tau,
-                           train_augment="simple_random_crop|three_augment|flip",
-                           demo_train_augment="simple_random_crop|flip")
+    tau = FINETUNE_TAU[cosub_common.vit_size(arg.model or "vit_b16")]
+  config = cosub_common.base(arg, tau=tau,
+                             train_augment="simple_random_crop|three_augment|flip",
+                             demo_train_augment="simple_random_crop|flip")
   config.model_init = arg.init
   config.objective.kind = "ce"
   # Label smoothing 0.1 goes with cutmix: the train step builds the smoothed, mixed targets.
@@ -72,16 +72,16 @@ def get_config(arg=None):
   elif arg.dataset == "demo" and not arg.model:
     config.optim.layer_decay = DEMO_LAYER_DECAY
   else:
-    size = cosub_in1k.vit_size(arg.model or "vit_b16")
-    config.optim.layer_decay = cosub_in1k.TABLE_A1[size]["layer_decay"]
+    size = cosub_common.vit_size(arg.model or "vit_b16")
+    config.optim.layer_decay = cosub_common.TABLE_A1[size]["layer_decay"]
   config.optim.layer_decay_convention = arg.layer_decay_convention
   config.optim.layer_decay_lr_scale = 2.0  # C_LD (A.1); the optimizer applies it.
   if arg.dataset == "demo":
     # A tenth of the demo's training lr, as A.2 divides the paper's by 10.
-    config.optim.lr = cosub_in1k.sqrt_lr(config, cosub_in1k.DEMO_LAMB_LR / 10)
+    config.optim.lr = cosub_common.sqrt_lr(config, cosub_common.DEMO_LAMB_LR / 10)
   else:
     config.num_epochs = arg.epochs
-    config.optim.lr = cosub_in1k.sqrt_lr(config, BASE_LR)
+    config.optim.lr = cosub_common.sqrt_lr(config, BASE_LR)
     config.optim.schedule.warmup_frac = 5.0 / arg.epochs
-  cosub_in1k.deit_schedule_ends(config, config.optim.layer_decay_lr_scale)
+  cosub_common.deit_schedule_ends(config, config.optim.layer_decay_lr_scale)
   return config

@@ -22,7 +22,7 @@ Paper numbers (supplement Table B.2): ViT-B pre-trained 90 epochs on ImageNet-21
 and fine-tuned 50 epochs on ImageNet-1k: 86.0% top-1 (270 epochs: 86.3%); ViT-L, 90 epochs:
 87.5%.
 
-Recipe (supplement A.1 on DeiT-III): LAMB as DeiT-III runs it (see configs/cosub_in1k.py),
+Recipe (supplement A.1 on DeiT-III): LAMB as DeiT-III runs it (see configs/cosub_common.py),
 lr = 1e-3 * sqrt(batch / 2048), weight decay 0.02, 5 warm-up epochs from 1e-6 then cosine
 down to 1e-5; softmax CE with label smoothing 0.1 (applied by the cutmix step);
 cutmix 1.0, no mixup; Simple Random Crop + 3-Augment + flip; 90 or 270 epochs; tau from
@@ -31,26 +31,26 @@ Table A.1 ("Imnet21k pre-train" row), + 0.05 for 270 epochs (A.1: "more regulari
 Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model, epochs (90 or 270),
 tau (-1 = Table A.1; the demo uses 0.5), submodels (2; 1 = no cosub).
 """
-from configs import cosub_in1k
+from configs import cosub_common
 
 
 def get_config(arg=None):
   """cosub 21k pre-training; `arg` e.g. 'dataset=imagenet21k_p,data_dir=/data,model=vit_b16'."""
-  arg = cosub_in1k.parse(arg, epochs=90.0)
-  tau = cosub_in1k.resolve_tau(arg, "tau_in21k")
+  arg = cosub_common.parse(arg, epochs=90.0)
+  tau = cosub_common.resolve_tau(arg, "tau_in21k")
   if arg.tau < 0 and arg.dataset != "demo" and arg.epochs > 90:
     tau += 0.05  # The long (270-epoch) schedule gets more stochastic depth.
-  config = cosub_in1k.base(arg, tau=round(tau, 4),
-                           train_augment="simple_random_crop|three_augment|flip",
-                           demo_train_augment="simple_random_crop|flip")
+  config = cosub_common.base(arg, tau=round(tau, 4),
+                             train_augment="simple_random_crop|three_augment|flip",
+                             demo_train_augment="simple_random_crop|flip")
   config.objective.kind = "ce"
   # Label smoothing 0.1 goes with cutmix: the train step builds the smoothed, mixed targets.
   config.mixup = dict(mixup_alpha=0.0, cutmix_alpha=1.0, switch_prob=0.5, label_smoothing=0.1)
   if arg.dataset == "demo":
-    config.optim.lr = cosub_in1k.sqrt_lr(config, cosub_in1k.DEMO_LAMB_LR)
+    config.optim.lr = cosub_common.sqrt_lr(config, cosub_common.DEMO_LAMB_LR)
   else:
     config.num_epochs = arg.epochs
-    config.optim.lr = cosub_in1k.sqrt_lr(config, 1e-3)
+    config.optim.lr = cosub_common.sqrt_lr(config, 1e-3)
     config.optim.schedule.warmup_frac = 5.0 / arg.epochs
-  cosub_in1k.deit_schedule_ends(config)
+  cosub_common.deit_schedule_ends(config)
   return config
