@@ -38,6 +38,7 @@ from absl import logging
 import numpy as np
 
 from input_pipeline import selection
+from input_pipeline import selection_formats
 
 _N = flags.DEFINE_integer("n", 1_000_000, "Images of the small run; the large one has 4x.")
 _CLASSES = flags.DEFINE_integer("num_classes", 1000, "Teacher classes.")
@@ -65,10 +66,10 @@ def write_synthetic(out_dir: str, n: int, num_classes: int, top_p: int, rows_per
       classes[bad] = np.searchsorted(cdf, rng.random((bad.size, top_p))).clip(
           max=num_classes - 1)
     scores = np.round(-np.sort(-rng.random((rows, top_p)), axis=1), 3)
-    selection.write_predictions(os.path.join(out_dir, f"predictions-{shard:05d}.parquet"),
+    selection_formats.write_predictions(os.path.join(out_dir, f"predictions-{shard:05d}.parquet"),
                                 "synthetic", "unlabeled", np.arange(start, start + rows),
                                 classes, scores)
-  selection.write_info(out_dir, class_names=[f"class_{c}" for c in range(num_classes)],
+  selection_formats.write_info(out_dir, class_names=[f"class_{c}" for c in range(num_classes)],
                        top_p=top_p, dataset="synthetic", splits=["unlabeled"], num_records=n)
 
 

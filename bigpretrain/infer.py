@@ -7,8 +7,9 @@ Stage 2 of the semi-supervised recipe (Yalniz et al., 2019, section 3.1): the te
 mode and with its checkpoint's preprocessing (meta['data']: image_size, eval_resize,
 normalize), scores every record of the split; the top_p (P = 10 in the paper, section 4.1)
 classes of each image and their softmax scores (raw logits with --logits: the supplement's
-ablation, section 1) are written in input_pipeline/selection.py's predictions format, keyed by
-(--data, --split, record index), for the selection job.
+ablation, section 1) are written in the predictions format (input_pipeline/selection.py's
+docstring; selection_formats.py), keyed by (--data, --split, record index), for the selection
+job.
 
 Shards and resumption: shard s holds the records [s * S, (s + 1) * S) (S = --shard_size) as
 `SPLIT-SSSSS-of-NNNNN.parquet`, written whole to a temporary name and renamed, so a shard
@@ -22,7 +23,6 @@ over the global mesh (--fsdp shards a large teacher's weights), the top-P rows c
 replicated and process 0 writes the shards (OUT must be visible to it, e.g. gs:// or local).
 """
 import json
-import math
 import sys
 import time
 import uuid
@@ -45,7 +45,7 @@ from bigpretrain import sharding
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline import pipeline
-from input_pipeline import selection
+from input_pipeline import selection_formats
 
 PARAMS_FILE = "inference.json"
 DEFAULT_TOP_P = 10  # Section 4.1: "P = 10".
@@ -125,7 +125,7 @@ def _agree(flags_: np.ndarray) -> np.ndarray:
 def _write_shard(out: epath.Path, name: str, dataset: str, split: str, rows: dict) -> None:
   """One shard in selection.py's format: tmp file + rename (selection reads only *.parquet)."""
   tmp = out / f".{name}.tmp-{uuid.uuid4().hex}"
-  selection.write_predictions(tmp, dataset, split, rows["index"], rows["classes"],
+  selection_formats.write_predictions(tmp, dataset, split, rows["index"], rows["classes"],
                               rows["scores"])
   tmp.rename(out / name)
 
@@ -151,7 +151,7 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
                      f"{meta['dataset']!r}); dataset {data!r} has {info.num_classes}: the "
                      "pool must be labelled in the teacher's class list.")
   if meta["class_names"] and info.class_names:
-    selection.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
+    selection_formats.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
   if not 1 <= top_p <= num_classes:
     raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the teacher's classes).")
 
@@ -211,7 +211,7 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   if skipped:
     logging.warning("%d corrupt records skipped (not in the predictions).", skipped)
 
-  info_path = root / selection.INFO_FILE
+  info_path = root / selection_formats.INFO_FILE
   if is_main and not info_path.exists():
     missing = [n for n in names if not (root / n).exists()]
     if missing:
@@ -222,9 +222,9 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
         num_records += pq.ParquetFile(f).metadata.num_rows
     tmp = root / f".info-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    selection.write_info(tmp, class_names=class_names, top_p=top_p, dataset=data,
+    selection_formats.write_info(tmp, class_names=class_names, top_p=top_p, dataset=data,
                          splits=[split], num_records=num_records, scores=params["scores"])
-    (tmp / selection.INFO_FILE).rename(info_path)
+    (tmp / selection_formats.INFO_FILE).rename(info_path)
     tmp.rmdir()
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel

@@ -15,7 +15,8 @@ bigpretrain.selection.topk.zipf_sizes, classes ranked by a --seed permutation), 
 balanced_with_tags (K images per class drawn at random, --seed, among those whose tags map to
 the class; bigpretrain.selection.tags). In-memory equivalents: bigpretrain.selection.
 
-Input, DIR (written by the inference command; `write_predictions` and `write_info` here):
+Input, DIR (written by bigpretrain.infer with selection_formats.py's writers, which need no
+Beam):
   - `*.parquet` shards, one row per image, columns
       dataset (string), split (string), index (int64: the image's record index in that split,
         as the dataset's data source numbers it; < 2**40),
@@ -58,7 +59,6 @@ index.
 beam.combiners.Top.PerKey): same output, much slower (benchmarks/selection.py).
 A finished selection in OUT with the same parameters is reused; with others it is an error.
 """
-import dataclasses
 import json
 import uuid
 from typing import Any, Mapping, Sequence
@@ -73,12 +73,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bigpretrain.selection import tags as tags_lib
+from input_pipeline import selection_formats as formats
 from bigpretrain.selection import topk
 
-FORMAT = "bigpretrain.selection/1"
-INFO_FILE = "predictions.json"
-SELECTION_FILE = "selection.json"
-RAW_REPORT_FILE = "selection_raw_report.json"  # Written by the pipeline, folded into SELECTION_FILE.
+RAW_REPORT_FILE = "selection_raw_report.json"  # Written by the pipeline, folded into selection.json.
 VARIANTS = ("balanced_ranked", "unbalanced_ranked", "balanced_with_tags")
 INDEX_BITS = 40  # Record indices < 2**40 (1.1e12 per split); the source rank goes above.
 ROWS_PER_SHARD = 1 << 20
@@ -87,102 +85,6 @@ COMPACT_SLACK = 1024
 MAX_CHUNKS = 256
 HISTOGRAM_BINS = 10
 COUNTER_NAMESPACE = "selection"
-
-
-# ------------------------------------------------------------------------------------------
-# The predictions format.
-
-
-def write_predictions(path, dataset: str, split: str, index, classes, scores,
-                      tags: Sequence[Sequence[str]] | None = None) -> None:
-  """Writes one prediction shard (Parquet; module docstring) for rows of one split."""
-  index = np.asarray(index, np.int64)
-  classes, scores = np.asarray(classes, np.int32), np.asarray(scores, np.float32)
-  n, p = classes.shape
-  columns = {
-      "dataset": pa.array([dataset] * n, pa.string()),
-      "split": pa.array([split] * n, pa.string()),
-      "index": pa.array(index),
-      "classes": pa.FixedSizeListArray.from_arrays(pa.array(classes.ravel()), p),
-      "scores": pa.FixedSizeListArray.from_arrays(pa.array(scores.ravel()), p),
-  }
-  if tags is not None:
-    columns["tags"] = pa.array([list(t) for t in tags], pa.list_(pa.string()))
-  with epath.Path(path).open("wb") as f:
-    pq.write_table(pa.table(columns), f)
-
-
-def write_info(pred_dir, *, class_names: Sequence[str], top_p: int, dataset: str,
-               splits: Sequence[str], num_records: int | None = None,
-               scores: str = "softmax") -> None:
-  """Writes predictions.json (module docstring) into pred_dir."""
-  info = {"class_names": list(class_names), "top_p": int(top_p), "dataset": dataset,
-          "splits": sorted(splits), "scores": scores}
-  if num_records is not None:
-    info["num_records"] = int(num_records)
-  (epath.Path(pred_dir) / INFO_FILE).write_text(json.dumps(info, indent=1))
-
-
-@dataclasses.dataclass(frozen=True)
-class Predictions:
-  """A predictions folder: its info and its shards (sorted paths)."""
-  path: str
-  class_names: tuple[str, ...]
-  top_p: int
-  dataset: str
-  splits: tuple[str, ...]
-  shards: tuple[str, ...]
-  num_records: int | None
-
-  @property
-  def sources(self) -> list[tuple[str, str]]:
-    """(dataset, split) pairs in key order; an image's packed id starts with its position."""
-    return sorted((self.dataset, s) for s in self.splits)
-
-
-def load_predictions(pred_dir, expected_class_names: Sequence[str] | None = None
-                     ) -> Predictions:
-  """Reads and checks a predictions folder; FileNotFoundError or ValueError saying what is
-  wrong (missing folder, info or shards; a class list other than expected_class_names)."""
-  root = epath.Path(pred_dir)
-  if not root.is_dir():
-    raise FileNotFoundError(f"Predictions folder {root} (--predictions) does not exist.")
-  info_path = root / INFO_FILE
-  if not info_path.exists():
-    raise FileNotFoundError(f"{info_path} is missing: a predictions folder holds Parquet shards "
-                            f"and {INFO_FILE} (see input_pipeline/selection.py).")
-  info = json.loads(info_path.read_text())
-  missing = [key for key in ("class_names", "top_p", "dataset", "splits") if key not in info]
-  if missing:
-    raise ValueError(f"{info_path} lacks {missing}.")
-  names, top_p = [str(c) for c in info["class_names"]], info["top_p"]
-  if not names or isinstance(top_p, bool) or not isinstance(top_p, int) or not (
-      1 <= top_p <= len(names)):
-    raise ValueError(f"{info_path}: expected class_names (non-empty) and 1 <= top_p <= "
-                     f"{len(names)}; got {len(names)} classes, top_p={top_p!r}.")
-  splits = info["splits"]
-  if not splits or isinstance(splits, str) or len(set(splits)) != len(splits):
-    raise ValueError(f"{info_path}: splits must be a non-empty list of distinct names; "
-                     f"got {splits!r}.")
-  if expected_class_names is not None:
-    check_class_names(names, list(expected_class_names), str(root))
-  shards = sorted(str(p) for p in root.glob("*.parquet"))
-  if not shards:
-    raise FileNotFoundError(f"No prediction shards (*.parquet) in {root}.")
-  return Predictions(str(root), tuple(names), top_p, str(info["dataset"]),
-                     tuple(sorted(splits)), tuple(shards), info.get("num_records"))
-
-
-def check_class_names(found: Sequence[str], expected: Sequence[str], where: str) -> None:
-  """ValueError when a teacher's class list differs from the expected one."""
-  if list(found) == list(expected):
-    return
-  first = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b),
-               min(len(found), len(expected)))
-  at = (f"label {first} is {found[first] if first < len(found) else '(none)'!r} there, "
-        f"{expected[first] if first < len(expected) else '(none)'!r} expected")
-  raise ValueError(f"The predictions in {where} come from a teacher with another class list: "
-                   f"{len(found)} classes, {len(expected)} expected; first difference: {at}.")
 
 
 def pack_ids(source_rank, index) -> np.ndarray:
@@ -230,7 +132,7 @@ class _ReadShard(beam.DoFn):
   shard on malformed rows (wrong P, bad class, unknown source, non-finite score).
   """
 
-  def __init__(self, preds: Predictions, variant: str, batch_size: int, seed: int,
+  def __init__(self, preds: formats.Predictions, variant: str, batch_size: int, seed: int,
                lemmas: Mapping[str, Sequence[int]] | None):
     self._preds = preds
     self._variant = variant
@@ -327,7 +229,7 @@ def _batch_counts(batch, num_classes: int):
   return batch["records"], np.bincount(batch["classes"], minlength=num_classes)
 
 
-def _check_unique(ids: np.ndarray, c: int, preds: Predictions) -> None:
+def _check_unique(ids: np.ndarray, c: int, preds: formats.Predictions) -> None:
   """ValueError when an image key is selected twice for class c (a repeated prediction)."""
   unique = np.unique(ids)
   if unique.size != ids.size:
@@ -344,7 +246,7 @@ class TopKCombineFn(beam.CombineFn):
   whenever it holds more than 2K + COMPACT_SLACK entries or MAX_CHUNKS chunks, and sorted
   once at the end."""
 
-  def __init__(self, k: np.ndarray, preds: Predictions):
+  def __init__(self, k: np.ndarray, preds: formats.Predictions):
     self._k = k
     self._preds = preds
 
@@ -406,7 +308,7 @@ def _rank_key(score_id):
   return score_id[0], -score_id[1]
 
 
-def _naive_arrays(class_top, k: np.ndarray, preds: Predictions, dtype):
+def _naive_arrays(class_top, k: np.ndarray, preds: formats.Predictions, dtype):
   """(class, [(score, id)] best first) -> (class, (ids, scores)) cut to the class's K."""
   c, top = class_top
   top = top[:int(k[c])]
@@ -415,7 +317,7 @@ def _naive_arrays(class_top, k: np.ndarray, preds: Predictions, dtype):
   return c, (ids, np.array([s for s, _ in top], dtype))
 
 
-def select_pcoll(batches, k: np.ndarray, preds: Predictions, *, naive: bool = False,
+def select_pcoll(batches, k: np.ndarray, preds: formats.Predictions, *, naive: bool = False,
                  score_dtype=np.float32):
   """Candidate batches -> (PCollection of (class, (ids, scores)) best first, counts PCollection
   of (records, candidates per class) summed over batches)."""
@@ -473,7 +375,7 @@ class _WriteShard(beam.DoFn):
   """(shard, [(class, (ids, scores))]) -> the shard's Parquet file (written to a temporary
   name, then renamed); yields {'file', 'classes': [[class, count, threshold]]}."""
 
-  def __init__(self, out_dir: str, preds: Predictions, num_shards: int):
+  def __init__(self, out_dir: str, preds: formats.Predictions, num_shards: int):
     self._out_dir = out_dir
     self._preds = preds
     self._num_shards = num_shards
@@ -587,7 +489,7 @@ def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
   return topk.per_class_k({position[n]: v for n, v in class_sizes.items()}, num_classes)
 
 
-def _pipeline(pipeline, preds: Predictions, k: np.ndarray, variant: str, seed: int,
+def _pipeline(pipeline, preds: formats.Predictions, k: np.ndarray, variant: str, seed: int,
               out_dir: str, batch_size: int, naive: bool) -> None:
   lemmas = None
   if variant == "balanced_with_tags":
@@ -631,7 +533,7 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
   """
   if int(batch_size) != batch_size or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r}; expected a positive int.")
-  preds = load_predictions(predictions_dir, expected_class_names)
+  preds = formats.load_predictions(predictions_dir, expected_class_names)
   k_arr = resolve_k(variant, len(preds.class_names), preds.class_names, k=k,
                     class_sizes=class_sizes, zipf_total=zipf_total,
                     zipf_exponent=zipf_exponent, seed=seed)
@@ -639,7 +541,7 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
             "class_sizes": dict(sorted(class_sizes.items())) if class_sizes else None,
             "zipf_total": zipf_total, "zipf_exponent": zipf_exponent, "seed": seed}
   out = epath.Path(data_dir)
-  done = out / SELECTION_FILE
+  done = out / formats.SELECTION_FILE
   if done.exists():
     info = json.loads(done.read_text())
     if info.get("params") != params or info.get("class_names") != list(preds.class_names):
@@ -661,11 +563,11 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
   raw = json.loads(raw_path.read_text())
   if preds.num_records is not None and raw["records"] != preds.num_records:
     raise ValueError(f"Read {raw['records']} predictions from {preds.path}, but "
-                     f"{INFO_FILE} says num_records={preds.num_records}: unfinished or "
+                     f"{formats.INFO_FILE} says num_records={preds.num_records}: unfinished or "
                      "damaged inference output.")
   stats = [row for w in raw["written"] for row in w["classes"]]
   info = {
-      "format": FORMAT,
+      "format": formats.FORMAT,
       "params": params,
       "dataset": preds.dataset,
       "splits": list(preds.splits),
@@ -684,9 +586,10 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
 def read_index(data_dir) -> tuple[dict[str, Any], pa.Table]:
   """(selection.json, D-hat's rows in order) of a finished selection."""
   root = epath.Path(data_dir)
-  done = root / SELECTION_FILE
+  done = root / formats.SELECTION_FILE
   if not done.exists():
-    raise FileNotFoundError(f"No finished selection in {root} ({SELECTION_FILE} is missing).")
+    raise FileNotFoundError(
+        f"No finished selection in {root} ({formats.SELECTION_FILE} is missing).")
   info = json.loads(done.read_text())
   tables = []
   for name in info["index_files"]:
@@ -727,5 +630,5 @@ def summary(info: Mapping[str, Any], data_dir) -> str:
     examples = dict(list(short["classes"].items())[:5])
     lines.append(f"  shortfall: {short['num_classes']} classes miss {short['num_missing']} "
                  f"images (fewer candidates than K), e.g. {examples}")
-  lines.append(f"  full report: {epath.Path(data_dir) / SELECTION_FILE}")
+  lines.append(f"  full report: {epath.Path(data_dir) / formats.SELECTION_FILE}")
   return "\n".join(lines)

@@ -18,9 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from input_pipeline import datasets
+from input_pipeline import selection_formats
 
-FORMAT = "bigpretrain.selection/1"  # input_pipeline.selection.FORMAT (not imported: Beam).
-SELECTION_FILE = "selection.json"
 SPLIT = "train"
 
 
@@ -54,14 +53,14 @@ class SelectionDataset:
 
   def __init__(self, name: str, data_dir: str):
     root = epath.Path(name[len("selection:"):])
-    done = root / SELECTION_FILE
+    done = root / selection_formats.SELECTION_FILE
     if not done.exists():
       raise FileNotFoundError(
-          f"No finished selection in {root} ({SELECTION_FILE} is missing) for dataset "
+          f"No finished selection in {root} ({selection_formats.SELECTION_FILE} is missing) for dataset "
           f"{name!r}: run `python -m input_pipeline.prepare selection --data_dir={root} ...`.")
     meta = json.loads(done.read_text())
-    if meta.get("format") != FORMAT:
-      raise ValueError(f"{done} has format {meta.get('format')!r}; expected {FORMAT!r}.")
+    if meta.get("format") != selection_formats.FORMAT:
+      raise ValueError(f"{done} has format {meta.get('format')!r}; expected {selection_formats.FORMAT!r}.")
     self.source_dataset = datasets.get_dataset({"name": meta["dataset"], "dir": data_dir})
     src = self.source_dataset.info
     names = [str(c) for c in meta["class_names"]]

@@ -19,6 +19,7 @@ from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import pipeline
 from input_pipeline import selection
+from input_pipeline import selection_formats
 from tests import helpers
 
 DATA, SPLIT, N = "demo_head:50", "unlabeled", 50
@@ -106,7 +107,7 @@ def test_predictions_are_the_teachers_top_p(teacher, predictions):
   np.testing.assert_allclose(np.array(rows.column("scores").to_pylist()),
                              np.take_along_axis(probs, want, 1), rtol=1e-4, atol=1e-6)
   # The selection job reads the folder as it is.
-  preds = selection.load_predictions(out, classes_names)
+  preds = selection_formats.load_predictions(out, classes_names)
   assert preds.num_records == N and len(preds.shards) == 3
 
 
@@ -139,7 +140,7 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
   with pytest.raises(KeyboardInterrupt):
     infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   assert [p.name for p in tmp_path.glob("*.parquet")] == [f"{SPLIT}-00000-of-00003.parquet"]
-  assert not (tmp_path / selection.INFO_FILE).exists()
+  assert not (tmp_path / selection_formats.INFO_FILE).exists()
 
   written.clear()
   monkeypatch.setattr(infer, "_write_shard",
@@ -151,7 +152,7 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
     assert pq.read_table(tmp_path / ref.name).equals(pq.read_table(ref)), ref.name
   # A lost shard (and predictions.json) is redone alone; a finished folder writes nothing.
   (tmp_path / f"{SPLIT}-00001-of-00003.parquet").unlink()
-  (tmp_path / selection.INFO_FILE).unlink()
+  (tmp_path / selection_formats.INFO_FILE).unlink()
   written.clear()
   infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   written_after_loss = list(written)

@@ -20,6 +20,7 @@ from bigpretrain.selection import topk
 from bigpretrain.semantic import wordnet
 from input_pipeline import prepare
 from input_pipeline import selection
+from input_pipeline import selection_formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
@@ -127,7 +128,7 @@ def test_top_k_pairs_merges_in_any_grouping():
   merged = topk.top_k_pairs(*(np.concatenate(x) for x in zip(*partial)), k)
   for a, b in zip(want, merged):
     assert (a == b).all()
-  preds = selection.Predictions("p", tuple("abcdef"), 1, "d", ("s",), ("x",), None)
+  preds = selection_formats.Predictions("p", tuple("abcdef"), 1, "d", ("s",), ("x",), None)
   fn = selection.TopKCombineFn(k, preds)
   for c in range(6):
     accs = []
@@ -269,14 +270,14 @@ def predictions(tmp_path_factory):
       classes[:40], scores[:40] = u_classes[order], u_scores[order]
       index[:40] = selection.unpack_ids(all_ids[0][order])[1]
     image_tags = _random_tags(rng, n)
-    selection.write_predictions(root / f"shard-{shard}.parquet", "demo", split, index, classes,
+    selection_formats.write_predictions(root / f"shard-{shard}.parquet", "demo", split, index, classes,
                                 scores, image_tags)
     all_ids.append(selection.pack_ids(names.index(split), index))
     all_classes.append(classes)
     all_scores.append(scores)
     all_tags.extend(image_tags)
   class_names = list(WNIDS) + ["n02124075", "n02123159", "n02123394"]  # Cats.
-  selection.write_info(root, class_names=class_names, top_p=P, dataset="demo", splits=SPLITS,
+  selection_formats.write_info(root, class_names=class_names, top_p=P, dataset="demo", splits=SPLITS,
                        num_records=360)
   return {"dir": str(root), "ids": np.concatenate(all_ids), "tags": all_tags,
           "classes": np.concatenate(all_classes), "scores": np.concatenate(all_scores),
@@ -418,19 +419,19 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
   # Fewer records than predictions.json announces: unfinished inference.
   partial = tmp_path / "partial"
   partial.mkdir()
-  (partial / selection.INFO_FILE).write_text(
-      (pathlib.Path(predictions["dir"]) / selection.INFO_FILE).read_text())
-  selection.write_predictions(partial / "a.parquet", "demo", "train", [0, 1], [[0, 1, 2]] * 2,
+  (partial / selection_formats.INFO_FILE).write_text(
+      (pathlib.Path(predictions["dir"]) / selection_formats.INFO_FILE).read_text())
+  selection_formats.write_predictions(partial / "a.parquet", "demo", "train", [0, 1], [[0, 1, 2]] * 2,
                               [[0.5, 0.3, 0.2]] * 2)
   with pytest.raises(ValueError, match="num_records=360"):
     selection.prepare(partial, tmp_path / "out_partial", k=1)
   # The same image twice (e.g. an inference shard written twice).
-  selection.write_predictions(partial / "b.parquet", "demo", "train", [1], [[2, 1, 0]],
+  selection_formats.write_predictions(partial / "b.parquet", "demo", "train", [1], [[2, 1, 0]],
                               [[0.5, 0.3, 0.2]])
   with pytest.raises(Exception, match=r"Image \(demo, train, 1\) appears more than once"):
     selection.prepare(partial, tmp_path / "out_twice", k=3)
   # A row of a split predictions.json does not list.
-  selection.write_predictions(partial / "b.parquet", "demo", "validation", [1], [[2, 1, 0]],
+  selection_formats.write_predictions(partial / "b.parquet", "demo", "validation", [1], [[2, 1, 0]],
                               [[0.5, 0.3, 0.2]])
   with pytest.raises(Exception, match="row of split 'validation'"):
     selection.prepare(partial, tmp_path / "out_split", k=1)
@@ -439,13 +440,13 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
 def test_tags_variant_needs_wnids_and_tags(tmp_path):
   pred = tmp_path / "pred"
   pred.mkdir()
-  selection.write_predictions(pred / "a.parquet", "demo", "train", [0, 1], [[0, 1]] * 2,
+  selection_formats.write_predictions(pred / "a.parquet", "demo", "train", [0, 1], [[0, 1]] * 2,
                               [[0.6, 0.4]] * 2)  # No tags column.
-  selection.write_info(pred, class_names=["cat", "dog"], top_p=2, dataset="demo",
+  selection_formats.write_info(pred, class_names=["cat", "dog"], top_p=2, dataset="demo",
                        splits=["train"])
   with pytest.raises(ValueError, match="class names must be wnids"):
     selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
-  selection.write_info(pred, class_names=WNIDS[:2], top_p=2, dataset="demo", splits=["train"])
+  selection_formats.write_info(pred, class_names=WNIDS[:2], top_p=2, dataset="demo", splits=["train"])
   with pytest.raises(Exception, match=r"has no column\(s\) \['tags'\]"):
     selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
 
