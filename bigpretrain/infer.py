@@ -232,41 +232,46 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   return json.loads(info_path.read_text())
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The teacher: a run folder or checkpoint dir.")
-_DATA = flags.DEFINE_string("data", None, "Dataset name, as config.data.name (e.g. demo).")
-_SPLIT = flags.DEFINE_string("split", None, "The split to score (e.g. unlabeled).")
-_OUT = flags.DEFINE_string("out", None, "Predictions folder (created; resumed if started).")
-_DATA_DIR = flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
-_TOP_P = flags.DEFINE_integer("top_p", DEFAULT_TOP_P, "Classes kept per image (P).")
-_BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
-_LOGITS = flags.DEFINE_bool("logits", False, "Write raw logits instead of softmax scores.")
-_SHARD = flags.DEFINE_integer("shard_size", DEFAULT_SHARD_SIZE, "Records per output shard.")
-_FSDP = flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
-_WORKERS = flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Total number of processes.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+def define_flags() -> None:
+  """The command's flags; defined only when it runs, so that importing this module next to
+  another command (tests, notebooks) defines no flag twice."""
+  flags.DEFINE_string("workdir", None, "The teacher: a run folder or checkpoint dir.")
+  flags.DEFINE_string("data", None, "Dataset name, as config.data.name (e.g. demo).")
+  flags.DEFINE_string("split", None, "The split to score (e.g. unlabeled).")
+  flags.DEFINE_string("out", None, "Predictions folder (created; resumed if started).")
+  flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
+  flags.DEFINE_integer("top_p", DEFAULT_TOP_P, "Classes kept per image (P).")
+  flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
+  flags.DEFINE_bool("logits", False, "Write raw logits instead of softmax scores.")
+  flags.DEFINE_integer("shard_size", DEFAULT_SHARD_SIZE, "Records per output shard.")
+  flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
+  flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  for flag in (_WORKDIR, _DATA, _SPLIT, _OUT):
-    if not flag.value:
-      raise app.UsageError(f"--{flag.name} is required.")
-  distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  f = flags.FLAGS
+  for name in ("workdir", "data", "split", "out"):
+    if not f[name].value:
+      raise app.UsageError(f"--{name} is required.")
+  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
   started = time.time()
   try:
-    info = run(_WORKDIR.value, _DATA.value, _SPLIT.value, _OUT.value, data_dir=_DATA_DIR.value,
-               top_p=_TOP_P.value, batch_size=_BATCH.value, logits=_LOGITS.value,
-               shard_size=_SHARD.value, fsdp=_FSDP.value, num_workers=_WORKERS.value)
+    info = run(f.workdir, f.data, f.split, f.out, data_dir=f.data_dir, top_p=f.top_p,
+               batch_size=f.batch_size, logits=f.logits, shard_size=f.shard_size, fsdp=f.fsdp,
+               num_workers=f.num_workers)
   except (FileNotFoundError, ValueError) as e:
     print(f"ERROR: {e}", file=sys.stderr)
     sys.exit(1)
   if jax.process_index() == 0:
-    print(f"{info['num_records']} predictions of {_DATA.value}:{_SPLIT.value} in {_OUT.value} "
+    print(f"{info['num_records']} predictions of {f.data}:{f.split} in {f.out} "
           f"({time.time() - started:.0f} s).")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
