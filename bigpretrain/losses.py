@@ -31,6 +31,16 @@ def _safe_pow(base: jax.Array, exponent) -> jax.Array:
   return jnp.where(positive, powered, jnp.where(jnp.asarray(exponent) == 0, 1.0, 0.0))
 
 
+def _weighted_mean(per_example: jax.Array, weights: jax.Array | None) -> jax.Array:
+  """Plain mean without weights; else sum_b w_b l_b / sum_b w_b, 0 when all weights are 0."""
+  if weights is None:
+    return jnp.mean(per_example)
+  weights = _f32(weights)
+  total = jnp.sum(weights)
+  return jnp.where(total > 0, jnp.sum(weights * per_example) / jnp.where(total > 0, total, 1.0),
+                   0.0)
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: float = 0.0,
                   weights: jax.Array | None = None) -> jax.Array:
   """Softmax cross-entropy with integer labels [B].
@@ -44,12 +54,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, *, label_smoothing: floa
   num_classes = logits.shape[-1]
   targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
   per_example = optax.softmax_cross_entropy(logits, targets)
-  if weights is None:
-    return jnp.mean(per_example)
-  weights = _f32(weights)
-  total = jnp.sum(weights)
-  return jnp.where(total > 0, jnp.sum(weights * per_example) / jnp.where(total > 0, total, 1.0),
-                   0.0)
+  return _weighted_mean(per_example, weights)
 
 
 def soft_target_cross_entropy(logits: jax.Array, targets: jax.Array, *,
@@ -66,12 +71,7 @@ def soft_target_cross_entropy(logits: jax.Array, targets: jax.Array, *,
   row_sum = jnp.sum(targets, axis=-1, keepdims=True)
   targets = targets / jnp.where(row_sum > 0, row_sum, 1.0)
   per_example = -jnp.sum(targets * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-  if weights is None:
-    return jnp.mean(per_example)
-  weights = _f32(weights)
-  total = jnp.sum(weights)
-  return jnp.where(total > 0, jnp.sum(weights * per_example) / jnp.where(total > 0, total, 1.0),
-                   0.0)
+  return _weighted_mean(per_example, weights)
 
 
 def binary_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -476,7 +476,8 @@ class BigpretrainDemo(tfds.core.GeneratorBasedBuilder):
 
 
 @contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
+def file_lock(path: pathlib.Path):
+  """Holds an exclusive flock on `path` (created if missing) while the block runs."""
   with open(path, "a") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
     try:
@@ -508,7 +509,7 @@ def prepare(data_dir: str | os.PathLike | None = None, *,
   if builder.is_prepared():
     return builder
   data_dir.mkdir(parents=True, exist_ok=True)
-  with _file_lock(data_dir / f".{BigpretrainDemo.name}-{config.name}.lock"):
+  with file_lock(data_dir / f".{BigpretrainDemo.name}-{config.name}.lock"):
     builder = make()  # Re-reads what another process may have written meanwhile.
     if not builder.is_prepared():
       logging.info("Generating the demo dataset into %s", builder.data_dir)

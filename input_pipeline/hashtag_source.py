@@ -13,8 +13,6 @@ through the WordNet canonicalisation (bigpretrain.hashtags.vocabulary, appendix 
 Computing this reads every record and loads WordNet (seconds for the demo), so the result is
 cached as JSON (vocabulary and per-record ids) next to the demo's files and read from there.
 """
-import contextlib
-import fcntl
 import json
 import os
 import pathlib
@@ -58,16 +56,6 @@ def build_labels(records_by_split: dict[str, list[list[str]]]) -> dict[str, Any]
                      for split, lists in records_by_split.items()}}
 
 
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
-  with open(path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _read_cache(path: pathlib.Path) -> dict | None:
   try:
     cached = json.loads(path.read_text())
@@ -82,7 +70,7 @@ def demo_labels(builder) -> dict[str, Any]:
   cached = _read_cache(path)
   if cached is not None:
     return cached
-  with _file_lock(path.with_name(f".{_CACHE_NAME}.lock")):
+  with demo.file_lock(path.with_name(f".{_CACHE_NAME}.lock")):
     cached = _read_cache(path)  # Another process may have written it meanwhile.
     if cached is not None:
       return cached
