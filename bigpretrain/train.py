@@ -248,7 +248,7 @@ def build(config, devices=None) -> Experiment:
   sharding.log_shardings(shardings["params"], setup.model_def.abstract_pure_params())
   # E.g. a distillation teacher, sharded like the student.
   frozen, frozen_shardings = objective.load_frozen(setup.mesh, rules_of(config),
-                                                   config.compute_dtype)
+                                                   config.compute_dtype, config.data)
   return Experiment(config, setup.mesh, setup.dataset, setup.model_def, shardings, objective,
                     tx, schedule, total_steps, frozen, frozen_shardings)
 

@@ -340,6 +340,16 @@ def test_kd_teacher_with_other_classes_is_refused(tmp_path):
     train.build(config)
 
 
+def test_kd_teacher_with_another_normalisation_is_refused(tmp_path):
+  teacher_dir = tmp_path / "teacher"
+  train.train_and_evaluate(helpers.tiny_config(total_steps=1, **{"evals": {}}), str(teacher_dir))
+  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint":
+                                                     str(teacher_dir),
+                                                 "data.normalize": "imagenet"})
+  with pytest.raises(ValueError, match="normalised by '0_1'"):
+    train.build(config)
+
+
 def test_model_setup_builds_no_optimizer_state():
   setup = train.build_model(helpers.tiny_config())
   assert set(setup.shardings) == {"params", "extra"}

@@ -38,9 +38,10 @@ class Objective:
     del totals
     return {}
 
-  def load_frozen(self, mesh, rules, compute_dtype):
-    """(tree, shardings) of fixed step inputs (a distillation teacher), or (None, None)."""
-    del mesh, rules, compute_dtype
+  def load_frozen(self, mesh, rules, compute_dtype, data_cfg):
+    """(tree, shardings) of fixed step inputs (a distillation teacher), or (None, None).
+    `data_cfg` is config.data (e.g. to check that a teacher expects the same input)."""
+    del mesh, rules, compute_dtype, data_cfg
     return None, None
 
 

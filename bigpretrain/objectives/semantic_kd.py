@@ -34,8 +34,9 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
     self.class_names = list(info.class_names)
     self.teacher_def = None
 
-  def load_frozen(self, mesh, rules, compute_dtype):
-    """The teacher's params and state, sharded by the student's logical rules."""
+  def load_frozen(self, mesh, rules, compute_dtype, data_cfg):
+    """The teacher's params and state, sharded by the student's logical rules. The teacher
+    sees the student's batch, so it must expect the same normalisation."""
     teacher = pretrained.load(self.teacher_dir, mesh=mesh, rules=rules,
                               compute_dtype=compute_dtype)
     if teacher.meta["class_names"] != self.class_names:
@@ -43,6 +44,12 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
           f"The teacher in {self.teacher_dir} was trained on {teacher.meta['num_classes']} "
           f"classes of {teacher.meta['dataset']!r}, not on this dataset's "
           f"{len(self.class_names)} classes: semantic KD needs the same class list.")
+    expects = teacher.meta["data"]["normalize"]
+    if expects != data_cfg.normalize:
+      raise ValueError(
+          f"The teacher in {self.teacher_dir} was trained on images normalised by {expects!r}, "
+          f"but config.data.normalize={data_cfg.normalize!r}: the teacher would see inputs "
+          f"it was not trained on. Set --config.data.normalize={expects}.")
     self.teacher_def = teacher.model_def
     return teacher.variables, teacher.shardings
 
