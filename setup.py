@@ -31,8 +31,7 @@ setuptools.setup(
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
-        # Beam: the data-preparation jobs; pyarrow (a Beam dependency): selection's Parquet files.
-        "test": ["pytest>=8.0", "apache-beam>=2.60", "pyarrow>=15"],
-        "beam": ["apache-beam>=2.60", "pyarrow>=15"],
+        "test": ["pytest>=8.0", "apache-beam>=2.60"],  # Beam: the data-preparation tests.
+        "beam": ["apache-beam>=2.60"],
     },
 )

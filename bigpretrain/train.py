@@ -200,7 +200,7 @@ class Experiment(ModelSetup):
   @property
   def fields(self) -> dict:
     """The batch fields the objective reads, with their sizes (see pipeline.record_fields)."""
-    return {f: self.dataset.info.features[f] for f in self.objective.reads}
+    return objectives.batch_fields(self.objective, self.dataset.info)
 
   def init_state(self) -> dict:
     """The train state, created directly with its shardings (no host copy of the params)."""

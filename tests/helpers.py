@@ -18,6 +18,11 @@ def tiny_config(recipe: str = "semantic_softmax", **overrides):
   config.eval_every_steps = 0
   config.ckpt_every_steps = 0
   config.compilation_cache_dir = JAX_CACHE
+  return set_overrides(config, overrides)
+
+
+def set_overrides(config, overrides: dict):
+  """Sets dotted keys ('objective.label_smoothing') of `config`; returns it."""
   for key, value in overrides.items():
     node = config
     *parents, leaf = key.split(".")

@@ -143,13 +143,7 @@ def _toy_config(**overrides):
   config.evals = ml_collections.ConfigDict({
       "eval": dict(type="classification"),
       "counts": dict(type="toy_count", every_steps=4, scale=2.0)})
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return helpers.set_overrides(config, overrides)
 
 
 def test_plugins_train_and_evaluate_without_touching_the_trainer(tmp_path):

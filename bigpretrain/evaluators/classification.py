@@ -3,6 +3,7 @@ number of hosts (top-k, semantic top-1 on WordNet-labelled data, mAP for multi-l
 import jax
 import numpy as np
 
+from bigpretrain import objectives
 from bigpretrain import preprocess
 from bigpretrain import sharding
 from bigpretrain.evaluators import base
@@ -67,11 +68,11 @@ class Classification(base.Evaluator):
     if info.class_names != train_info.class_names or info.num_classes != train_info.num_classes:
       raise ValueError(f"config.evals.{name}: dataset {info.name!r} has other classes than "
                        f"{train_info.name!r}; a classification eval needs the same class list.")
-    missing = [f for f in exp.objective.reads if info.features.get(f) is None]
+    missing = objectives.missing_fields(exp.objective, info)
     if missing:
       raise ValueError(f"config.evals.{name}: dataset {info.name!r} lacks the fields "
                        f"{missing} that objective {exp.config.objective.name!r} reads.")
-    self.fields = {f: info.features[f] for f in exp.objective.reads}
+    self.fields = objectives.batch_fields(exp.objective, info)
     self.objective = exp.objective
     self.exp = exp
     self.step = make_eval_step(exp.model_def, exp.objective, exp.shardings, exp.mesh,

@@ -33,10 +33,20 @@ def get_objective(cfg, info) -> base.Objective:
   return _REGISTRY[cfg.name](cfg, info)
 
 
+def missing_fields(objective: base.Objective, info) -> list[str]:
+  """The batch fields the objective reads that dataset `info` cannot ship."""
+  return [f for f in objective.reads if info.features.get(f) is None]
+
+
+def batch_fields(objective: base.Objective, info) -> dict:
+  """The fields the objective reads, with their sizes (see pipeline.record_fields)."""
+  return {f: info.features[f] for f in objective.reads}
+
+
 def check(objective: base.Objective, info, config) -> None:
   """The objective's declarations against the dataset and the config, before compiling."""
   name = config.objective.name
-  missing = [f for f in objective.reads if info.features.get(f) is None]
+  missing = missing_fields(objective, info)
   if missing:
     raise ValueError(
         f"Objective {name!r} reads batch fields {missing} that dataset {info.name!r} does not "
