@@ -37,6 +37,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from input_pipeline import demo
+from input_pipeline import subset
 
 # tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
 # imported from there, so that reading needs no Apache Beam).
@@ -255,9 +256,12 @@ def _loader(name: str) -> Callable[[str, str], Dataset]:
 
 
 def get_dataset(data_cfg) -> Dataset:
-  """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
+  """`config.data` (uses keys 'name', 'dir' and the subset_* keys) -> Dataset; see the module
+  docstring."""
   name = str(data_cfg.get("name", ""))
-  return _loader(name)(name, _data_dir(data_cfg))
+  dataset = _loader(name)(name, _data_dir(data_cfg))
+  # data.subset_frac > 0: a seeded class-balanced share of a split (input_pipeline/subset.py).
+  return subset.maybe_wrap(dataset, data_cfg)
 
 
 register_source("demo", _demo)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Starts N CPU processes on localhost as one multi-controller JAX run (a multi-host rehearsal).
-#   launch/local.sh N [--devices_per_process=D] -- --config=configs/semantic_softmax.py --workdir=DIR ...
+#   launch/local.sh N [--devices_per_process=D] [--module=M] -- --config=configs/semantic_softmax.py --workdir=DIR ...
 # Each process gets D fake CPU devices (default 1); process 0 hosts the coordinator.
+# --module=M runs `python -m M` instead of bigpretrain.main (e.g. bigpretrain.infer,
+# bigpretrain.semi_supervised): any command that takes the three distributed flags.
 # PYTHON selects the interpreter (default python3).
 set -euo pipefail
 n=${1:?usage: launch/local.sh N [--devices_per_process=D] -- MAIN_ARGS...}; shift
 devices=1
+module=bigpretrain.main
 while [[ $# -gt 0 && $1 != "--" ]]; do
   case $1 in
     --devices_per_process=*) devices=${1#*=} ;;
+    --module=*) module=${1#*=} ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -19,7 +23,7 @@ pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
 for ((i = 0; i < n; i++)); do
   XLA_FLAGS="--xla_force_host_platform_device_count=$devices ${XLA_FLAGS:-}" \
-  JAX_PLATFORMS=cpu "${PYTHON:-python3}" -m bigpretrain.main "$@" \
+  JAX_PLATFORMS=cpu "${PYTHON:-python3}" -m "$module" "$@" \
     --coordinator_address="127.0.0.1:$port" --num_processes="$n" --process_id="$i" &
   pids+=($!)
 done

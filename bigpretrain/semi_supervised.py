@@ -1,0 +1,347 @@
+"""The semi-supervised stage runner (Yalniz et al. 2019, section 3.1): teacher -> inference over
+the unlabelled pool -> top-K selection -> student pretraining -> fine-tuning.
+
+  python -m bigpretrain.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
+
+Each stage writes its own folder under DIR/round<r>/ (teacher, predictions/<split>, pool,
+selection, student, finetune) and, last, its completion marker; DIR/baseline holds the
+supervised baseline and DIR/results.json the numbers. Re-running the command skips finished
+stages and resumes an interrupted one: the trainer from its checkpoint (SIGTERM saves one and
+stops the command with exit 0), inference shard by shard, the selection from scratch (it
+writes its index files, then selection.json). With `rounds` > 1 the fine-tuned student of
+round r is round r + 1's teacher (supplement section 3).
+
+Stages run in this process, one after the other, as ordinary calls of the trainer
+(train.train_and_evaluate), of bigpretrain.infer.run and of the Beam selection job
+(input_pipeline.selection.prepare): one jax.distributed initialisation serves every stage on a
+multi-host run, and JAX starts and compiles from the persistent cache once, not per stage.
+Stages share no state but the files: each gets a fresh copy of its config section, read
+nowhere else, and the trainer restores its signal handler and mesh context when it returns.
+
+The pool U: the data.pool_splits of data.name, plus (pool_train_rest, with data.subset_frac)
+the records of the train split outside the labelled draw D. The teacher scores whole splits;
+the `pool` stage then keeps, per split, the prediction rows of U's records (dropping D's), so
+that D-hat is keyed by the records' own (dataset, split, index) and reads them through the
+plain dataset.
+"""
+import json
+import os
+import sys
+import time
+import uuid
+
+from absl import app
+from absl import flags
+from absl import logging
+from etils import epath
+import jax
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from bigpretrain import checkpoint
+from bigpretrain import config_lib
+from bigpretrain import infer
+from bigpretrain import train
+from input_pipeline import datasets
+from input_pipeline import selection_formats
+from input_pipeline import subset
+
+DONE_FILE = "stage_done.json"
+RESULTS_FILE = "results.json"
+METRIC = "eval/top1"
+_DATA_KEYS = ("name", "dir") + subset.SUBSET_KEYS
+
+
+class Interrupted(Exception):
+  """A training stage stopped before its last step (SIGTERM): re-run to resume."""
+
+
+def _is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def _read_done(folder: epath.Path) -> dict | None:
+  path = folder / DONE_FILE
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_json(path: epath.Path, payload) -> None:
+  """Writes `path` whole or not at all (temporary name, then rename), on process 0."""
+  if not _is_main():
+    return
+  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+  tmp.write_text(json.dumps(payload, indent=1, default=float))
+  tmp.rename(path)
+
+
+def _say(text: str) -> None:
+  logging.info("%s", text)
+  if _is_main():
+    print(text, flush=True)
+
+
+def stage_config(section, seed: int, data: dict) -> ml_collections.ConfigDict:
+  """A fresh, unlocked trainer config from a config section, with the run's seed and the
+  stage's data (name, dir, subset keys) set."""
+  c = ml_collections.ConfigDict(section.to_dict())
+  c.seed = seed
+  for key, value in data.items():
+    c.data[key] = value
+  return c
+
+
+def labelled_data(config) -> dict:
+  """The data keys of D: data.name in data.dir, cut to the labelled draw if subset_frac > 0."""
+  return {k: config.data[k] for k in _DATA_KEYS if k in config.data}
+
+
+def train_stage(name: str, cfg, folder: epath.Path) -> dict:
+  """Trains `cfg` in `folder` unless its marker says it is done; returns the marker."""
+  done = _read_done(folder)
+  if done is not None:
+    _say(f"[{name}] done already in {folder}: skipped ({METRIC}={_metric(done)})")
+    return done
+  _say(f"[{name}] training in {folder}")
+  folder.mkdir(parents=True, exist_ok=True)
+  num_train = datasets.get_dataset(cfg.data).info.num_examples[cfg.data.train_split]
+  total = config_lib.resolve_total_steps(cfg, num_train)
+  results = train.train_and_evaluate(cfg, str(folder))
+  ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False)
+  reached = ckpt.latest_step()
+  ckpt.close()
+  if reached is None or reached < total:
+    raise Interrupted(f"[{name}] stopped at step {reached} of {total} in {folder}; re-run the "
+                      "same command to resume it.")
+  done = {"stage": name, "total_steps": total, "results": results}
+  _write_json(folder / DONE_FILE, done)
+  return done
+
+
+def _metric(done: dict) -> str:
+  value = (done.get("results") or {}).get(METRIC)
+  return "n/a" if value is None else f"{value:.4f}"
+
+
+def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
+  """The pool splits, checked against the dataset before anything runs."""
+  splits = list(config.data.pool_splits)
+  missing = [s for s in splits if s not in info.splits]
+  if missing:
+    raise ValueError(f"config.data.pool_splits names {missing}, which dataset "
+                     f"{config.data.name!r} lacks; its splits: {list(info.splits)}.")
+  rest = bool(config.data.pool_train_rest)
+  if rest and not config.data.subset_frac:
+    raise ValueError("config.data.pool_train_rest needs config.data.subset_frac > 0: without "
+                     "a labelled draw, all of train is the labelled set D.")
+  if rest and "train" in splits:
+    raise ValueError("config.data.pool_splits has 'train' and pool_train_rest is set: the "
+                     "labelled records would be in the pool too.")
+  if not splits and not rest:
+    raise ValueError("The pool is empty: set config.data.pool_splits and/or pool_train_rest.")
+  return splits + (["train"] if rest else [])
+
+
+def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
+  """The teacher's top-P predictions over one split (bigpretrain.infer; resumes by shard)."""
+  if (folder / selection_formats.INFO_FILE).exists():
+    _say(f"[infer {split}] done already in {folder}: skipped")
+    return
+  _say(f"[infer {split}] teacher {teacher} -> {folder}")
+  c = config.infer
+  infer.run(teacher, config.data.name, split, str(folder), data_dir=config.data.dir,
+            top_p=c.top_p, batch_size=c.batch_size, logits=c.logits, shard_size=c.shard_size,
+            fsdp=c.fsdp, num_workers=c.num_workers, progress=_is_main())
+
+
+def _link_or_filter(src: str, dst: epath.Path, exclude: np.ndarray | None) -> int:
+  """Copies a prediction shard to dst without the rows whose index is in `exclude`; returns
+  the rows kept."""
+  with epath.Path(src).open("rb") as f:
+    table = pq.read_table(f)
+  if exclude is not None and len(exclude):
+    table = table.filter(pc.invert(pc.is_in(table.column("index"), pa.array(exclude))))
+  tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex}"
+  with tmp.open("wb") as f:
+    pq.write_table(table, f)
+  tmp.rename(dst)
+  return table.num_rows
+
+
+def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
+               class_names: list[str], folder: epath.Path) -> None:
+  """One predictions folder over U: every split's shards, without the `exclude`d records."""
+  if (folder / selection_formats.INFO_FILE).exists():
+    _say(f"[pool] done already in {folder}: skipped")
+    return
+  if not _is_main():
+    return
+  folder.mkdir(parents=True, exist_ok=True)
+  infos = {s: json.loads((d / selection_formats.INFO_FILE).read_text())
+           for s, d in pred_dirs.items()}
+  first = infos[sorted(infos)[0]]
+  for split, info in infos.items():
+    for key in ("class_names", "top_p", "dataset", "scores"):
+      if info.get(key) != first.get(key):
+        raise ValueError(f"The predictions of split {split!r} in {pred_dirs[split]} have "
+                         f"another {key} than those of {sorted(infos)[0]!r}: re-run inference.")
+  selection_formats.check_class_names(first["class_names"], class_names,
+                                      str(pred_dirs[sorted(infos)[0]]))
+  records = 0
+  for split in sorted(pred_dirs):
+    for shard in sorted(pred_dirs[split].glob("*.parquet")):
+      records += _link_or_filter(str(shard), folder / shard.name, exclude.get(split))
+  selection_formats.write_info(folder, class_names=first["class_names"], top_p=first["top_p"],
+                               dataset=first["dataset"], splits=sorted(pred_dirs),
+                               num_records=records, scores=first["scores"])
+  _say(f"[pool] {records} images of U from {sorted(pred_dirs)} in {folder}")
+
+
+def selection_stage(config, pool: epath.Path, class_names: list[str],
+                    folder: epath.Path) -> dict:
+  """D-hat's index (the Beam job); reuses a finished one with the same parameters."""
+  # Imported here: Apache Beam is only needed by this stage.
+  from input_pipeline import selection  # pylint: disable=import-outside-toplevel
+  c = config.selection
+  class_sizes = None
+  if c.class_sizes:
+    with open(c.class_sizes, encoding="utf-8") as f:
+      class_sizes = json.load(f)
+  k = None if c.variant == "unbalanced_ranked" else c.k
+  if (folder / selection_formats.SELECTION_FILE).exists():
+    _say(f"[selection] done already in {folder}: skipped")
+  else:
+    _say(f"[selection] {c.variant} from {pool} -> {folder}")
+  info = selection.prepare(
+      str(pool), str(folder), k=k, variant=c.variant, class_sizes=class_sizes,
+      zipf_total=c.zipf_total if c.zipf_total > 0 else None, zipf_exponent=c.zipf_exponent,
+      seed=c.seed, expected_class_names=class_names)
+  _say(selection.summary(info, str(folder)))
+  if not info["report"]["num_selected"]:
+    raise ValueError(f"The selection in {folder} is empty: no pool image kept any class in "
+                     "its top-P; nothing to pretrain the student on.")
+  return info
+
+
+def run(config, workdir: str) -> dict:
+  """Runs (or completes) every stage of `config` in `workdir`; returns results.json's content.
+  Raises Interrupted when a training stage was stopped by SIGTERM."""
+  root = epath.Path(workdir)
+  if _is_main():
+    root.mkdir(parents=True, exist_ok=True)
+  if not isinstance(config.rounds, int) or config.rounds < 1:
+    raise ValueError(f"config.rounds={config.rounds!r} must be an int >= 1.")
+  full = datasets.get_dataset({"name": config.data.name, "dir": config.data.dir})
+  pool_splits = check_pool(config, full.info)
+  labelled = labelled_data(config)
+  d_set = datasets.get_dataset(labelled)
+  class_names = list(d_set.info.class_names) or [str(c) for c in range(d_set.info.num_classes)]
+  exclude = {}
+  if config.data.pool_train_rest:  # The train records of D stay out of U.
+    exclude["train"] = d_set.indices
+  _say(f"D: {d_set.info.num_examples['train']} labelled images of {config.data.name!r}; U: "
+       f"splits {pool_splits}" + (" (train without D)" if exclude else ""))
+  results = {"rounds": []}
+  teacher = config.teacher_workdir
+  if not teacher:
+    done = train_stage("teacher", stage_config(config.teacher, config.seed, labelled),
+                       root / "round1" / "teacher")
+    teacher = str(root / "round1" / "teacher")
+    results["teacher"] = done["results"]
+  steps = 0
+  for r in range(1, config.rounds + 1):
+    rdir = root / f"round{r}"
+    preds = {s: rdir / "predictions" / s for s in pool_splits}
+    for split, folder in preds.items():
+      infer_stage(teacher, config, split, folder)
+    _sync("pool")
+    pool_stage(preds, exclude, class_names, rdir / "pool")
+    _sync("selection")
+    sel = selection_stage(config, rdir / "pool", class_names, rdir / "selection")
+    student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
+                    "subset_frac": 0.0}
+    student = train_stage(f"round {r} student",
+                          stage_config(config.student, config.seed, student_data),
+                          rdir / "student")
+    ft_cfg = stage_config(config.finetune, config.seed, labelled)
+    ft_cfg.model_init = str(rdir / "student")
+    finetune = train_stage(f"round {r} fine-tuning", ft_cfg, rdir / "finetune")
+    steps = student["total_steps"] + finetune["total_steps"]
+    results["rounds"].append({"teacher": teacher, "selected": sel["report"]["num_selected"],
+                              "student": student["results"], "finetune": finetune["results"],
+                              "steps": steps})
+    teacher = str(rdir / "finetune")
+  if config.run_baseline:
+    base_cfg = stage_config(config.baseline, config.seed, labelled)
+    if base_cfg.total_steps <= 0 and base_cfg.num_epochs <= 0 and base_cfg.num_examples <= 0:
+      base_cfg.total_steps = steps  # The last round's pretraining + fine-tuning steps.
+    results["baseline"] = train_stage("supervised baseline", base_cfg,
+                                      root / "baseline")["results"]
+  _write_json(root / RESULTS_FILE, results)
+  _say(summary(results))
+  return results
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(f"semi_supervised_{name}")
+
+
+def summary(results: dict) -> str:
+  """The numbers, one line each (demo validation top-1)."""
+  def top1(res):
+    return "n/a" if not res or METRIC not in res else f"{100 * res[METRIC]:.2f}"
+  lines = []
+  if "teacher" in results:
+    lines.append(f"teacher (on D):                  top-1 {top1(results['teacher'])}")
+  for r, rd in enumerate(results["rounds"], 1):
+    lines.append(f"round {r} student, pretrained:    top-1 {top1(rd['student'])} "
+                 f"(|D-hat| = {rd['selected']})")
+    lines.append(f"round {r} student, fine-tuned:    top-1 {top1(rd['finetune'])} "
+                 f"({rd['steps']} steps)")
+  if "baseline" in results:
+    lines.append(f"supervised baseline (D alone):   top-1 {top1(results['baseline'])}")
+  return "\n".join(lines)
+
+
+def define_flags():
+  """The command's flags (defined only when it runs; see bigpretrain/infer.py)."""
+  config_flags.DEFINE_config_file("config", None, "configs/semi_supervised.py[:args].",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Folder of all stages (created; resumed if started).")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  f = flags.FLAGS
+  if f.config is None or not f.workdir:
+    raise app.UsageError("--config and --workdir are required.")
+  from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
+  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+  os.makedirs(f.workdir, exist_ok=True)
+  logging.get_absl_handler().use_absl_log_file("log", f.workdir)
+  started = time.time()
+  try:
+    run(f.config, f.workdir)
+  except Interrupted as e:
+    print(str(e), flush=True)
+    return
+  except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as e:
+    logging.exception("Run failed")
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  if _is_main():
+    print(f"All stages done in {time.time() - started:.0f} s.", flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,322 @@
+"""The semi-supervised recipe: its schedules, the labelled draw, and the stage runner end to end
+(with a SIGTERM in the middle of the student and a second self-training round)."""
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bigpretrain import checkpoint
+from bigpretrain import config_lib
+from bigpretrain import infer
+from bigpretrain import optim
+from bigpretrain import semi_supervised
+from bigpretrain import train
+from configs import semi_supervised as recipe
+from input_pipeline import datasets
+from input_pipeline import selection_formats
+from input_pipeline import subset
+from tests import helpers
+
+
+# ------------------------------------------------------------------------------------------
+# Schedules (section 4.1).
+
+
+def _lr(section, total: int):
+  return optim.make_schedule(section.optim.schedule, lr=section.optim.lr, total_steps=total)
+
+
+def test_paper_pretraining_schedule_halves_13_times():
+  c = recipe.get_config("scale=paper")
+  s = c.student
+  assert (s.batch_size, s.optim.name, s.optim.momentum, s.optim.weight_decay) == (
+      1536, "sgd", 0.9, 1e-4)
+  assert s.optim.lr == pytest.approx(0.1 * 1536 / 256)  # 0.6.
+  total = config_lib.resolve_total_steps(s)
+  assert total == math.ceil(1e9 / 1536) == 651_042  # 1B processed images.
+  warmup = round(5 * 1_281_167 / 1536)  # 5 ImageNet epochs (Goyal et al.).
+  lr = _lr(s, total)
+  assert float(lr(0)) == pytest.approx(0.1)  # Warm-up starts at the standard 0.1.
+  assert float(lr(warmup)) == pytest.approx(0.6)
+  rest = total - warmup
+  bounds = [warmup + round(k * rest / 14) for k in range(1, 14)]  # 14 equal segments.
+  for k, b in enumerate(bounds, 1):
+    assert float(lr(b - 1)) == pytest.approx(0.6 * 0.5**(k - 1), rel=1e-5), k
+    assert float(lr(b)) == pytest.approx(0.6 * 0.5**k, rel=1e-5), k
+  assert float(lr(total)) == pytest.approx(0.6 / 2**13, rel=1e-5)
+  # Equally spaced: segment lengths differ by at most the rounding.
+  assert max(np.diff([warmup] + bounds + [total])) - min(np.diff([warmup] + bounds + [total])) <= 1
+
+
+def test_paper_finetuning_schedule_three_tenfold_steps_over_30_epochs():
+  f = recipe.get_config("scale=paper").finetune
+  assert f.optim.lr == pytest.approx(0.00025 * 1536 / 256)
+  total = config_lib.resolve_total_steps(f, 1_281_167)
+  assert total == math.ceil(30 * 1_281_167 / 1536)
+  lr = _lr(f, total)
+  for k in range(4):
+    start = round(k * total / 4)
+    assert float(lr(start)) == pytest.approx(0.0015 * 0.1**k, rel=1e-5)
+  assert float(lr(round(total / 4) - 1)) == pytest.approx(0.0015)
+
+
+def test_paper_defaults_and_variants():
+  c = recipe.get_config("scale=paper")
+  assert (c.teacher.model.name, c.student.model.name) == ("resnext101_32x48d", "resnet50")
+  assert (c.infer.top_p, c.selection.k, c.selection.variant) == (10, 16_000, "balanced_ranked")
+  same = recipe.get_config("scale=paper,teacher=same,p=5,k=8000,variant=balanced_with_tags")
+  assert same.teacher.model.name == "resnet50"
+  assert (same.infer.top_p, same.selection.k, same.selection.variant) == (
+      5, 8000, "balanced_with_tags")
+  with pytest.raises(ValueError, match="scale"):
+    recipe.get_config("scale=huge")
+
+
+# ------------------------------------------------------------------------------------------
+# The labelled draw.
+
+
+def test_draw_counts_by_hand_and_determinism():
+  labels = np.repeat([0, 1, 2, 4], [10, 25, 3, 7])  # Class 3 has no records.
+  rng = np.random.default_rng(0)
+  labels = labels[rng.permutation(len(labels))]
+  # floor(0.1 n + 0.5), at least 1: 10 -> 1, 25 -> 3, 3 -> 1 (0.8 rounds to 1), 7 -> 1.
+  np.testing.assert_array_equal(subset.counts(labels, 0.1), [1, 3, 1, 0, 1])
+  picked = subset.draw(labels, 0.1, seed=3)
+  np.testing.assert_array_equal(np.bincount(labels[picked], minlength=5), [1, 3, 1, 0, 1])
+  assert np.all(np.diff(picked) > 0)
+  np.testing.assert_array_equal(picked, subset.draw(labels, 0.1, seed=3))
+  draws = {tuple(subset.draw(labels, 0.5, seed=s)) for s in range(5)}
+  assert len(draws) > 1  # The seed matters.
+  rest = subset.complement(picked, len(labels))
+  np.testing.assert_array_equal(np.sort(np.concatenate([picked, rest])), np.arange(len(labels)))
+  # A class's draw depends only on the seed and its own records.
+  keep = labels != 1
+  other = subset.draw(labels[keep], 0.1, seed=3)
+  np.testing.assert_array_equal(np.flatnonzero(keep)[other], picked[labels[picked] != 1])
+  with pytest.raises(ValueError, match="subset_frac"):
+    subset.draw(labels, 1.0, seed=0)
+
+
+def test_demo_subset_through_the_data_config():
+  d = datasets.get_dataset({"name": "demo", "subset_frac": 0.1, "subset_seed": 7})
+  full = datasets.get_dataset({"name": "demo"})
+  labels = subset.read_labels(full.source("train"))
+  n = np.bincount(labels, minlength=full.info.num_classes)
+  want = np.where(n > 0, np.maximum(np.floor(0.1 * n + 0.5), 1), 0)
+  got = np.bincount(subset.read_labels(d.source("train")), minlength=full.info.num_classes)
+  np.testing.assert_array_equal(got, want)
+  assert d.info.num_examples["train"] == want.sum()
+  assert d.info.num_examples["validation"] == full.info.num_examples["validation"]
+  i = len(d.indices) // 2
+  assert d.source("train")[i]["image"] == full.source("train")[int(d.indices[i])]["image"]
+  with pytest.raises(ValueError, match="subset_frac"):
+    datasets.get_dataset({"name": "demo", "subset_frac": 1.5})
+  with pytest.raises(ValueError, match="subset_split='nope'"):
+    datasets.get_dataset({"name": "demo", "subset_frac": 0.1, "subset_split": "nope"})
+
+
+# ------------------------------------------------------------------------------------------
+# The stage runner on a tiny pool.
+
+
+class _Strided:
+  """'semisup_every:N': the demo with each split cut to N records spread over all classes."""
+
+  def __init__(self, name, data_dir):
+    self.demo = datasets.get_dataset({"name": "demo", "dir": data_dir})
+    self.n = int(name.split(":")[1])
+    sizes = {s: min(self.n, k) for s, k in self.demo.info.num_examples.items()}
+    self.info = dataclasses.replace(self.demo.info, name=name, num_examples=sizes)
+
+  def source(self, split):
+    full = self.demo.source(split)
+    step = len(full) // self.info.num_examples[split]
+    return subset.IndexedSource(full, np.arange(self.info.num_examples[split]) * step)
+
+
+datasets.register_source("semisup_every:", _Strided)
+
+
+def _tiny_config(**overrides):
+  c = recipe.get_config()
+  c.data.name = "semisup_every:200"
+  c.data.subset_frac = 0.5
+  c.infer.batch_size, c.infer.shard_size = 16, 64
+  c.selection.k = 3  # More than some classes can give: a shortfall, reported.
+  for stage in (c.teacher, c.student, c.finetune, c.baseline):
+    stage.batch_size = 16
+    stage.total_steps = 6
+    stage.log_every_steps = 1
+    stage.ckpt_every_steps = 2
+    stage.compilation_cache_dir = helpers.JAX_CACHE
+    stage.optim = c.teacher.optim  # One train step to compile for every stage.
+    stage.optim.schedule.warmup_steps = 1
+  c.baseline.total_steps = -1
+  return helpers.set_overrides(c, overrides)
+
+
+def _steps(folder) -> list[int]:
+  rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+  return [r["step"] for r in rows if "train/loss" in r]
+
+
+def _mtimes(folder) -> dict:
+  return {str(p): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monkeypatch,
+                                                                      capsys):
+  config = _tiny_config()
+  real_train = train.train_and_evaluate
+
+  def sigterm_student_at_step_3(cfg, workdir):
+    if workdir.endswith("student"):
+      calls = {"n": 0}
+
+      def agreed(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+          os.kill(os.getpid(), signal.SIGTERM)  # The trainer's own handler catches it.
+        return self.requested
+
+      monkeypatch.setattr(train.Preemption, "agreed", agreed)
+    return real_train(cfg, workdir)
+
+  monkeypatch.setattr(train, "train_and_evaluate", sigterm_student_at_step_3)
+  with pytest.raises(semi_supervised.Interrupted, match="stopped at step 3 of 6"):
+    semi_supervised.run(config, str(tmp_path))
+  monkeypatch.undo()
+  r1 = tmp_path / "round1"
+  assert not (r1 / "student" / semi_supervised.DONE_FILE).exists()
+  assert not (r1 / "finetune").exists()
+  before = {d: _mtimes(r1 / d) for d in ("teacher", "predictions", "pool", "selection")}
+  capsys.readouterr()
+
+  results = semi_supervised.run(_tiny_config(), str(tmp_path))
+  out = capsys.readouterr().out
+  for stage in ("[teacher] done already", "[infer unlabeled] done already",
+                "[infer train] done already", "[pool] done already",
+                "[selection] done already"):
+    assert stage in out, stage
+  assert "Resuming from step 3" in out
+  assert "shortfall" in out  # K = 3 is more than some classes' candidates.
+  for d, times in before.items():
+    assert _mtimes(r1 / d) == times, d  # Skipped stages wrote nothing.
+  assert _steps(r1 / "student") == [1, 2, 3, 4, 5, 6]  # No step lost or repeated.
+  assert checkpoint.read_meta(str(r1 / "finetune"))["class_names"] == (
+      datasets.get_dataset({"name": "demo"}).info.class_names)
+
+  # U: the unlabeled split and train without D's records; D-hat reads from both.
+  d_set = datasets.get_dataset({"name": "semisup_every:200", "subset_frac": 0.5})
+  pool = pa.concat_tables([pq.read_table(p) for p in sorted((r1 / "pool").glob("*.parquet"))])
+  train_rows = pool.filter(pa.compute.equal(pool.column("split"), "train"))
+  np.testing.assert_array_equal(np.sort(train_rows.column("index").to_numpy()), d_set.rest())
+  assert pool.num_rows == 200 + len(d_set.rest())
+  info = json.loads((r1 / "pool" / selection_formats.INFO_FILE).read_text())
+  assert info["num_records"] == pool.num_rows and info["splits"] == ["train", "unlabeled"]
+
+  # The baseline ran as many steps as pretraining plus fine-tuning, on D alone.
+  assert _steps(tmp_path / "baseline")[-1] == 12
+  assert results["rounds"][0]["steps"] == 12
+  saved = json.loads((tmp_path / semi_supervised.RESULTS_FILE).read_text())
+  assert saved["baseline"]["eval/top1"] == pytest.approx(results["baseline"]["eval/top1"])
+  for key in ("teacher", "baseline"):
+    assert 0 <= results[key]["eval/top1"] <= 1
+
+  # A second round: round 1 is skipped, the fine-tuned student is the new teacher.
+  results = semi_supervised.run(_tiny_config(rounds=2), str(tmp_path))
+  out = capsys.readouterr().out
+  assert "[round 1 fine-tuning] done already" in out
+  assert results["rounds"][1]["teacher"] == str(r1 / "finetune")
+  params = json.loads((tmp_path / "round2" / "predictions" / "unlabeled" /
+                       infer.PARAMS_FILE).read_text())
+  assert params["workdir"] == str(r1 / "finetune")
+  assert _steps(tmp_path / "round2" / "finetune")[-1] == 6
+
+
+def test_bad_input_gets_clear_errors(tmp_path):
+  with pytest.raises(ValueError, match=r"pool_splits names \['nope'\]"):
+    semi_supervised.run(_tiny_config(**{"data.pool_splits": ("nope",)}), str(tmp_path))
+  with pytest.raises(ValueError, match="pool_train_rest needs config.data.subset_frac"):
+    semi_supervised.run(_tiny_config(**{"data.subset_frac": 0.0}), str(tmp_path / "b"))
+  assert not (tmp_path / "round1").exists()  # Nothing ran.
+
+  # Predictions of a teacher with another class list: refused before selection.
+  names = datasets.get_dataset({"name": "demo"}).info.class_names
+  preds = tmp_path / "preds"
+  preds.mkdir()
+  selection_formats.write_predictions(preds / "a.parquet", "demo", "unlabeled", [0, 1],
+                                      [[0, 1], [1, 0]], [[0.6, 0.4], [0.7, 0.3]])
+  other = list(reversed(names))
+  selection_formats.write_info(preds, class_names=other, top_p=2, dataset="demo",
+                               splits=["unlabeled"], num_records=2)
+  with pytest.raises(ValueError, match="another class list"):
+    semi_supervised.pool_stage({"unlabeled": preds}, {}, names, tmp_path / "pool")
+  with pytest.raises(ValueError, match="another class list"):
+    semi_supervised.selection_stage(_tiny_config(), preds, names, tmp_path / "sel")
+
+
+# ------------------------------------------------------------------------------------------
+# Inference on two processes.
+
+
+def _teacher(folder) -> str:
+  """A random-weight demo teacher checkpoint (inference needs no training)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  config = helpers.tiny_config("single_label")
+  setup = train.build_model(config)
+  params, extra = setup.model_def.create(jax.random.key(0))
+  leaves, treedef = jax.tree.flatten(params)  # Random weights everywhere: no near-ties.
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
+                                        for p, k in zip(leaves, keys)])
+  info = setup.dataset.info
+  meta = checkpoint.run_meta(config, setup.model_def.config(), info.class_names,
+                             info.num_classes)
+  ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False, meta=meta)
+  zero = jnp.zeros((), jnp.int32)
+  ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
+                "skipped_records": zero})
+  ckpt.close()
+  return str(folder)
+
+
+def _table(folder) -> pa.Table:
+  return pa.concat_tables([pq.read_table(p) for p in sorted(folder.glob("*.parquet"))])
+
+
+def test_inference_on_two_processes_matches_one(tmp_path):
+  teacher = _teacher(tmp_path / "teacher")
+  args = [f"--workdir={teacher}", "--data=demo", "--split=validation", "--top_p=3",
+          "--batch_size=250", "--shard_size=1000"]
+  env = helpers.env(2)
+  one = subprocess.run([sys.executable, "-m", "bigpretrain.infer"] + args +
+                       [f"--out={tmp_path / 'one'}"], env=env, cwd=helpers.ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stderr[-3000:]
+  env.pop("XLA_FLAGS")
+  env["PYTHON"] = sys.executable
+  cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=1",
+         "--module=bigpretrain.infer", "--"] + args + [f"--out={tmp_path / 'two'}"]
+  two = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                       timeout=600)
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  a, b = _table(tmp_path / "one"), _table(tmp_path / "two")
+  assert a.num_rows == b.num_rows == 2500
+  np.testing.assert_array_equal(a.column("index").to_numpy(), np.arange(2500))
+  np.testing.assert_array_equal(b.column("index").to_numpy(), np.arange(2500))
+  np.testing.assert_array_equal(np.stack(a.column("classes").to_numpy(zero_copy_only=False)),
+                                np.stack(b.column("classes").to_numpy(zero_copy_only=False)))
+  np.testing.assert_allclose(np.stack(a.column("scores").to_numpy(zero_copy_only=False)),
+                             np.stack(b.column("scores").to_numpy(zero_copy_only=False)),
+                             rtol=1e-5, atol=1e-6)
