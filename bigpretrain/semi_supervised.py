@@ -75,7 +75,7 @@ def _write_json(path: epath.Path, payload) -> None:
     return
   tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
   tmp.write_text(json.dumps(payload, indent=1, default=float))
-  tmp.rename(path)
+  tmp.replace(path)  # Overwrites (results.json after another round).
 
 
 def _say(text: str) -> None:

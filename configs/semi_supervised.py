@@ -35,7 +35,11 @@ instead of 1%), K = 100 (the paper's K = 16k is 1.6% of its 1M images per class;
 that would be 4 images, so K keeps ~43% of the ~230 pool images per class instead). Teacher
 and student are both `vit_demo` (the paper's self-training variant, section 4.3): the
 registry's CNNs train at 30-120 images/s on 2 CPU cores, too slow for a demo of five stages.
-Demo lengths in steps of 128 images, lrs raised for runs of a few hundred steps.
+Demo lengths in steps of 128 images: teacher 150, student 150, fine-tuning 50 (baseline 200).
+The demo keeps the schedules' shapes but not the optimizer: a small ViT under SGD learns
+little in a few hundred steps (4.4% top-1 after 120 teacher steps, against 13.4% with AdamW
+at lr 2e-3, weight decay 0.05 and 3 halvings; 13 halvings leave ~20 steps at a useful lr), so
+the demo uses AdamW (lr 2e-3; 5e-4 for fine-tuning, with its three x0.1 steps) and 3 halvings.
 
 Args: scale (demo | paper), dataset, data_dir, teacher, student (registry names; teacher=same
 gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked |
@@ -53,6 +57,7 @@ WARMUP_EPOCHS = 5  # Goyal et al. 2017, the paper's [13]; the paper gives no len
 FINETUNE_EPOCHS = 30.0
 PAPER_TOP_P, PAPER_K = 10, 16_000  # Section 4.1.
 NUM_HALVINGS = 13  # "the total number of reductions is 13".
+DEMO_HALVINGS = 3
 
 
 def _trainer(*, model: str, image_size: int, batch_size: int, lr: float) -> ml_collections.ConfigDict:
@@ -68,6 +73,12 @@ def _trainer(*, model: str, image_size: int, batch_size: int, lr: float) -> ml_c
   c.optim.weight_decay = 1e-4
   c.optim.lr = lr
   return c
+
+
+def _demo_optimizer(c) -> None:
+  """AdamW for the demo's small ViT: with SGD it reached 4.4% top-1 on D in 120 steps."""
+  c.optim.name = "adamw"
+  c.optim.weight_decay = 0.05
 
 
 def pretrain_schedule(c, warmup_steps: int) -> None:
@@ -123,12 +134,14 @@ def get_config(arg=None):
     teacher = student
   if demo:
     size, batch = 32, 128
-    c.teacher = _trainer(model=teacher, image_size=size, batch_size=batch, lr=0.05)
+    c.teacher = _trainer(model=teacher, image_size=size, batch_size=batch, lr=2e-3)
     c.teacher.total_steps = 150
-    c.student = _trainer(model=student, image_size=size, batch_size=batch, lr=0.05)
+    c.student = _trainer(model=student, image_size=size, batch_size=batch, lr=2e-3)
     c.student.total_steps = 150
-    c.finetune = _trainer(model=student, image_size=size, batch_size=batch, lr=0.01)
+    c.finetune = _trainer(model=student, image_size=size, batch_size=batch, lr=5e-4)
     c.finetune.total_steps = 50
+    for stage in (c.teacher, c.student, c.finetune):
+      _demo_optimizer(stage)
     warmup = 10
   else:
     size, batch = 224, PAPER_BATCH
@@ -154,6 +167,8 @@ def get_config(arg=None):
   pretrain_schedule(c.teacher, warmup)
   pretrain_schedule(c.student, warmup)
   finetune_schedule(c.finetune)
+  if demo:  # 13 halvings in 140 steps would leave ~20 steps at a useful lr.
+    c.teacher.optim.schedule.num_decays = c.student.optim.schedule.num_decays = DEMO_HALVINGS
   # The supervised baseline: the student's architecture and pretraining recipe on D alone;
   # total_steps -1 = the student's pretraining steps plus its fine-tuning steps.
   c.baseline = ml_collections.ConfigDict(c.student.to_dict())
