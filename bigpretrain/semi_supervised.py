@@ -102,7 +102,13 @@ def labelled_data(config) -> dict:
 def train_stage(name: str, cfg, folder: epath.Path) -> dict:
   """Trains `cfg` in `folder` unless its marker says it is done; returns the marker."""
   done = _read_done(folder)
+  plain = json.loads(json.dumps(cfg.to_dict(), default=str))
   if done is not None:
+    if done.get("config") != plain:
+      diff = sorted(k for k in set(plain) | set(done.get("config") or {})
+                    if plain.get(k) != (done.get("config") or {}).get(k))
+      raise ValueError(f"[{name}] {folder} was trained with another config (keys {diff}); "
+                       "use another --workdir, or delete that folder to train it again.")
     _say(f"[{name}] done already in {folder}: skipped ({METRIC}={_metric(done)})")
     return done
   _say(f"[{name}] training in {folder}")
@@ -116,7 +122,7 @@ def train_stage(name: str, cfg, folder: epath.Path) -> dict:
   if reached is None or reached < total:
     raise Interrupted(f"[{name}] stopped at step {reached} of {total} in {folder}; re-run the "
                       "same command to resume it.")
-  done = {"stage": name, "total_steps": total, "results": results}
+  done = {"stage": name, "total_steps": total, "results": results, "config": plain}
   _write_json(folder / DONE_FILE, done)
   return done
 
@@ -218,7 +224,8 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   info = selection.prepare(
       str(pool), str(folder), k=k, variant=c.variant, class_sizes=class_sizes,
       zipf_total=c.zipf_total if c.zipf_total > 0 else None, zipf_exponent=c.zipf_exponent,
-      seed=c.seed, expected_class_names=class_names)
+      seed=c.seed, expected_class_names=class_names, beam_runner=c.beam_runner or None,
+      beam_options=c.beam_options.split())
   _say(selection.summary(info, str(folder)))
   if not info["report"]["num_selected"]:
     raise ValueError(f"The selection in {folder} is empty: no pool image kept any class in "
@@ -260,7 +267,11 @@ def run(config, workdir: str) -> dict:
     _sync("pool")
     pool_stage(preds, exclude, class_names, rdir / "pool")
     _sync("selection")
-    sel = selection_stage(config, rdir / "pool", class_names, rdir / "selection")
+    if _is_main():  # One Beam job; --config.selection.beam_runner spreads it.
+      sel = selection_stage(config, rdir / "pool", class_names, rdir / "selection")
+    _sync("student")
+    if not _is_main():
+      sel = json.loads((rdir / "selection" / selection_formats.SELECTION_FILE).read_text())
     student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
                     "subset_frac": 0.0}
     student = train_stage(f"round {r} student",

@@ -12,11 +12,14 @@ are ordinary trainer configs (override e.g. `--config.student.total_steps=...`);
 `infer` and `selection` feed the other stages; `rounds=2` makes the fine-tuned student the
 next round's teacher (supplement section 3; Table 4: +0.3% for a second ResNet-50 round).
 
-Paper scale (`:scale=paper,dataset=tfds:imagenet2012,pool=tfds:yfcc100m,...` needs the pool
-as a split of the same dataset; see `data.pool_splits`): ResNeXt-101 32x48d teacher, ResNet-50
-student, P = 10, K = 16k (section 4.1), 1B processed images of pretraining, batch 1536 on 64
-GPUs (24 per GPU), SGD momentum 0.9, weight decay 1e-4, lr 0.1 x batch / 256 reached by a
-warm-up from 0.1, halved at 13 equally spaced steps; fine-tuning at lr 0.00025 x batch / 256
+Paper scale (`--config=configs/semi_supervised.py:scale=paper,dataset=NAME,data_dir=DIR`):
+the pool is read as `data.pool_splits` of the labelled dataset NAME (inference and the
+`selection:DIR` source key images by (dataset, split, index)), e.g. a `folder:NAME` dataset
+prepared with ImageNet as train/validation and YFCC100M as a split 'yfcc100m' under the same
+class list. ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K = 16k (section 4.1),
+1B processed images of pretraining, batch 1536 on 64 GPUs (24 per GPU), SGD momentum 0.9,
+weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13 equally
+spaced steps; fine-tuning at lr 0.00025 x batch / 256
 with three equally spaced x0.1 steps over 30 epochs ("Training details", section 4.1).
 Paper numbers (Table 2, ImageNet-1k val top-1): the ResNet-50 student reaches 75.9 after
 pretraining on D-hat and 79.1 after fine-tuning, vs 76.4 for the supervised baseline;
@@ -34,12 +37,14 @@ classes and 23k pool images scale P and K down: P = 10 as in the paper (10% of t
 instead of 1%), K = 100 (the paper's K = 16k is 1.6% of its 1M images per class; on the demo
 that would be 4 images, so K keeps ~43% of the ~230 pool images per class instead). Teacher
 and student are both `vit_demo` (the paper's self-training variant, section 4.3): the
-registry's CNNs train at 30-120 images/s on 2 CPU cores, too slow for a demo of five stages.
+registry's smallest CNN, resnet18, trains at ~19 images/s on 2 CPU cores at 32x32 (vit_demo
+at ~180), too slow for a demo of five stages.
 Demo lengths in steps of 128 images: teacher 150, student 150, fine-tuning 50 (baseline 200).
-The demo keeps the schedules' shapes but not the optimizer: a small ViT under SGD learns
-little in a few hundred steps (4.4% top-1 after 120 teacher steps, against 13.4% with AdamW
-at lr 2e-3, weight decay 0.05 and 3 halvings; 13 halvings leave ~20 steps at a useful lr), so
-the demo uses AdamW (lr 2e-3; 5e-4 for fine-tuning, with its three x0.1 steps) and 3 halvings.
+The demo keeps the schedules' shapes, not the paper's optimizer settings: 13 halvings in
+120 teacher steps leave ~20 steps at a useful lr, and both SGD (lr 0.05) and AdamW (lr 2e-3)
+ended there at ~4% top-1 on demo validation; AdamW at lr 2e-3, weight decay 0.05, with 3
+halvings over 150 steps reached 13.4% (SGD with 3 halvings was not tried). So the demo uses
+AdamW (lr 2e-3; 5e-4 for fine-tuning, with its three x0.1 steps) and 3 halvings.
 
 Args: scale (demo | paper), dataset, data_dir, teacher, student (registry names; teacher=same
 gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked |
@@ -126,7 +131,9 @@ def get_config(arg=None):
       fsdp=1))
   c.selection = ml_collections.ConfigDict(dict(
       k=arg.k if arg.k > 0 else (100 if demo else PAPER_K), variant=arg.variant,
-      class_sizes="", zipf_total=-1, zipf_exponent=1.0, seed=0))
+      class_sizes="", zipf_total=-1, zipf_exponent=1.0, seed=0,
+      # The Beam runner ('' = DirectRunner here) and its options, space-separated flags.
+      beam_runner="", beam_options=""))
 
   student = arg.student or ("vit_demo" if demo else "resnet50")
   teacher = arg.teacher or ("vit_demo" if demo else "resnext101_32x48d")

@@ -241,6 +241,8 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
                        infer.PARAMS_FILE).read_text())
   assert params["workdir"] == str(r1 / "finetune")
   assert _steps(tmp_path / "round2" / "finetune")[-1] == 6
+  with pytest.raises(ValueError, match=r"\[teacher\] .* another config \(keys \['total_steps'\]\)"):
+    semi_supervised.run(_tiny_config(**{"teacher.total_steps": 7}), str(tmp_path))
 
 
 def test_bad_input_gets_clear_errors(tmp_path):
