@@ -7,10 +7,11 @@ Both on the same fixed synthetic batch, the model, mesh and shardings of the con
 section (a trainer config; the default is the demo teacher): `infer` is bigpretrain.infer's
 jitted step (eval-mode forward, softmax, top-P, replicated top-P rows back), `forward` is the
 train step's loss without its gradient (train-mode forward: BatchNorm batch statistics,
-dropout) and `train` the whole train step. Inference should run at least as fast as the
-forward pass it shares with training (ratio_infer_over_forward >= 1) and about 3x the train
-step; much less means its output transfer or top-P costs too much. Not timed: decoding and
-the input pipeline (benchmarks/input_pipeline.py), and writing shards.
+dropout) and `train` the whole train step. Inference should cost about one train forward
+(ratio_infer_over_forward near 1; softmax, top-P and the replicated [B, P] rows are its
+extra) and a fraction of a train step (ratio_infer_over_train ~3 or more); much less means
+its output transfer or top-P costs too much. Not timed: decoding and the input pipeline
+(benchmarks/input_pipeline.py), and writing shards.
 
 Fields: images_per_sec and step_time_ms (inference), forward_images_per_sec,
 train_images_per_sec, ratio_infer_over_forward, ratio_infer_over_train, compile times,
@@ -85,8 +86,8 @@ def measure(config, stage: str, batch_size: int, steps: int) -> dict:
   with jax.set_mesh(exp.mesh):
     infer_compile, infer_s = _time(lambda: infer_step(params, extra, batch_infer), steps)
     forward_compile, forward_s = _time(lambda: forward(params, extra, batch), steps)
-    runner = common.Runner(section)
-    train_s = runner.run(steps)
+  runner = common.Runner(section)  # Builds its own model: outside the mesh context.
+  train_s = runner.run(steps)
   out = common.report(section, infer_s, infer_compile)
   out.update(stage=stage, top_p=config.infer.top_p,
              forward_images_per_sec=batch_size / forward_s, forward_compile_time_s=forward_compile,
