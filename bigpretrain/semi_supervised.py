@@ -140,15 +140,16 @@ def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
     raise ValueError(f"config.data.pool_splits names {missing}, which dataset "
                      f"{config.data.name!r} lacks; its splits: {list(info.splits)}.")
   rest = bool(config.data.pool_train_rest)
+  train_split = config.data.get("subset_split", "train")
   if rest and not config.data.subset_frac:
     raise ValueError("config.data.pool_train_rest needs config.data.subset_frac > 0: without "
                      "a labelled draw, all of train is the labelled set D.")
-  if rest and "train" in splits:
-    raise ValueError("config.data.pool_splits has 'train' and pool_train_rest is set: the "
-                     "labelled records would be in the pool too.")
+  if rest and train_split in splits:
+    raise ValueError(f"config.data.pool_splits has {train_split!r} and pool_train_rest is set: "
+                     "the labelled records would be in the pool too.")
   if not splits and not rest:
     raise ValueError("The pool is empty: set config.data.pool_splits and/or pool_train_rest.")
-  return splits + (["train"] if rest else [])
+  return splits + ([train_split] if rest else [])
 
 
 def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
@@ -248,7 +249,7 @@ def run(config, workdir: str) -> dict:
   class_names = list(d_set.info.class_names) or [str(c) for c in range(d_set.info.num_classes)]
   exclude = {}
   if config.data.pool_train_rest:  # The train records of D stay out of U.
-    exclude["train"] = d_set.indices
+    exclude[d_set.split] = d_set.indices
   _say(f"D: {d_set.info.num_examples['train']} labelled images of {config.data.name!r}; U: "
        f"splits {pool_splits}" + (" (train without D)" if exclude else ""))
   results = {"rounds": []}

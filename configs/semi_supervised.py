@@ -30,7 +30,7 @@ paper's [13]), plain (not Nesterov) momentum as in [13]; fine-tuning has no warm
 supervised baseline trains the student architecture on D alone for as many steps as
 pretraining plus fine-tuning, with the pretraining optimizer and schedule.
 
-Demo (no arg, about 6 minutes on 2 CPU cores): D = a seeded class-balanced 10% of the demo
+Demo (no arg, about 7 minutes on 2 CPU cores): D = a seeded class-balanced 10% of the demo
 train split (data.subset_frac; input_pipeline/subset.py), U = the `unlabeled` split plus the
 other 90% of train (its labels are never read: the selection relabels it). The demo's 100
 classes and 23k pool images scale P and K down: P = 10 as in the paper (10% of the classes
