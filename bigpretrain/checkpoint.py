@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 from absl import logging
 import grain
@@ -29,6 +30,25 @@ def _target(x):
 
 def _abstract(tree):
   return jax.tree.map(_target, tree)
+
+
+def _quiet_closed_loop_callbacks() -> None:
+  """After a failed restore, the storage layer's reads still in flight complete into the
+  restore's closed asyncio loop, and each reports 'RuntimeError: Event loop is closed' as an
+  unraisable exception (a traceback each, dozens per failure). The failure itself is reported
+  once by `restore`; drop only those."""
+  if getattr(sys.unraisablehook, "quiet_closed_loop", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.quiet_closed_loop = True
+  sys.unraisablehook = hook
 
 
 class _IteratorSnapshot:
@@ -98,6 +118,7 @@ class Checkpointer:
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
     """Restores the newest readable checkpoint into `state`'s structure and shardings."""
+    _quiet_closed_loop_callbacks()
     for step in sorted(self.manager.all_steps(), reverse=True):
       items = {
           "params": ocp.args.StandardRestore(
@@ -110,10 +131,11 @@ class Checkpointer:
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
-        logging.error("Checkpoint %s/%d cannot be restored (%s: %s); falling back to the "
-                      "previous one.", self.directory, step, type(e).__name__, e)
-        print(f"WARNING: checkpoint step {step} is unreadable ({type(e).__name__}); "
-              "moved aside, falling back to the previous checkpoint.", flush=True)
+        logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
+                     type(e).__name__, e)
+        print(f"WARNING: checkpoint step {step} in {self.directory} is unreadable "
+              f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to the "
+              "previous checkpoint.", flush=True)
         self._move_aside(step)
         continue
       restored = {**out["params"], **out["train"]}

@@ -349,7 +349,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if not results and start >= total_steps:
     results = run_evals(total_steps, state, force=True)
   writer.close()
-  summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items()) if "level" not in k)
+  summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
+                     if not k.endswith("num_examples"))
   if is_main:
     print(f"Final eval at step {total_steps}: {summary}", flush=True)
   return results
