@@ -51,16 +51,17 @@ import tensorflow_datasets as tfds
 from bigpretrain.hashtags import vocabulary
 from input_pipeline import beam_images as job
 from input_pipeline import crawl_inputs
+from input_pipeline import hashtag_source
 
-BUILDER_NAME = "bigpretrain_hashtags"
-FIELD = "hashtag_ids"
+BUILDER_NAME = hashtag_source.BUILDER_NAME
+FIELD = hashtag_source.FIELD
 MIN_COUNT = 1  # Canonical labels: the paper filters raw hashtags only (section 3.1).
 MIN_RAW_COUNT = 2  # Section 3.1: hashtags "used more than once".
 TAIL_THRESHOLD = 5000  # Appendix A: the head is hashtags in at least 5,000 images.
 MAX_PIXELS = 1 << 26  # 8192 x 8192; decoding that much RGB takes 192 MiB.
 MAX_IMAGE_BYTES = 1 << 26  # 64 MiB; larger files are skipped unread.
 SKIP_EXAMPLES = 20
-LABEL_INDEX = "hashtag_ids-{split}.npz"
+LABEL_INDEX = hashtag_source.LABEL_INDEX
 _SKIP = "skip"  # Tag of the skip side outputs.
 SPLIT_ORDER = ("train", "validation", "test")
 
@@ -462,3 +463,20 @@ def prepare(manual_dir, data_dir, name: str, *, min_count: int = MIN_COUNT,
   job.generate(builder, manual_dir, beam_runner=beam_runner, beam_options=beam_options)
   _write_label_indexes(builder)
   return builder
+
+
+def summary(builder) -> str:
+  """Human-readable summary of a prepared hashtag dataset."""
+  meta = dict(builder.info.metadata)
+  splits = {s: builder.info.splits[s].num_examples for s in sorted(builder.info.splits.keys())}
+  vocab, head_tail = meta["vocabulary"], meta["head_tail"]
+  top = sorted(vocab, key=lambda v: (-v["images"], v["label"]))[:5]
+  return "\n".join([
+      f"Dataset {builder.info.full_name} in {builder.data_dir}",
+      f"  examples: {splits}",
+      f"  vocabulary: {len(vocab)} canonical hashtags from {meta['raw_tags']} raw train tags;"
+      f" most frequent: {[(v['label'], v['images']) for v in top]}",
+      f"  head/tail at {head_tail['tail_threshold']} images: {head_tail}",
+      f"  skipped (by reason): {meta['skipped']}",
+      f"  full report: {builder.data_dir}/metadata.json",
+  ])
