@@ -139,7 +139,7 @@ def _read_image(sample: crawl_inputs.Sample) -> bytes:
   if sample.data is not None:
     data = sample.data
   else:
-    size = sample.size if sample.offset >= 0 else epath.Path(sample.path).stat().st_size
+    size = sample.size if sample.offset >= 0 else epath.Path(sample.path).stat().length
     if size > MAX_IMAGE_BYTES:
       raise _TooLarge(f"{size} bytes, more than {MAX_IMAGE_BYTES}")
     data = job.read_file(sample.path, sample.offset, sample.size)
@@ -212,7 +212,8 @@ class _ToExample(beam.DoFn):
                                       "hashtags": list(sample.tags), "file_name": sample.name})
 
 
-def _in_split(element, split: str) -> bool:
+def _in_split(element, split: str, vocabulary_checked) -> bool:
+  del vocabulary_checked  # A side input, so that an empty vocabulary fails before writing.
   return element[0] == split
 
 
@@ -231,7 +232,6 @@ def _check_vocabulary(_, counts, min_count: int):
 def _report(_, path: str, counts, canonical, raw_stats, skip_counts, skip_examples, stats,
             params: dict[str, Any]):
   """Writes the report the builder folds into the metadata (vocabulary, stats, skips)."""
-  _check_vocabulary(None, counts, params["min_count"])
   raw = {}
   for tag, label, n in canonical:
     raw.setdefault(label, {})[tag] = n
@@ -298,10 +298,15 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
   examples = images["images"] | "ToExamples" >> beam.ParDo(
       _ToExample(plan.tail_threshold), index=beam.pvalue.AsDict(index)).with_outputs(
           _SKIP, "stats", main="examples")
+  checked = (pipeline
+             | "CheckSeed" >> beam.Create([None])
+             | "CheckVocabulary" >> beam.Map(_check_vocabulary, beam.pvalue.AsList(counts),
+                                             plan.min_count))
   splits = {}
   for split in plan.splits:
     splits[split] = (examples["examples"]
-                     | f"{split}/Select" >> beam.Filter(_in_split, split)
+                     | f"{split}/Select" >> beam.Filter(_in_split, split,
+                                                        beam.pvalue.AsSingleton(checked))
                      | f"{split}/Unkey" >> beam.Map(_drop_split))
   skips = ([read[_SKIP], labelled[_SKIP], images[_SKIP], examples[_SKIP]]
            | "AllSkips" >> beam.Flatten())
