@@ -7,8 +7,9 @@
 Inputs: WebDataset shards and JSONL/Parquet manifests under RAW (crawl_inputs.py documents
 the layouts, the accepted tag keys and how splits are found). The job:
   1. reads every input (tar members in memory, never extracted) into samples of raw tags;
-  2. counts each raw tag's train images and keeps the tags in at least `min_raw_count` of
-     them (the paper keeps hashtags "used more than once": 2);
+  2. counts each raw tag's train images (every train sample read, before its image is
+     checked) and keeps the tags in at least `min_raw_count` of them (the paper keeps
+     hashtags "used more than once": 2);
   3. canonicalises each DISTINCT kept tag once (bigpretrain.hashtags.vocabulary, Listing 1),
      and hands the tag -> label map to the samples as a side input (only tags with a label,
      a small share of a crawl's tags);
