@@ -12,9 +12,12 @@
   'imagenet21k_p'        ImageNet-21K-P prepared in data.dir by `python -m input_pipeline.prepare
                          imagenet21k_p --manual_dir=RAW --data_dir=DIR` (imagenet21k_p.py);
                          class_names are the kept wnids, splits 'train' and 'validation'.
-  'hashtags:demo'        the demo read as a SWAG hashtag dataset: canonical hashtags as
-                         classes, 'hashtag_ids' per record, head/tail resampled train
-                         (hashtag_source.py).
+  'hashtags:NAME'        a SWAG hashtag dataset prepared into data.dir by `python -m
+                         input_pipeline.prepare hashtags --manual_dir=RAW --data_dir=DIR
+                         --name=NAME` (hashtag_job.py): canonical hashtags as classes,
+                         'hashtag_ids' per record, head/tail resampled train
+                         (hashtag_source.py). 'hashtags:demo': the demo's tags, prepared
+                         by the same job on first use.
   'folder:NAME'          an ImageFolder tree converted into data.dir by `python -m
                          input_pipeline.prepare folder --manual_dir=RAW --data_dir=DIR
                          --name=NAME` (image_folder.py); class_names are the folder names.
@@ -224,7 +227,7 @@ def _selection(name: str, data_dir: str):
   return selection_source.SelectionDataset(name, data_dir)
 
 
-def _hashtags_demo(name: str, data_dir: str):
+def _hashtags(name: str, data_dir: str):
   # Imported on use: hashtag_source imports this module.
   from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top
   return hashtag_source.load(name, data_dir)
@@ -266,7 +269,7 @@ register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
 register_source(IMAGENET21K_P, _imagenet21k_p)
 register_source("folder:", _folder, "folder:NAME")
 register_source("selection:", _selection, "selection:DIR")
-register_source("hashtags:demo", _hashtags_demo)
+register_source("hashtags:", _hashtags, "hashtags:NAME")
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:
