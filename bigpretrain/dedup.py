@@ -128,7 +128,7 @@ def closest_pool_images(index, queries: np.ndarray, *, top_n: int | None = None,
     else:
       radius = 1.0 - max_distance ** 2 / 2.0 - _RANGE_SLACK
       lims, ip, pool = index.range_search(q, radius)
-      query = np.repeat(np.arange(len(q)), np.diff(lims))
+      query = np.repeat(np.arange(len(q)), np.diff(lims).astype(np.int64))
       within = distance(ip) <= max_distance
       pool, ip, query = pool[within], ip[within], query[within]
     merged = {"pool": np.concatenate([best["pool"], pool.astype(np.int64)]),
