@@ -199,6 +199,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
                        f"{report.get('params')} vs {params} now; use another --out.")
     logging.info("Reusing the finished deduplication in %s.", out)
     return report
+  faiss = _faiss()
   pool_source = _source(pool_name, pool_split, data_dir)
   eval_sources = [_source(n, s, data_dir) for n, s in evals]
   if not len(pool_source):
@@ -215,18 +216,14 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
                             meta["data"]["normalize"])
   data_cfg = {**meta["data"], "num_workers": num_workers}
   is_main = jax.process_index() == 0
-  faiss = _faiss()
-  skipped = 0
 
   def features(source, desc):
     """(features [n, dim] float32, positions in source [n]) of source's readable records."""
-    nonlocal skipped
     parts, positions = [], []
     with tqdm.tqdm(total=len(source), unit="img", unit_scale=True, file=sys.stdout,
                    disable=not (progress and is_main), desc=desc) as bar:
       for rows, skipped_rows in infer.forward_rows(step, loaded.variables, source, data_cfg,
                                                    batch_size=batch_size, mesh=mesh):
-        skipped += skipped_rows
         parts.append(rows["features"])
         positions.append(rows["index"])
         bar.update(len(rows["index"]) + skipped_rows)
@@ -261,7 +258,6 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
                  disable=not (progress and is_main), desc=desc) as bar:
     for rows, skipped_rows in infer.forward_rows(step, loaded.variables, pool_source,
                                                  data_cfg, batch_size=batch_size, mesh=mesh):
-      skipped += skipped_rows
       bar.update(len(rows["index"]) + skipped_rows)
       if is_main and len(rows["index"]):
         if index is None:
@@ -291,7 +287,8 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
         "against": [{"dataset": n, "split": s, "num_records": len(src)}
                     for (n, s), src in zip(evals, eval_sources)],
         "num_queries": len(query_keys),
-        "skipped_corrupt": skipped,
+        "skipped_corrupt": (num_pool - int(index.ntotal)
+                            + sum(len(src) for src in eval_sources) - len(query_keys)),
         "index": ({"type": "IndexIVFFlat", "nlist": lists, "nprobe": nprobe,
                    "train_points": len(train)} if use_ivf else {"type": "IndexFlatIP"}),
         "num_removed": len(removed),
