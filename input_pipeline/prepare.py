@@ -9,7 +9,7 @@ and the semi-supervised selection index.
   python -m input_pipeline.prepare selection --predictions=DIR --k=K --data_dir=OUT \
       [--variant=balanced_ranked|unbalanced_ranked|balanced_with_tags] \
       [--class_sizes=SIZES.json | --zipf_total=T [--zipf_exponent=1.0]] [--seed=0] \
-      [--expected_classes=CLASSES.txt]
+      [--expected_classes=CLASSES.txt] [--exclude=FILE]
   python -m input_pipeline.prepare hashtags --manual_dir=RAW --data_dir=OUT [--name=NAME] \
       [--min_count=1] [--min_raw_count=2] [--tail_threshold=5000] [--image_size=keep] \
       [--max_pixels=N]
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
   psel.add_argument("--expected_classes", default=None,
                     help="Text file, one class name a line: the class list the teacher must "
                     "have.")
+  psel.add_argument("--exclude", default=None,
+                    help="Exclusion list (bigpretrain.dedup's exclusions.tsv): its images are "
+                    "never selected.")
   psel.add_argument("--batch_size", type=int, default=selection.BATCH_SIZE,
                     help="Prediction rows read per batch.")
 
@@ -152,7 +155,7 @@ def run_selection(args, beam_options) -> str:
       args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,
       zipf_total=args.zipf_total, zipf_exponent=args.zipf_exponent, seed=args.seed,
       expected_class_names=expected, beam_runner=args.beam_runner, beam_options=beam_options,
-      batch_size=args.batch_size)
+      batch_size=args.batch_size, exclude=args.exclude)
   return selection.summary(info, args.data_dir)
 
 
