@@ -1,5 +1,7 @@
 """Transfer the SWAG way: EMA of the weights, shorter-side eval crop, few-shot draws, the
 zero-shot-initialised head and configs/swag_finetune.py."""
+import shutil
+
 from flax import nnx
 import jax
 import numpy as np
@@ -72,21 +74,27 @@ def test_ema_equals_numpy_average_and_survives_a_checkpoint(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, _host(loaded), got)
 
 
-def test_resume_keeps_the_ema(tmp_path):
-  """2 steps, stop, 2 more from the checkpoint == 4 steps in one go."""
-  overrides = {"ema.momentum": 0.5, "ckpt_every_steps": 2}
+def test_resume_keeps_the_ema(tmp_path, capsys):
+  """A 4-step run, then its step-4 checkpoint removed and the run resumed from step 2: the
+  final EMA is the same."""
+  config = helpers.tiny_config("single_label", total_steps=4, ckpt_every_steps=2,
+                               **{"ema.momentum": 0.5})
+  ckpts = tmp_path / "checkpoints"
 
-  def final_ema(workdir, steps):
-    train.train_and_evaluate(helpers.tiny_config("single_label", total_steps=steps,
-                                                 **overrides), str(workdir))
-    exp = train.build(helpers.tiny_config("single_label", **overrides))
-    restored, _ = checkpoint.Checkpointer(str(workdir / "checkpoints"),
-                                          async_save=False).restore(exp.init_state())
+  def final_ema():
+    train.train_and_evaluate(config.copy_and_resolve_references(), str(tmp_path))
+    exp = train.build(config.copy_and_resolve_references())
+    restored, step = checkpoint.Checkpointer(str(ckpts), async_save=False).restore(
+        exp.init_state())
+    assert step == 4
     return _host(restored["ema"])
 
-  straight = final_ema(tmp_path / "a", 4)
-  final_ema(tmp_path / "b", 2)
-  resumed = final_ema(tmp_path / "b", 4)
+  straight = final_ema()
+  assert (ckpts / "2" / "ema").is_dir()
+  shutil.rmtree(ckpts / "4")
+  capsys.readouterr()
+  resumed = final_ema()
+  assert "Resuming from step 2" in capsys.readouterr().out
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                resumed, straight)
 
