@@ -40,6 +40,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from input_pipeline import demo
+from input_pipeline import subset
 
 # tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
 # imported from there, so that reading needs no Apache Beam).
@@ -295,14 +296,15 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
 
 
 def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[float]]:
-  """The train split of `dataset` and of every data.mix entry, with their weights.
+  """The train split of `dataset` (its per-class draw when data.subset_frac < 1; see
+  subset.py) and of every data.mix entry, with their weights.
 
   Mixed datasets are looked up like data.name (same data.dir) and must have the same classes
   in the same order, so that one label means one class everywhere.
   """
   split = data_cfg.get("train_split", "train")
   mix = parse_mix(data_cfg.get("mix", ""))
-  sources = [dataset.source(split)]
+  sources = [subset.apply(dataset.source(split), data_cfg, dataset.info.name)]
   weights = [1.0 - sum(w for _, w in mix)]
   for name, weight in mix:
     other = get_dataset({"name": name, "dir": _data_dir(data_cfg)})

@@ -1,0 +1,113 @@
+"""Few-shot training sets: a seeded per-class draw of a share of a labelled split.
+
+SWAG (Singh et al. 2022, section 4.2, Table 2) fine-tunes on 1% and 10% of ImageNet-1k's
+training images, following SimCLRv2 and SEER. `config.data.subset_frac` (1.0 = all) and
+`config.data.subset_seed` select them here for any single-label dataset:
+- class c with n_c train records keeps k_c = max(1, floor(frac * n_c + 1/2)) of them (rounded
+  half up, never zero, so that no class disappears from a 1% draw of a small class);
+- which ones: the first k_c of a permutation of the class's record indices (ascending) drawn
+  by numpy's Generator seeded with (subset_seed, c). Each class's draw depends only on the
+  seed, its own records and c, so the 1% subset lies inside the 10% one for the same seed;
+- the kept indices are read in ascending order; the trainer shuffles them as any source.
+
+Finding the classes reads every record of the split once (the labels are inside the
+records), once per process and per run.
+"""
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def per_class_counts(class_sizes, frac: float) -> np.ndarray:
+  """k_c = max(1, floor(frac * n_c + 1/2)) for every class with n_c > 0 (0 for empty ones)."""
+  n = np.asarray(class_sizes, np.int64)
+  k = np.maximum(1, np.floor(frac * n + 0.5).astype(np.int64))
+  return np.where(n > 0, np.minimum(k, n), 0)
+
+
+def per_class_draw(labels, frac: float, seed: int) -> np.ndarray:
+  """Sorted indices into `labels` (int class ids [N]) of the per-class draw (module doc)."""
+  check_frac(frac)
+  labels = np.asarray(labels)
+  if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f"labels must be a 1-D array of int class ids, got {labels.dtype} "
+                     f"{labels.shape}")
+  if labels.size and labels.min() < 0:
+    raise ValueError(f"labels must be >= 0, got {labels.min()}")
+  if frac == 1.0:
+    return np.arange(len(labels), dtype=np.int64)
+  order = np.argsort(labels, kind="stable")  # Each class's indices, ascending.
+  classes, starts, sizes = np.unique(labels[order], return_index=True, return_counts=True)
+  keep = []
+  for c, start, size, k in zip(classes, starts, sizes, per_class_counts(sizes, frac)):
+    members = order[start:start + size]
+    rng = np.random.default_rng([int(seed), int(c)])
+    keep.append(members[rng.permutation(size)[:k]])
+  return np.sort(np.concatenate(keep)) if keep else np.zeros((0,), np.int64)
+
+
+def check_frac(frac: Any) -> None:
+  if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+    raise ValueError(f"data.subset_frac={frac!r} must be a number in (0, 1] (1 = the whole "
+                     "split; 0.01 = 1% of each class).")
+
+
+class SubsetSource:
+  """The records `indices` of `source`, renumbered 0..len-1 (picklable for grain workers)."""
+
+  def __init__(self, source, indices):
+    self._source = source
+    self._indices = np.asarray(indices, np.int64)
+    self.split = getattr(source, "split", None)
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, index: int):
+    if not 0 <= index < len(self):
+      raise IndexError(f"record {index} outside {self!r}")
+    return self._source[int(self._indices[index])]
+
+  def __repr__(self) -> str:
+    return f"SubsetSource({self._source!r}, len={len(self)})"
+
+
+def _labels(source) -> np.ndarray:
+  """The 'label' of every record of `source`, read in chunks."""
+  out = []
+  for start in range(0, len(source), 1024):
+    ids = list(range(start, min(start + 1024, len(source))))
+    records = (source.__getitems__(ids) if hasattr(source, "__getitems__")
+               else [source[i] for i in ids])
+    for i, record in zip(ids, records):
+      label = record.get("label") if isinstance(record, Mapping) else None
+      if isinstance(label, bool) or not isinstance(label, (int, np.integer)):
+        raise ValueError(f"data.subset_frac needs single-label records with an int 'label'; "
+                         f"record {i} has {label!r}")
+      out.append(int(label))
+  return np.asarray(out, np.int64)
+
+
+# (dataset, dir, split, size, frac, seed) -> kept indices: build() and the train iterator
+# share one read of the labels.
+_DRAWS: dict[tuple, np.ndarray] = {}
+
+
+def apply(source, data_cfg, dataset_name: str):
+  """`source` (data.train_split of `dataset_name`), or its per-class draw when
+  data.subset_frac < 1."""
+  frac = data_cfg.get("subset_frac", 1.0)
+  seed = data_cfg.get("subset_seed", 0)
+  check_frac(frac)
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f"data.subset_seed={seed!r} must be an int >= 0.")
+  if frac == 1.0:
+    return source
+  if getattr(source, "index_sampler", None) is not None:
+    raise ValueError(f"data.subset_frac={frac} cannot be applied to {dataset_name!r}: its train "
+                     "split has its own index sampler (e.g. hashtag resampling).")
+  key = (dataset_name, str(data_cfg.get("dir", "")), getattr(source, "split", None),
+         len(source), float(frac), seed)
+  if key not in _DRAWS:
+    _DRAWS[key] = per_class_draw(_labels(source), float(frac), seed)
+  return SubsetSource(source, _DRAWS[key])
