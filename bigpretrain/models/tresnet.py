@@ -1,6 +1,6 @@
 """TResNet-M / TResNet-L (Ridnik et al., "TResNet: High Performance GPU-Dedicated
-Architecture", WACV 2021) in timm's layout (timm/models/tresnet.py), the ImageNet-21K
-paper's main backbones (Ridnik et al. 2021, Tables 4 and 10).
+Architecture", WACV 2021) in timm's layout (timm/models/tresnet.py), backbones of the
+ImageNet-21K paper (Ridnik et al. 2021, Table 4).
 
 Stem: SpaceToDepth (each 4x4 patch stacked into 48 channels, no strided conv), then a 3x3
 conv + BN + leaky ReLU (slope 1e-2) to `planes` = int(64 * width_factor) channels.
@@ -97,6 +97,22 @@ class ConvNormAct(nnx.Module):
     return blur_pool(x) if self.blur else x
 
 
+class Shortcut(ConvNormAct):
+  """Projection shortcut: 2x2 average pool when strided, then 1x1 conv + BN (no act)."""
+
+  def __init__(self, in_ch: int, out_ch: int, *, stride: int, **kw):
+    super().__init__(in_ch, out_ch, 1, slope=None, **kw)
+    self.stride = stride
+
+  @classmethod
+  def maybe(cls, in_ch: int, out_ch: int, *, stride: int, **kw):
+    """The shortcut a block needs: None (identity) unless the shape changes."""
+    return None if stride == 1 and in_ch == out_ch else cls(in_ch, out_ch, stride=stride, **kw)
+
+  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    return super().__call__(avg_pool_2x2(x) if self.stride == 2 else x, train=train)
+
+
 class BasicBlock(nnx.Module):
   """3x3 (+ blur when strided), 3x3 (BN only), SE; shortcut; ReLU after the sum."""
 
@@ -109,14 +125,14 @@ class BasicBlock(nnx.Module):
     self.conv2 = ConvNormAct(planes, planes, 3, slope=None, zero_scale=zero_init_residual,
                              **kw)
     self.se = regnet.SqueezeExcite(planes, max(planes // 4, 64), **kw) if use_se else None
-    self.downsample = _shortcut(in_ch, planes, stride, **kw)
-    self.stride = stride
+    self.downsample = Shortcut.maybe(in_ch, planes, stride=stride, **kw)
 
   def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
     y = self.conv2(self.conv1(x, train=train), train=train)
     if self.se is not None:
       y = self.se(y)
-    return jax.nn.relu(_shortcut_apply(self, x, train) + y)
+    shortcut = x if self.downsample is None else self.downsample(x, train=train)
+    return jax.nn.relu(shortcut + y)
 
 
 class Bottleneck(nnx.Module):
@@ -134,30 +150,15 @@ class Bottleneck(nnx.Module):
                else None)
     self.conv3 = ConvNormAct(planes, out_ch, 1, slope=None, zero_scale=zero_init_residual,
                              **kw)
-    self.downsample = _shortcut(in_ch, out_ch, stride, **kw)
-    self.stride = stride
+    self.downsample = Shortcut.maybe(in_ch, out_ch, stride=stride, **kw)
 
   def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
     y = self.conv2(self.conv1(x, train=train), train=train)
     if self.se is not None:
       y = self.se(y)
     y = self.conv3(y, train=train)
-    return jax.nn.relu(_shortcut_apply(self, x, train) + y)
-
-
-def _shortcut(in_ch, out_ch, stride, **kw):
-  """The projection (1x1 conv + BN, after the 2x2 average pool when strided) or None."""
-  if stride == 1 and in_ch == out_ch:
-    return None
-  return ConvNormAct(in_ch, out_ch, 1, slope=None, **kw)
-
-
-def _shortcut_apply(block, x, train):
-  if block.downsample is None:
-    return x
-  if block.stride == 2:
-    x = avg_pool_2x2(x)
-  return block.downsample(x, train=train)
+    shortcut = x if self.downsample is None else self.downsample(x, train=train)
+    return jax.nn.relu(shortcut + y)
 
 
 class TResNet(nnx.Module):
