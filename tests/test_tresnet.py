@@ -162,6 +162,9 @@ def test_layout_se_and_names_follow_timm():
   assert "layer1/0/downsample/conv/kernel" not in names  # 64 -> 64 at stride 1
   assert not any(n.startswith("layer4/") and "/se/" in n for n in names)
   assert [len(getattr(m, f"layer{i}")) for i in range(1, 5)] == [3, 4, 11, 3]
+  # Leaky ReLU slopes: 1e-2 after the stem conv (timm's nn.LeakyReLU default), 1e-3 in blocks.
+  assert m.conv1.slope == 1e-2 and m.layer1[0].conv1.slope == m.layer3[0].conv2.slope == 1e-3
+  assert m.layer1[0].conv2.slope is None and m.layer3[0].conv3.slope is None
   blurred = [b.conv1.blur for b in m.layer2] + [b.conv2.blur for b in m.layer3]
   assert blurred == [True, False, False, False] + [True] + [False] * 10
 
