@@ -8,7 +8,6 @@ Every count below is worked out by hand in the comments.
 """
 import io
 import json
-import os
 import pathlib
 import struct
 import tarfile

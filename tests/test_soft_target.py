@@ -15,7 +15,6 @@ from bigpretrain.hashtags import vocabulary
 from bigpretrain.objectives import multi_label
 from bigpretrain.objectives import soft_target
 from input_pipeline import datasets
-from input_pipeline import hashtag_source
 from tests import helpers
 
 C = 6
