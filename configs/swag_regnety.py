@@ -2,7 +2,7 @@ r"""SWAG RegNetY hashtag pretraining (Singh et al., "Revisiting Weakly Supervise
 Pre-Training of Visual Perception Models", CVPR 2022, section 3.2).
 
 Demo (no arg: `hashtags:demo`, the demo's tags canonicalised through WordNet, head/tail
-resampled; RegNetY-400MF on 32x32 images, a few minutes on a 2-core CPU):
+resampled; the 6-block regnety_demo on 32x32 images, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/swag_regnety.py --workdir=/tmp/swag_regnety
   python -m bigpretrain.zero_shot --workdir=/tmp/swag_regnety --dataset=demo
 
@@ -41,7 +41,7 @@ BN_PARAMS = r"(?:^|/|_)bn(?:/|_)"
 def get_config(arg=None):
   """SWAG RegNetY config; `arg` e.g. 'dataset=hashtags:ig,data_dir=/data,model=regnety_16gf'."""
   arg = swag_common.parse(arg)
-  config = swag_common.base(arg, model="regnety_128gf", demo_model="regnety_400mf",
+  config = swag_common.base(arg, model="regnety_128gf", demo_model="regnety_demo",
                             paper_batch=PAPER_BATCH, demo_batch=64, demo_steps=300)
   config.model.zero_init_residual = False
   config.optim.name = "sgd"
