@@ -90,11 +90,17 @@ class HashtagSource:
                                        seed=seed)
 
   def index_sampler(self, seed: int, process_index: int, process_count: int):
-    """This host's share of the resampled stream (the pipeline's sampler hook); None for
-    splits read as they are."""
+    """This host's resampler over its own slice of the images (resampling.host_sampler:
+    memory O(images per host), per-epoch stats logged); the pipeline's sampler hook. None
+    for splits read as they are."""
     if self._tail_threshold is None:
       return None
-    return self.resampler(seed).for_host(process_index, process_count)
+    start, stop = resampling.host_slice(len(self), process_index, process_count)
+    counts = np.bincount(np.concatenate([np.asarray(ids, np.int64) for ids in self._labels]))
+    return resampling.host_sampler(
+        self._labels[start:stop], num_images=len(self), label_counts=counts,
+        tail_threshold=self._tail_threshold, alpha=ALPHA, num_samples=len(self), seed=seed,
+        process_index=process_index, process_count=process_count, log_epochs=True)
 
 
 class HashtagDataset:
