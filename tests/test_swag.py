@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from bigpretrain import checkpoint
-from bigpretrain import metrics
 from bigpretrain import optim
 from bigpretrain import sharding
 from bigpretrain import train
