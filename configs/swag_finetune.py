@@ -4,7 +4,7 @@ checkpoint (configs/swag_regnety.py, configs/swag_vit.py) or any recipe's checkp
 `init` the same recipe from scratch, the baseline a pre-training has to beat.
 
 Demo (no arg: the embedded `demo` dataset, 20,000 train images, "small" by the paper's rule;
-32x32, regnety_400mf; about two minutes on a 2-core CPU):
+32x32, regnety_demo as configs/swag_regnety.py; about two minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/swag_finetune.py --workdir=/tmp/swag_ft_scratch
   From the demo hashtag pre-training (model, image size and normalisation come from the
   checkpoint), then the 1% few-shot run with the zero-shot-initialised head:
@@ -45,7 +45,7 @@ crop + flip for training, the pre-training's augmentation; train at the checkpoi
 (the paper's 384-518 px fine-tuning needs position-embedding resizing for ViTs).
 
 Args: dataset, data_dir, init (checkpoint dir -> config.model_init; its meta sets the model,
-image size and normalisation), model (without init; default regnety_400mf on the demo,
+image size and normalisation), model (without init; default regnety_demo on the demo,
 regnety_16gf otherwise), fewshot (data.subset_frac: 0.01, 0.1; 1 = all), fewshot_seed, zs_head
 (config.model_init_head='zero_shot'), ema (-1: by size as above), lr (-1: as above; at
 config.batch_size), size (auto | small | medium | large).
@@ -62,7 +62,7 @@ EMA_MOMENTUM = 0.9999  # "decay rate of 1e-4".
 STEPS = {"small": 500, "medium": 10_000, "large": 20_000}
 SMALL_MAX, MEDIUM_MAX = 20_000, 500_000  # N <= 20k small, <= 500k medium, else large.
 TRAIN_AUGMENT = "inception_crop|flip"
-DEMO_MODEL, PAPER_MODEL = "regnety_400mf", "regnety_16gf"
+DEMO_MODEL, PAPER_MODEL = "regnety_demo", "regnety_16gf"  # As configs/swag_regnety.py.
 DEMO_BATCH, DEMO_STEPS, DEMO_LR, DEMO_IMAGE_SIZE = 64, 300, 0.01, 32
 
 
@@ -99,6 +99,8 @@ def get_config(arg=None):
     config.data.image_size = meta["data"]["image_size"]
   else:
     config.model = dict(name=arg.model or (DEMO_MODEL if demo else PAPER_MODEL))
+    if config.model.name.startswith("regnety"):  # As the hashtag RegNetYs (swag_regnety.py).
+      config.model.zero_init_residual = False
   config.model_init = arg.init
   config.model_init_head = "zero_shot" if arg.zs_head else ""
   config.objective = dict(name="softmax", label_smoothing=0.0)
