@@ -31,7 +31,11 @@ setuptools.setup(
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
-        "test": ["pytest>=8.0", "apache-beam>=2.60"],  # Beam: the data-preparation tests.
+        # Beam: the data-preparation tests; faiss: the dedup tests.
+        "test": ["pytest>=8.0", "apache-beam>=2.60", "faiss-cpu>=1.8"],
         "beam": ["apache-beam>=2.60"],
+        # Nearest-neighbour search of bigpretrain.dedup, one offline step of the
+        # semi-supervised recipe: training hosts do not need the native wheel.
+        "dedup": ["faiss-cpu>=1.8"],
     },
 )

@@ -13,7 +13,9 @@ Measured: building ResampledIndices with epochs of 1.4 x --images samples (IG-3.
 samples per epoch over 3.6B images; build_s, its arrays' size sampler_mb); scalar access
 sampler[j], the way the input pipeline reads it one record at a time (images_per_sec =
 samples/s; step_time_ms = one --batch_size batch of scalar reads); vectorised access on
-arrays of --batch_size ids (batched_samples_per_sec); peak_rss_mb of the process.
+arrays of --batch_size ids (batched_samples_per_sec); peak_rss_mb of the process. With
+--hosts=P > 1, also host 0's per-host sampler (resampling.host_sampler's layout: its
+contiguous 1/P of the images, its share of the epoch; host_sampler_mb, host_build_s).
 """
 import json
 import resource
@@ -34,6 +36,8 @@ _ALPHA = flags.DEFINE_float("alpha", 0.7, "Head share of an epoch (paper: 0.7)."
 _BATCH = flags.DEFINE_integer("batch_size", 1024, "Ids per vectorised call / timed batch.")
 _SCALAR_DRAWS = flags.DEFINE_integer("scalar_draws", 100_000, "Timed scalar reads.")
 _BATCHED_DRAWS = flags.DEFINE_integer("batched_draws", 4_000_000, "Timed vectorised reads.")
+_HOSTS = flags.DEFINE_integer("hosts", 16, "Hosts for the per-host sampler figures (paper: "
+                              "16 nodes).")
 _IMPORTANCE_IMAGES = flags.DEFINE_integer("importance_images", 1_000_000,
                                           "Images for timing importance() on label lists.")
 
@@ -63,6 +67,19 @@ def main(argv):
   sampler_mb = sum(g.indices.nbytes + g.cdf.nbytes
                    for g in (sampler._head, sampler._tail)) / 2**20  # pylint: disable=protected-access
 
+  host_mb = host_build_s = None
+  if _HOSTS.value > 1:
+    start, stop = resampling.host_slice(_IMAGES.value, 0, _HOSTS.value)
+    t0 = time.perf_counter()
+    host = resampling.ResampledIndices(
+        importance[start:stop], is_tail[start:stop], alpha=_ALPHA.value,
+        num_samples=resampling.host_share(14 * _IMAGES.value // 10, 0, _HOSTS.value), seed=0,
+        stream=0, offset=start)
+    host_build_s = round(time.perf_counter() - t0, 3)
+    host_mb = round(sum(g.indices.nbytes + g.cdf.nbytes
+                        for g in (host._head, host._tail)) / 2**20, 1)  # pylint: disable=protected-access
+    del host
+
   n = _SCALAR_DRAWS.value
   t0 = time.perf_counter()
   for j in range(n):
@@ -83,6 +100,7 @@ def main(argv):
       "unique_drawn": int(np.unique(drawn).size), "drawn": int(drawn.size),
       "importance_s_per_1m_images": round(importance_s * 1e6 / _IMPORTANCE_IMAGES.value, 2),
       "build_s": round(build_s, 3), "sampler_mb": round(sampler_mb, 1),
+      "hosts": _HOSTS.value, "host_build_s": host_build_s, "host_sampler_mb": host_mb,
       "images_per_sec": round(1 / scalar_s), "batch_size": _BATCH.value,
       "step_time_ms": round(1e3 * scalar_s * _BATCH.value, 2),
       "batched_samples_per_sec": round(1 / batched_s),

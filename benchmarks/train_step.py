@@ -4,6 +4,16 @@
 
 Uses the real train step (objective, optimizer, shardings) on a fixed synthetic batch, so it
 measures compute, not the input pipeline (see benchmarks/input_pipeline.py for that).
+
+With --models, the config's recipe runs once per named model (e.g. TResNet-M next to
+ResNet-50, the ImageNet-21K paper's claim that TResNet-M trains as fast):
+
+  python benchmarks/train_step.py --config=configs/semantic_softmax.py \
+      --models=resnet50,tresnet_m --rounds=3 --steps=3 --config.data.image_size=64
+
+The models' runs alternate round by round, so drifts in machine load hit all alike; the line
+reports the first model's figures and, per model, the median step time and its ratio to the
+first model's (median over rounds of each round's ratio).
 """
 import os
 import sys
@@ -12,6 +22,7 @@ import sys
 # shadow the input_pipeline package: put the repository root there instead.
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import json
+import statistics
 
 from absl import app
 from absl import flags
@@ -21,6 +32,9 @@ from benchmarks import common
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (after one warm-up step).")
+_MODELS = flags.DEFINE_list("models", [], "Registered model names to compare (the first is "
+                            "the reference); empty: the config's model alone.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternated rounds per model with --models.")
 
 
 def measure(config, steps: int) -> dict:
@@ -28,9 +42,45 @@ def measure(config, steps: int) -> dict:
   return common.report(config, runner.run(steps), runner.compile_s)
 
 
+def with_model(config, name: str):
+  """A copy of `config` training the registered model `name` with its default options."""
+  out = config.copy_and_resolve_references()
+  with out.unlocked():
+    out.model = {"name": name}
+  return out
+
+
+def compare(config, names: list[str], steps: int, rounds: int) -> dict:
+  """Step times of `names` under `config`'s recipe, timed in alternated rounds."""
+  if len(set(names)) != len(names) or rounds < 1:
+    raise ValueError(f"--models must name distinct models and --rounds be >= 1; got "
+                     f"{names}, {rounds}")
+  configs = {n: with_model(config, n) for n in names}
+  runners = {n: common.Runner(c) for n, c in configs.items()}
+  times = {n: [] for n in names}
+  for _ in range(rounds):
+    for name, runner in runners.items():
+      times[name].append(runner.run(steps))
+  ref = names[0]
+  out = common.report(configs[ref], statistics.median(times[ref]), runners[ref].compile_s)
+  out["models"] = {
+      n: {"step_time_ms": 1e3 * statistics.median(times[n]),
+          "images_per_sec": config.batch_size / statistics.median(times[n]),
+          "compile_time_s": runners[n].compile_s,
+          f"time_ratio_to_{ref}": statistics.median(
+              [t / r for t, r in zip(times[n], times[ref])]),
+          "step_time_ms_rounds": [1e3 * t for t in times[n]]}
+      for n in names}
+  return out
+
+
 def main(argv):
   del argv
-  print(json.dumps(measure(_CONFIG.value, _STEPS.value)), flush=True)
+  if _MODELS.value:
+    out = compare(_CONFIG.value, _MODELS.value, _STEPS.value, _ROUNDS.value)
+  else:
+    out = measure(_CONFIG.value, _STEPS.value)
+  print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

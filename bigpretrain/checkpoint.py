@@ -1,15 +1,18 @@
 """Orbax checkpoints: params, optimizer state and the grain iterator, saved asynchronously.
 
-Items: 'params' ({'params', 'extra'}: what model_init and teachers load), 'train' ({'step',
-'opt_state', 'skipped_records'}), 'data' (the grain iterator, one file per process) and 'meta'
+Items: 'params' ({'params', 'extra'}: the raw weights training resumes from), 'ema' (the
+same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 'opt_state',
+'skipped_records'}), 'data' (the grain iterator, one file per process) and 'meta'
 (JSON: the model config, class names, dataset and input settings, so that a checkpoint path
 alone rebuilds the model; see `run_meta`). A checkpoint that fails to restore is moved aside
-to `<dir>_corrupt/` and the previous one used.
+to `<dir>_corrupt/` and the previous one used. Consumers of the weights (model_init, teachers,
+load_pretrained) read the 'ema' item when there is one: the weights the run evaluated.
 """
 import json
 import os
 import re
 import shutil
+import sys
 
 from absl import logging
 import grain
@@ -29,6 +32,25 @@ def _target(x):
 
 def _abstract(tree):
   return jax.tree.map(_target, tree)
+
+
+def _quiet_closed_loop_callbacks() -> None:
+  """After a failed restore, the storage layer's reads still in flight complete into the
+  restore's closed asyncio loop, and each reports 'RuntimeError: Event loop is closed' as an
+  unraisable exception (a traceback each, dozens per failure). The failure itself is reported
+  once by `restore`; drop only those."""
+  if getattr(sys.unraisablehook, "quiet_closed_loop", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.quiet_closed_loop = True
+  sys.unraisablehook = hook
 
 
 class _IteratorSnapshot:
@@ -90,6 +112,8 @@ class Checkpointer:
         "params": ocp.args.StandardSave({"params": state["params"], "extra": state["extra"]}),
         "train": ocp.args.StandardSave(_train_item(state)),
     }
+    if "ema" in state:
+      items["ema"] = ocp.args.StandardSave(state["ema"])
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     if self.meta is not None:
@@ -97,7 +121,12 @@ class Checkpointer:
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
-    """Restores the newest readable checkpoint into `state`'s structure and shardings."""
+    """Restores the newest readable checkpoint into `state`'s structure and shardings.
+
+    A state with 'ema' gets it back only from a checkpoint that has one (saved with EMA on);
+    otherwise the result has no 'ema' and the caller starts the average anew.
+    """
+    _quiet_closed_loop_callbacks()
     for step in sorted(self.manager.all_steps(), reverse=True):
       items = {
           "params": ocp.args.StandardRestore(
@@ -105,18 +134,23 @@ class Checkpointer:
           "train": ocp.args.StandardRestore(
               _abstract(_train_item(state))),
       }
+      if "ema" in state and _has_item(self.directory, step, "ema"):
+        items["ema"] = ocp.args.StandardRestore(_abstract(state["ema"]))
       if data_iter is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
-        logging.error("Checkpoint %s/%d cannot be restored (%s: %s); falling back to the "
-                      "previous one.", self.directory, step, type(e).__name__, e)
-        print(f"WARNING: checkpoint step {step} is unreadable ({type(e).__name__}); "
-              "moved aside, falling back to the previous checkpoint.", flush=True)
+        logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
+                     type(e).__name__, e)
+        print(f"WARNING: checkpoint step {step} in {self.directory} is unreadable "
+              f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to the "
+              "previous checkpoint.", flush=True)
         self._move_aside(step)
         continue
       restored = {**out["params"], **out["train"]}
+      if "ema" in items:
+        restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
       return restored, step
     return None
@@ -137,6 +171,22 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def _has_item(directory: str, step: int, item: str) -> bool:
+  return os.path.isdir(os.path.join(directory, str(step), item))
+
+
+def _weights_item(directory: str, step: int) -> str:
+  """'ema' when the checkpoint holds EMA weights (what the run evaluated), else 'params'."""
+  return "ema" if _has_item(directory, step, "ema") else "params"
+
+
+def _item_metadata(directory: str, step: int, item: str):
+  """The saved tree of one item (shapes and dtypes), read without registering a handler."""
+  with ocp.PyTreeCheckpointer() as reader:
+    meta = reader.metadata(os.path.join(directory, str(step), item))
+  return getattr(meta, "item_metadata", meta)
 
 
 def checkpoint_dir(path: str) -> str:
@@ -166,16 +216,47 @@ def read_meta(path: str, step: int | None = None) -> dict:
 
 
 def load_params(directory: str, abstract_params: dict, step: int | None = None) -> dict:
-  """Loads {'params', 'extra'} from a bigpretrain checkpoint dir (model_init, teachers)."""
-  directory = checkpoint_dir(directory)
-  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+  """Loads {'params', 'extra'} from a bigpretrain checkpoint dir (model_init, teachers):
+  the EMA weights when the run kept them."""
+  directory = os.path.abspath(checkpoint_dir(directory))
+  with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No checkpoint found in {directory}.")
+    item = _weights_item(directory, step)
     out = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(abstract_params))))
-  logging.info("Loaded params from %s step %d", directory, step)
-  return out["params"]
+        **{item: ocp.args.StandardRestore(_abstract(abstract_params))}))
+  logging.info("Loaded %s from %s step %d", item, directory, step)
+  return out[item]
+
+
+def load_arrays(directory: str, names: list[str]) -> dict:
+  """Only the named arrays ('params/head/kernel', ...) of the latest checkpoint's weights
+  (EMA if kept), on the first local device: e.g. a 27k-class head without its backbone."""
+  directory = os.path.abspath(checkpoint_dir(directory))
+  with ocp.CheckpointManager(directory) as manager:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+    item = _weights_item(directory, step)
+    saved = _paths(_item_metadata(directory, step, item))
+  missing = [n for n in names if n not in saved]
+  if missing:
+    raise KeyError(f"Checkpoint {directory}/{step} has no arrays {missing}; it has "
+                   f"{sorted(saved)[:8]}...")
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract, args = {}, {}
+  for name in names:  # A nested tree of just these paths.
+    *parents, leaf = name.split("/")
+    node, arg_node = abstract, args
+    for p in parents:
+      node, arg_node = node.setdefault(p, {}), arg_node.setdefault(p, {})
+    node[leaf] = jax.ShapeDtypeStruct(saved[name].shape, saved[name].dtype, sharding=device)
+    arg_node[leaf] = ocp.ArrayRestoreArgs(sharding=device)
+  with ocp.PyTreeCheckpointer() as reader:
+    out = reader.restore(os.path.join(directory, str(step), item), args=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=args, partial_restore=True))
+  return {name: out_leaf for name, out_leaf in _paths(out).items() if name in names}
 
 
 def _paths(tree) -> dict:
@@ -188,14 +269,16 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
 
   Arrays whose path matches the `skip` regex, or whose shape differs (a 21k head loaded into a
   1k model), keep their fresh initialisation; everything else is loaded with `state`'s
-  shardings. Returns the new tree and the paths kept fresh.
+  shardings (the EMA weights when the checkpoint has them). Returns the new tree and the
+  paths kept fresh.
   """
-  directory = checkpoint_dir(directory)
-  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+  directory = os.path.abspath(checkpoint_dir(directory))
+  with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step()
     if step is None:
       raise FileNotFoundError(f"No checkpoint found in {directory}.")
-    saved = manager.item_metadata(step)["params"]
+    item = _weights_item(directory, step)
+    saved = _item_metadata(directory, step, item)
     ours = _paths(state)
     pattern = re.compile(skip) if skip else None
 
@@ -208,7 +291,7 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
 
     abstract = jax.tree_util.tree_map_with_path(target, saved)
     loaded = _paths(manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract)))["params"])
+        **{item: ocp.args.StandardRestore(abstract)}))[item])
   fresh = []
 
   def pick(path, mine):

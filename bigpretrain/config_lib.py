@@ -17,8 +17,9 @@ from bigpretrain import optim
 from bigpretrain.sharding import MESH_AXES
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
+MODEL_INIT_HEADS = ('', 'zero_shot')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
-_CLOSED_SECTIONS = ('mesh', 'optim', 'mixup')
+_CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema')
 # Sections recipes extend with their own kwargs; only their base keys are required.
 # (config.evals entries are checked by the evaluators they name.)
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
@@ -46,6 +47,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
   c.model_init_skip = ''
+  # How the classifier head is initialised after model_init: '' (loaded where its shape
+  # fits, else fresh) or 'zero_shot' (from a hashtag model's head through the WordNet class
+  # map; see bigpretrain/head_init.py).
+  c.model_init_head = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
   # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
@@ -60,6 +65,11 @@ def base_config() -> ml_collections.ConfigDict:
       {'eval': ml_collections.ConfigDict(dict(type='classification', topk=(1, 5)))})
   # On-device mixup/cutmix inside the train step (timm semantics); both 0 = off.
   c.mixup = mixup.mixup_defaults()
+  # EMA of the weights (params and float model state such as BatchNorm statistics), updated
+  # after every step as ema = momentum * ema + (1 - momentum) * weights; 0 = off. When on,
+  # every evaluator (the 'eval/...' rows) evaluates the EMA weights, checkpoints hold them
+  # beside the raw ones, and model_init / load_pretrained read the EMA weights.
+  c.ema = ml_collections.ConfigDict(dict(momentum=0.0))
   return c
 
 
@@ -172,13 +182,24 @@ def _check_values(config: Mapping[str, Any]) -> None:
   if config.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f'config.compute_dtype={config.compute_dtype!r} must be one of '
                      f'{COMPUTE_DTYPES}.')
-  for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip'):
+  for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip',
+              'model_init_head'):
     if not isinstance(config[key], str):
       raise ValueError(f'config.{key}={config[key]!r} must be a str.')
   for section in ('model', 'data', 'objective'):
     name = config[section].name
     if not isinstance(name, str) or not name:
       raise ValueError(f'config.{section}.name={name!r} must be a non-empty str.')
+  if config.model_init_head not in MODEL_INIT_HEADS:
+    raise ValueError(f'config.model_init_head={config.model_init_head!r} must be one of '
+                     f'{MODEL_INIT_HEADS}.')
+  if config.model_init_head and not config.model_init:
+    raise ValueError(f'config.model_init_head={config.model_init_head!r} needs '
+                     'config.model_init (the checkpoint whose head it starts from).')
+  momentum = config.ema.momentum
+  if not _is_number(momentum) or not 0 <= momentum < 1:
+    raise ValueError(f'config.ema.momentum={momentum!r} must be a number in [0, 1) (0 = off; '
+                     'a "decay" of 1e-4 is momentum 0.9999).')
   if not isinstance(config.data.dir, str):
     raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
   sizes = [config.mesh[a] for a in MESH_AXES]

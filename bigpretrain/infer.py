@@ -1,7 +1,8 @@
 """Teacher inference over an unlabelled pool: per image its top-P classes and scores.
 
   python -m bigpretrain.infer --workdir=TEACHER --data=NAME --split=SPLIT --out=DIR \
-      [--data_dir=...] [--top_p=10] [--batch_size=256] [--logits] [--shard_size=50000]
+      [--data_dir=...] [--top_p=10] [--batch_size=256] [--logits] [--shard_size=50000] \
+      [--exclude=FILE]
 
 Stage 2 of the semi-supervised recipe (Yalniz et al., 2019, section 3.1): the teacher, in eval
 mode and with its checkpoint's preprocessing (meta['data']: image_size, eval_resize,
@@ -9,7 +10,9 @@ normalize), scores every record of the split; the top_p (P = 10 in the paper, se
 classes of each image and their softmax scores (raw logits with --logits: the supplement's
 ablation, section 1) are written in the predictions format (input_pipeline/selection.py's
 docstring; selection_formats.py), keyed by (--data, --split, record index), for the selection
-job.
+job. --exclude names an exclusion list (input_pipeline/exclusions.py, e.g. the near-duplicates
+of evaluation images found by bigpretrain.dedup): its records of this split are never scored,
+and predictions.json counts them (num_excluded).
 
 Shards and resumption: shard s holds the records [s * S, (s + 1) * S) (S = --shard_size) as
 `SPLIT-SSSSS-of-NNNNN.parquet`, written whole to a temporary name and renamed, so a shard
@@ -44,6 +47,7 @@ from bigpretrain import preprocess
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
+from input_pipeline import exclusions
 from input_pipeline import pipeline
 from input_pipeline import selection_formats
 
@@ -69,6 +73,25 @@ class RangeSource:
     return self._source[self.start + i]
 
 
+class SubsetSource:
+  """The records of a random-access source at the given indices, renumbered from 0."""
+
+  def __init__(self, source, indices):
+    self._source = source
+    self.indices = np.asarray(indices, np.int64)
+    if self.indices.ndim != 1 or (self.indices.size and (
+        self.indices.min() < 0 or self.indices.max() >= len(source))):
+      raise ValueError(f"Record indices must be a 1-d array in [0, {len(source)}).")
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, i: int):
+    if not 0 <= i < len(self):
+      raise IndexError(f"Index {i} out of range for {len(self)} records.")
+    return self._source[int(self.indices[i])]
+
+
 def shard_name(split: str, shard: int, num_shards: int) -> str:
   return f"{split}-{shard:05d}-of-{num_shards:05d}.parquet"
 
@@ -78,21 +101,48 @@ def shard_ranges(num_records: int, shard_size: int) -> list[tuple[int, int]]:
   return [(a, min(a + shard_size, num_records)) for a in range(0, num_records, shard_size)]
 
 
-def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
-  """Jitted (params, extra, batch) -> replicated {'classes', 'scores', 'index', 'mask'}: the
-  eval-mode forward pass and its top_p softmax scores (or logits) per row."""
+def make_forward(model_def, shardings, mesh, normalize: str, outputs):
+  """Jitted (params, extra, batch) -> replicated {**outputs(module, images), 'index',
+  'mask'}: the eval-mode model on a batch sharded over the mesh's data axes. `outputs` maps
+  the merged module and the normalised images to per-row arrays (top-P scores here, pooled
+  features in bigpretrain.dedup)."""
 
   def step(params, extra, batch):
     images = preprocess.normalize(batch["image"], normalize)
-    out = model_def.merge(params, extra)(images, train=False).astype(jnp.float32)
-    scores = out if logits else jax.nn.softmax(out, axis=-1)
-    values, classes = jax.lax.top_k(scores, top_p)  # Best first.
-    return {"classes": classes.astype(jnp.int32), "scores": values,
+    return {**outputs(model_def.merge(params, extra), images),
             "index": batch["index"], "mask": batch["mask"]}
 
   return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
                                      sharding.batch_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
+
+
+def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
+  """make_forward with the top_p softmax scores (or logits) per row: {'classes', 'scores'}."""
+
+  def top(module, images):
+    out = module(images, train=False).astype(jnp.float32)
+    scores = out if logits else jax.nn.softmax(out, axis=-1)
+    values, classes = jax.lax.top_k(scores, top_p)  # Best first.
+    return {"classes": classes.astype(jnp.int32), "scores": values}
+
+  return make_forward(model_def, shardings, mesh, normalize, top)
+
+
+def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh):
+  """Runs a make_forward step over `source` (every process its own slice, as
+  pipeline.eval_iterator reads it); yields (rows, skipped) per batch: rows are the batch's
+  real records as numpy arrays, the same on every process ('index' = position in `source`),
+  skipped the corrupt records the pipeline dropped from the batch."""
+  batches = pipeline.eval_iterator(source, data_cfg, global_batch_size=batch_size,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count(), fields={})
+  for batch in batches:
+    skipped = int(batch.pop("_skipped"))
+    result = jax.device_get(step(variables["params"], variables["extra"],
+                                 sharding.global_batch(batch, mesh)))
+    keep = result.pop("mask") > 0
+    yield {k: v[keep] for k, v in result.items()}, skipped
 
 
 def _check_params(out: epath.Path, params: dict) -> None:
@@ -106,6 +156,21 @@ def _check_params(out: epath.Path, params: dict) -> None:
                        "re-run with the same flags to resume, or use another --out.")
   elif jax.process_index() == 0:
     _write_atomic(path, json.dumps(params, indent=1).encode())
+
+
+def _excluded_records(listed: exclusions.Exclusions, data: str, split: str,
+                      num_records: int) -> np.ndarray:
+  """The record indices of data:split on an exclusion list (sorted); ValueError when one is
+  past the split's end."""
+  path = listed.path
+  excluded = listed.indices(data, split)
+  if excluded.size and excluded[-1] >= num_records:
+    raise ValueError(f"Exclusion list {path} names record {int(excluded[-1])} of {data}:{split},"
+                     f" which has {num_records} records: a list made for another dataset?")
+  if len(listed) and not excluded.size:
+    logging.warning("Exclusion list %s has %d records, none of %s:%s (it lists %s).", path,
+                    len(listed), data, split, sorted(listed.records))
+  return excluded
 
 
 def _write_atomic(path: epath.Path, data: bytes) -> None:
@@ -133,9 +198,10 @@ def _write_shard(out: epath.Path, name: str, dataset: str, split: str, rows: dic
 def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
         top_p: int = DEFAULT_TOP_P, batch_size: int = 256, logits: bool = False,
         shard_size: int = DEFAULT_SHARD_SIZE, fsdp: int = 1, num_workers: int = 0,
-        progress: bool = True) -> dict:
+        progress: bool = True, exclude: str | None = None) -> dict:
   """Writes (or completes) the predictions of `workdir`'s model on `data`:`split` in `out`;
-  returns predictions.json's content."""
+  returns predictions.json's content. `exclude`: an exclusion list (input_pipeline/
+  exclusions.py) whose records of `data`:`split` are not scored."""
   if shard_size < 1:
     raise ValueError(f"--shard_size must be >= 1, got {shard_size}.")
   meta = checkpoint.read_meta(workdir)
@@ -172,6 +238,11 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   params = {"workdir": str(workdir), "dataset": data, "split": split, "top_p": top_p,
             "scores": "logits" if logits else "softmax", "shard_size": shard_size,
             "split_records": len(source)}
+  excluded = np.zeros(0, np.int64)
+  if exclude:
+    listed = exclusions.read(exclude)
+    excluded = _excluded_records(listed, data, split, len(source))
+    params["exclude"] = {**listed.describe(), "num_excluded": len(excluded)}
   _check_params(root, params)
   strays = sorted(set(p.name for p in root.glob("*.parquet")) - set(names))
   if strays:
@@ -179,31 +250,31 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
                      "use an empty --out.")
   pending = _agree(np.array([not (root / n).exists() for n in names], bool))
 
-  todo = sum(b - a for (a, b), p in zip(ranges, pending) if p)
-  logging.info("Inference of %s on %s:%s: %d shards, %d pending (%d records).", workdir,
-               data, split, len(ranges), int(pending.sum()), todo)
+  todo = sum(b - a - int(((excluded >= a) & (excluded < b)).sum())
+             for (a, b), p in zip(ranges, pending) if p)
+  logging.info("Inference of %s on %s:%s: %d shards, %d pending (%d records, %d excluded in "
+               "all).", workdir, data, split, len(ranges), int(pending.sum()), todo,
+               len(excluded))
   bar = tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
                   disable=not (progress and is_main), desc=f"{data}:{split}")
   skipped = 0
   for (start, stop), name, todo_shard in zip(ranges, names, pending):
     if not todo_shard:
       continue
-    batches = pipeline.eval_iterator(
-        RangeSource(source, start, stop), data_cfg, global_batch_size=batch_size,
-        process_index=jax.process_index(), process_count=jax.process_count(), fields={})
-    parts = []
-    for batch in batches:
-      skipped += int(batch.pop("_skipped"))
-      result = jax.device_get(step(loaded.variables["params"], loaded.variables["extra"],
-                                   sharding.global_batch(batch, mesh)))
-      keep = result.pop("mask") > 0
-      parts.append({k: v[keep] for k, v in result.items()})
-      bar.update(int(keep.sum()))
+    records = np.setdiff1d(np.arange(start, stop), excluded, assume_unique=True)
+    parts = [{"index": np.zeros(0, np.int64), "classes": np.zeros((0, top_p), np.int32),
+              "scores": np.zeros((0, top_p), np.float32)}]  # An all-excluded shard is empty.
+    for rows, skipped_rows in forward_rows(step, loaded.variables,
+                                           SubsetSource(source, records), data_cfg,
+                                           batch_size=batch_size, mesh=mesh):
+      skipped += skipped_rows
+      parts.append(rows)
+      bar.update(len(rows["index"]))
     if is_main:
       rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
       order = np.argsort(rows["index"], kind="stable")
       rows = {k: v[order] for k, v in rows.items()}
-      rows["index"] = rows["index"] + start  # Range-source index -> record index.
+      rows["index"] = records[rows["index"]]  # Subset position -> record index.
       if len(np.unique(rows["index"])) != len(rows["index"]):
         raise RuntimeError(f"Shard {name}: a record came back twice from the eval pipeline.")
       _write_shard(root, name, data, split, rows)
@@ -223,7 +294,8 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     tmp = root / f".info-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
     selection_formats.write_info(tmp, class_names=class_names, top_p=top_p, dataset=data,
-                         splits=[split], num_records=num_records, scores=params["scores"])
+                         splits=[split], num_records=num_records, scores=params["scores"],
+                         num_excluded=len(excluded) if exclude else None)
     (tmp / selection_formats.INFO_FILE).rename(info_path)
     tmp.rmdir()
   if jax.process_count() > 1:
@@ -246,6 +318,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("shard_size", DEFAULT_SHARD_SIZE, "Records per output shard.")
   flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
+  flags.DEFINE_string("exclude", None, "Exclusion list (bigpretrain.dedup's exclusions.tsv): "
+                      "its records of --data:--split are not scored.")
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
   flags.DEFINE_integer("num_processes", None, "Total number of processes.")
   flags.DEFINE_integer("process_id", None, "This process's index.")
@@ -263,12 +337,13 @@ def main(argv):
   try:
     info = run(f.workdir, f.data, f.split, f.out, data_dir=f.data_dir, top_p=f.top_p,
                batch_size=f.batch_size, logits=f.logits, shard_size=f.shard_size, fsdp=f.fsdp,
-               num_workers=f.num_workers)
+               num_workers=f.num_workers, exclude=f.exclude)
   except (FileNotFoundError, ValueError) as e:
     print(f"ERROR: {e}", file=sys.stderr)
     sys.exit(1)
   if jax.process_index() == 0:
-    print(f"{info['num_records']} predictions of {f.data}:{f.split} in {f.out} "
+    excluded = f", {info['num_excluded']} excluded" if "num_excluded" in info else ""
+    print(f"{info['num_records']} predictions of {f.data}:{f.split} in {f.out}{excluded} "
           f"({time.time() - started:.0f} s).")
 
 

@@ -3,9 +3,9 @@
 One `make_optimizer` covers the four recipes: SGD with Nesterov momentum (semi-supervised,
 SWAG RegNetY), Adam with coupled L2 weight decay (ImageNet-21K: lr 3e-4, wd 1e-4, OneCycle),
 AdamW (SWAG ViT) and LAMB (DeiT-III / cosub, as timm's Lamb). Weight decay skips 0/1-d params
-(biases, norm scales, LayerScale gammas) and the paths matched by `wd_exclude`; LayerDecay
-(cosub supplement A.1) scales each ViT block's updates geometrically. Params are pure nested
-dicts, paths are 'a/b/c' strings.
+(biases, norm scales, LayerScale gammas; with `wd_1d` they are decayed too) and the paths
+matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each ViT block's updates
+geometrically. Params are pure nested dicts, paths are 'a/b/c' strings.
 """
 from collections.abc import Mapping, Sequence
 import math
@@ -44,6 +44,9 @@ def optim_defaults() -> ml_collections.ConfigDict:
       # Regexes searched in 'a/b/c' param paths; matches get no weight decay. Params with
       # ndim <= 1 (biases, norm scales) never get weight decay.
       wd_exclude=DEFAULT_WD_EXCLUDE,
+      # True: 0/1-d params are decayed too unless wd_exclude matches them (ClassyVision's
+      # rule, which SWAG trains with: only BatchNorm params are exempt, biases are decayed).
+      wd_1d=False,
       layer_decay=0.0,  # LD of LayerDecay; 0 = off.
       layer_decay_lr_scale=2.0,  # C_LD: lr multiplier when LayerDecay is on.
       # 'cosub': block l of L gets LD^(L - l), the last block and the head x 1 (cosub
@@ -219,13 +222,15 @@ def _path_str(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator='/')
 
 
-def weight_decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_WD_EXCLUDE) -> Any:
-  """True where weight decay applies: ndim >= 2 and no `exclude` regex found in the path."""
+def weight_decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_WD_EXCLUDE, *,
+                      decay_1d: bool = False) -> Any:
+  """True where weight decay applies: no `exclude` regex found in the path and ndim >= 2
+  (any ndim with `decay_1d`)."""
   patterns = [re.compile(p) for p in exclude]
 
   def decays(path, x):
     p = _path_str(path)
-    return bool(np.ndim(x) > 1 and not any(r.search(p) for r in patterns))
+    return bool((decay_1d or np.ndim(x) > 1) and not any(r.search(p) for r in patterns))
 
   return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -302,7 +307,7 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
   wd = c['weight_decay']
 
   def decayed(params):
-    return weight_decay_mask(params, exclude)
+    return weight_decay_mask(params, exclude, decay_1d=c['wd_1d'])
 
   def decay():
     if wd == 0:

@@ -2,9 +2,11 @@
 
   python -m bigpretrain.predict --workdir=DIR image1.jpg [image2.png ...] [--json]
 
-For each image, each hierarchy level whose top probability exceeds --threshold prints its
-class with WordNet names: a per-level softmax (semantic objectives) or the per-class sigmoid
-(multi-label). Datasets whose classes are not WordNet synsets print the top-5 classes.
+For each image: the model's answer (one class, by the training objective's `answer` rule:
+hierarchical for semantic and multi-label models) and, on WordNet-labelled classes, each
+hierarchy level whose top probability exceeds --threshold, with WordNet names: a per-level
+softmax (semantic objectives) or the per-class sigmoid (multi-label). Datasets whose classes
+are not WordNet synsets print the top-5 classes.
 """
 import json
 import sys
@@ -13,13 +15,16 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from bigpretrain import preprocess
+from bigpretrain import objectives
 from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
 from bigpretrain.semantic import wordnet
 from input_pipeline import augment_spec
+from input_pipeline import datasets
 from input_pipeline import decoding
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
@@ -73,10 +78,17 @@ def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
   names = meta["class_names"] or [str(c) for c in range(meta["num_classes"])]
   tree = base.class_tree(names)
   sigmoid = meta["objective"].get("name") == "multi_label"
+  info = datasets.DatasetInfo(meta["dataset"], meta["num_classes"], names, {}, None, ())
+  objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]), info)
+  answers = np.asarray(objective.answer(jnp.asarray(logits)))
   results = []
-  for path, row in zip(paths, logits):
+  for path, row, answer in zip(paths, logits, answers):
     if tree is not None:
-      results.append({"image": path, "levels": semantic_view(row, tree, sigmoid, threshold)})
+      c = int(np.argmax(answer))
+      results.append({"image": path,
+                      "answer": {"class": c, "wnid": tree.wnids[c], "name": _name(tree.wnids[c]),
+                                 "prob": float(answer[c])},
+                      "levels": semantic_view(row, tree, sigmoid, threshold)})
     else:
       top = np.argsort(-row)[:5]
       results.append({"image": path, "top5": [{"class": int(c), "name": names[c]}
@@ -98,6 +110,9 @@ def main(argv):
       print(json.dumps(r))
       continue
     print(r["image"])
+    if "answer" in r:
+      a = r["answer"]
+      print(f"  answer: {a['name']} ({a['wnid']}) p={a['prob']:.2f}")
     for lv in r.get("levels", []):
       print(f"  level {lv['level']}: {lv['name']} ({lv['wnid']}) p={lv['prob']:.2f}")
     for c in r.get("top5", []):

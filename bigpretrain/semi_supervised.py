@@ -48,12 +48,11 @@ from bigpretrain import infer
 from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import selection_formats
-from input_pipeline import subset
 
 DONE_FILE = "stage_done.json"
 RESULTS_FILE = "results.json"
 METRIC = "eval/top1"
-_DATA_KEYS = ("name", "dir") + subset.SUBSET_KEYS
+_DATA_KEYS = ("name", "dir", "subset_frac", "subset_seed")
 
 
 class Interrupted(Exception):
@@ -95,7 +94,7 @@ def stage_config(section, seed: int, data: dict) -> ml_collections.ConfigDict:
 
 
 def labelled_data(config) -> dict:
-  """The data keys of D: data.name in data.dir, cut to the labelled draw if subset_frac > 0."""
+  """The data keys of D: data.name in data.dir, cut to the labelled draw if subset_frac < 1."""
   return {k: config.data[k] for k in _DATA_KEYS if k in config.data}
 
 
@@ -113,7 +112,7 @@ def train_stage(name: str, cfg, folder: epath.Path) -> dict:
     return done
   _say(f"[{name}] training in {folder}")
   folder.mkdir(parents=True, exist_ok=True)
-  num_train = datasets.get_dataset(cfg.data).info.num_examples[cfg.data.train_split]
+  num_train = len(datasets.train_sources(cfg.data, datasets.get_dataset(cfg.data))[0][0])
   total = config_lib.resolve_total_steps(cfg, num_train)
   results = train.train_and_evaluate(cfg, str(folder))
   ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False)
@@ -140,9 +139,9 @@ def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
     raise ValueError(f"config.data.pool_splits names {missing}, which dataset "
                      f"{config.data.name!r} lacks; its splits: {list(info.splits)}.")
   rest = bool(config.data.pool_train_rest)
-  train_split = config.data.get("subset_split", "train")
-  if rest and not config.data.subset_frac:
-    raise ValueError("config.data.pool_train_rest needs config.data.subset_frac > 0: without "
+  train_split = "train"
+  if rest and config.data.subset_frac >= 1:
+    raise ValueError("config.data.pool_train_rest needs config.data.subset_frac < 1: without "
                      "a labelled draw, all of train is the labelled set D.")
   if rest and train_split in splits:
     raise ValueError(f"config.data.pool_splits has {train_split!r} and pool_train_rest is set: "
@@ -245,12 +244,12 @@ def run(config, workdir: str) -> dict:
   full = datasets.get_dataset({"name": config.data.name, "dir": config.data.dir})
   pool_splits = check_pool(config, full.info)
   labelled = labelled_data(config)
-  d_set = datasets.get_dataset(labelled)
-  class_names = list(d_set.info.class_names) or [str(c) for c in range(d_set.info.num_classes)]
+  d_source = datasets.train_sources(labelled, full)[0][0]  # subset.SubsetSource when drawn.
+  class_names = list(full.info.class_names) or [str(c) for c in range(full.info.num_classes)]
   exclude = {}
   if config.data.pool_train_rest:  # The train records of D stay out of U.
-    exclude[d_set.split] = d_set.indices
-  _say(f"D: {d_set.info.num_examples['train']} labelled images of {config.data.name!r}; U: "
+    exclude["train"] = d_source.indices
+  _say(f"D: {len(d_source)} labelled images of {config.data.name!r}; U: "
        f"splits {pool_splits}" + (" (train without D)" if exclude else ""))
   results = {"rounds": []}
   teacher = config.teacher_workdir
@@ -274,7 +273,7 @@ def run(config, workdir: str) -> dict:
     if not _is_main():
       sel = json.loads((rdir / "selection" / selection_formats.SELECTION_FILE).read_text())
     student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
-                    "subset_frac": 0.0}
+                    "subset_frac": 1.0}
     student = train_stage(f"round {r} student",
                           stage_config(config.student, config.seed, student_data),
                           rdir / "student")

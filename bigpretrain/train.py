@@ -2,7 +2,8 @@
 data source, sampler), never a fork of this loop.
 
 State is a plain pytree {'step', 'params', 'extra', 'opt_state', 'skipped_records'} ('extra'
-holds non-parameter model state such as BatchNorm statistics), created already sharded on a
+holds non-parameter model state such as BatchNorm statistics), plus 'ema' ({'params',
+'extra'}, sharded alike) when config.ema.momentum > 0, created already sharded on a
 ('data', 'fsdp', 'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
 """
 import dataclasses
@@ -79,12 +80,34 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
   opt = optax.tree_utils.tree_map_params(
       tx, lambda _, s: s, abstract_opt, variables["params"],
       transform_non_params=lambda _: repl)
-  return {"step": repl, **variables, "opt_state": opt, "skipped_records": repl}
+  out = {"step": repl, **variables, "opt_state": opt, "skipped_records": repl}
+  if config.ema.momentum > 0:
+    out["ema"] = dict(variables)
+  return out
+
+
+def ema_update(ema, weights, momentum: float):
+  """momentum * ema + (1 - momentum) * weights on floating-point leaves (as ClassyVision's
+  EMA hook, which SWAG used, averages parameters and BatchNorm buffers); other leaves (e.g.
+  integer counters, RNG keys) take the current value."""
+
+  def update(e, w):
+    if not jnp.issubdtype(w.dtype, jnp.inexact):
+      return w
+    return (momentum * e + (1.0 - momentum) * w).astype(w.dtype)
+
+  return jax.tree.map(update, ema, weights)
+
+
+def eval_weights(state: dict) -> dict:
+  """The state the evaluators see: with EMA on, its 'params' and 'extra' are the EMA ones."""
+  return {**state, **state["ema"]} if "ema" in state else state
 
 
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
-                    mixup_cfg, normalize: str):
-  """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device.
+                    mixup_cfg, normalize: str, ema_momentum: float = 0.0):
+  """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device;
+  with ema_momentum > 0 also the EMA of the new weights (see ema_update).
 
   The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
   With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
@@ -126,6 +149,9 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     metrics["data/skipped_records"] = skipped
     new_state = {"step": state["step"] + 1, "params": params, "extra": extra,
                  "opt_state": opt_state, "skipped_records": skipped}
+    if ema_momentum > 0:
+      new_state["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},
+                                    ema_momentum)
     return new_state, metrics
 
   return train_step
@@ -206,14 +232,25 @@ class Experiment(ModelSetup):
     """The train state, created directly with its shardings (no host copy of the params)."""
     def init(rng):
       params, extra = self.model_def.create(rng)
-      return {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
-              "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
+      state = {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
+               "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
+      if "ema" in self.shardings:
+        state["ema"] = jax.tree.map(jnp.copy, {"params": params, "extra": extra})
+      return state
     return jax.jit(init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
+
+  def restart_ema(self, state: dict) -> dict:
+    """The state with its EMA set to (a copy of) its current weights, e.g. after model_init."""
+    if "ema" not in self.shardings:
+      return state
+    copy = jax.jit(lambda w: jax.tree.map(jnp.copy, w), out_shardings=self.shardings["ema"])
+    return {**state, "ema": copy({"params": state["params"], "extra": state["extra"]})}
 
   def train_step(self):
     """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
-                         self.config.seed, self.config.mixup, self.config.data.normalize)
+                         self.config.seed, self.config.mixup, self.config.data.normalize,
+                         self.config.ema.momentum)
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
@@ -241,6 +278,8 @@ def build(config, devices=None) -> Experiment:
   objective = objectives.get_objective(config.objective, info)
   objectives.check(objective, info, config)
   num_train = info.num_examples[config.data.train_split]
+  if config.data.get("subset_frac", 1.0) != 1.0:  # Few-shot: epochs count the drawn records.
+    num_train = len(datasets.train_sources(config.data, setup.dataset)[0][0])
   total_steps = config_lib.resolve_total_steps(config, num_train)
   logging.info("Run length: %s", config_lib.describe_duration(config, num_train))
   tx, schedule = optim.make_optimizer(config.optim, total_steps=total_steps)
@@ -287,6 +326,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if restored is not None:
     state, start = restored
     print(f"Resuming from step {start} in {workdir}", flush=True)
+    if "ema" in exp.shardings and "ema" not in state:
+      print("WARNING: the checkpoint has no EMA weights (saved with config.ema off); the EMA "
+            f"starts from the weights of step {start}.", flush=True)
+      state = exp.restart_ema(state)
   else:
     start = 0
     if config.model_init:
@@ -296,6 +339,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
       state = {**state, **loaded}
       print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
             flush=True)
+      if config.model_init_head == "zero_shot":
+        from bigpretrain import head_init  # pylint: disable=import-outside-toplevel
+        state = {**state, "params": head_init.zero_shot_init(
+            config.model_init, state["params"], dataset.info.class_names)}
+      state = exp.restart_ema(state)
+  if "ema" in state:
+    print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "
+          "the EMA weights.", flush=True)
 
   if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -308,7 +359,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     results = {}
     for ev in evaluators:
       if force or _every(step, ev.every_steps, total_steps):
-        results.update(ev.run(state))
+        results.update(ev.run(eval_weights(state)))
     if results:
       writer.write(step, results)
     return results
@@ -349,7 +400,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if not results and start >= total_steps:
     results = run_evals(total_steps, state, force=True)
   writer.close()
-  summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items()) if "level" not in k)
+  summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
+                     if not k.endswith("num_examples"))
   if is_main:
     print(f"Final eval at step {total_steps}: {summary}", flush=True)
   return results

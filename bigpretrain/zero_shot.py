@@ -7,10 +7,26 @@
   each of its n classes, then the max per class).
 - platt_fit / platt_apply: the transductive Platt scaler p' = softmax(diag(w) p + b) that
   makes the predicted class distribution on the test set uniform (see platt_fit for how).
+
+The command evaluates a hashtag model (a soft_target run) on a WordNet-labelled dataset:
+
+  python -m bigpretrain.zero_shot --workdir=DIR --dataset=NAME [--data_dir=...]
+      [--split=validation] [--aggregation=sum|mean|max_split] [--platt=on|off|both] [--json]
+
+It runs the model in eval mode with its checkpoint's preprocessing over the split, turns the
+hashtag softmax into class scores through the class map (saved as
+DIR/zero_shot/<dataset>-class_map.json), fits Platt scaling on those scores without labels
+and prints top-1 with and without it. Without --aggregation the paper's choice (appendix D)
+is used: RegNetY 'sum' with Platt and 'mean' without, ViT 'max_split' for both.
 """
 from collections.abc import Sequence
+import json
+import os
+import re
+import sys
 
 from absl import logging
+import jax
 import jax.numpy as jnp
 import numpy as np
 from nltk.corpus.reader.wordnet import WordNetError
@@ -20,6 +36,8 @@ from bigpretrain.hashtags import vocabulary
 from bigpretrain.semantic import wordnet
 
 AGGREGATIONS = ("sum", "mean", "max_split")
+PLATT_MODES = ("on", "off", "both")
+HASHTAG_OBJECTIVES = ("soft_target",)  # Objectives whose classes are canonical hashtags.
 
 
 def _ancestor_distances(synset) -> dict[str, int]:
@@ -236,3 +254,202 @@ def top1(scores, labels) -> float:
     raise ValueError(f"scores [N, C] and labels [N] needed, got {scores.shape} and "
                      f"{labels.shape}")
   return float(np.mean(scores.argmax(axis=1) == labels))
+
+
+# ---------------------------------------------------------------- the command
+
+
+def paper_aggregation(model_name: str, platt: bool) -> str:
+  """Appendix D's aggregation: ViT 'max_split'; RegNetY (any other model) 'sum' with Platt
+  scaling and 'mean' without."""
+  if model_name.startswith("vit"):
+    return "max_split"
+  return "sum" if platt else "mean"
+
+
+def check_hashtag_model(meta: dict, workdir: str) -> list[str]:
+  """The canonical hashtags of a checkpoint's classes; ValueError if it is no hashtag model."""
+  objective = (meta.get("objective") or {}).get("name")
+  names = list(meta.get("class_names") or ())
+  if objective not in HASHTAG_OBJECTIVES or not names:
+    raise ValueError(f"{workdir} is not a hashtag model: trained with objective {objective!r} "
+                     f"on {meta.get('dataset')!r}; zero-shot transfer needs a soft_target run "
+                     "on a hashtag dataset (hashtags:NAME), whose classes are canonical "
+                     "hashtags.")
+  bad = [n for n in names if not all(re.fullmatch(r".+\.n\.\d\d", x)
+                                     for x in vocabulary.label_synsets(n))]
+  if bad:
+    raise ValueError(f"{workdir} is not a hashtag model: class {bad[0]!r} is not a canonical "
+                     "hashtag ('+'-joined noun synset names such as 'dog.n.01').")
+  return names
+
+
+def check_wordnet_classes(class_names: Sequence[str], dataset: str) -> list[str]:
+  """The dataset's classes as wnids; ValueError if they are not WordNet noun synsets."""
+  bad = [c for c in class_names if not wordnet.is_wnid(c)]
+  if not class_names or bad:
+    raise ValueError(f"dataset {dataset!r} has classes that are not WordNet synsets (e.g. "
+                     f"{(bad or [None])[0]!r}); zero-shot transfer maps hashtags to classes "
+                     "through WordNet, so the classes must be wnids such as 'n02084071'.")
+  for wnid in class_names:
+    wordnet.synset_from_wnid(wnid)  # ValueError naming a wnid missing from WordNet 3.0.
+  return list(class_names)
+
+
+def save_class_map(path: str, class_wnids: Sequence[str], hashtags: Sequence[str],
+                   mapping: Sequence[Sequence[int]]) -> None:
+  """{wnid: [canonical hashtags]} as JSON (written whole, then renamed)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  out = {w: [hashtags[i] for i in ids] for w, ids in zip(class_wnids, mapping)}
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(out, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
+  """Jitted (params, extra, batch) -> replicated {method: class scores [B, C], 'label',
+  'mask'}: the hashtag softmax, aggregated on device (the [N, H] hashtag scores, H ~27k in
+  the paper, never leave it)."""
+  from bigpretrain import preprocess  # pylint: disable=import-outside-toplevel
+  from bigpretrain import sharding  # pylint: disable=import-outside-toplevel
+
+  def step(params, extra, batch):
+    images = preprocess.normalize(batch["image"], normalize)
+    logits = model_def.merge(params, extra)(images, train=False).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = {m: aggregate(probs, mapping, m) for m in methods}
+    return {**out, "label": batch["label"], "mask": batch["mask"]}
+
+  return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
+                                     sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validation",
+        aggregation: str = "", platt: str = "both", batch_size: int = 256,
+        num_workers: int = 0) -> dict:
+  """Zero-shot top-1 of `workdir`'s hashtag model on `dataset`:`split`; see the module doc.
+
+  Returns {'top1_platt', 'top1_no_platt' (None when not computed), 'aggregation_platt',
+  'aggregation_no_platt', 'num_examples', 'num_classes', 'num_hashtags', 'class_map'}.
+  """
+  # pylint: disable=import-outside-toplevel
+  from bigpretrain import checkpoint
+  from bigpretrain import config_lib
+  from bigpretrain import sharding
+  from bigpretrain.models import pretrained
+  from input_pipeline import datasets
+  from input_pipeline import pipeline
+  # pylint: enable=import-outside-toplevel
+  if platt not in PLATT_MODES:
+    raise ValueError(f"--platt={platt!r} must be one of {PLATT_MODES}")
+  if aggregation and aggregation not in AGGREGATIONS:
+    raise ValueError(f"--aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+  meta = checkpoint.read_meta(workdir)
+  hashtags = check_hashtag_model(meta, workdir)
+  data = datasets.get_dataset({"name": dataset, "dir": data_dir})
+  info = data.info
+  if split not in info.splits:
+    raise ValueError(f"dataset {dataset!r} has no split {split!r}; its splits: "
+                     f"{list(info.splits)}")
+  wnids = check_wordnet_classes(info.class_names, dataset)
+  mapping = class_map(wnids, hashtags)
+  safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset)
+  map_path = os.path.join(workdir, "zero_shot", f"{safe}-class_map.json")
+  if jax.process_index() == 0:
+    save_class_map(map_path, wnids, hashtags, mapping)
+
+  modes = {"on": (True,), "off": (False,), "both": (True, False)}[platt]
+  model_name = meta["model"]["name"]
+  chosen = {p: aggregation or paper_aggregation(model_name, p) for p in modes}
+  methods = sorted(set(chosen.values()))
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  sharding.check_batch_size(batch_size, mesh)
+  loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
+  step = _scores_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
+                      mapping, methods)
+  batches = pipeline.eval_iterator(
+      data.source(split), {**meta["data"], "num_workers": num_workers},
+      global_batch_size=batch_size, process_index=jax.process_index(),
+      process_count=jax.process_count(), fields={"label": 0})
+  parts = []
+  for batch in batches:
+    batch.pop("_skipped")
+    out = jax.device_get(step(loaded.variables["params"], loaded.variables["extra"],
+                              sharding.global_batch(batch, mesh)))
+    keep = out.pop("mask") > 0
+    parts.append({k: v[keep] for k, v in out.items()})
+  rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  if not len(rows["label"]):
+    raise ValueError(f"{dataset}:{split} yielded no readable images")
+  result = {"top1_platt": None, "top1_no_platt": None,
+            "aggregation_platt": chosen.get(True), "aggregation_no_platt": chosen.get(False),
+            "num_examples": int(len(rows["label"])), "num_classes": len(wnids),
+            "num_hashtags": len(hashtags), "class_map": map_path}
+  if False in chosen:
+    result["top1_no_platt"] = top1(rows[chosen[False]], rows["label"])
+  if True in chosen:
+    scores = rows[chosen[True]]
+    w, b = platt_fit(scores)  # Transductive: the test scores, no labels.
+    result["top1_platt"] = top1(platt_apply(scores, w, b), rows["label"])
+  return result
+
+
+def define_flags() -> None:
+  """The command's flags; defined only when it runs (no duplicate flags next to other CLIs)."""
+  # pylint: disable=import-outside-toplevel
+  from absl import flags
+  flags.DEFINE_string("workdir", None, "The hashtag model: a run folder or checkpoint dir.")
+  flags.DEFINE_string("dataset", None, "WordNet-labelled dataset, as config.data.name.")
+  flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
+  flags.DEFINE_string("split", "validation", "The split to evaluate on.")
+  flags.DEFINE_enum("aggregation", "", ("",) + AGGREGATIONS,
+                    "Hashtag -> class aggregation; '' = the paper's per model and Platt mode.")
+  flags.DEFINE_enum("platt", "both", PLATT_MODES, "Top-1 with Platt scaling, without, or both.")
+  flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
+  flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
+  flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def main(argv):
+  # pylint: disable=import-outside-toplevel
+  from absl import app
+  from absl import flags
+  from bigpretrain import distributed
+  f = flags.FLAGS
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  for name in ("workdir", "dataset"):
+    if not f[name].value:
+      raise app.UsageError(f"--{name} is required.")
+  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+  try:
+    result = run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
+                 aggregation=f.aggregation, platt=f.platt, batch_size=f.batch_size,
+                 num_workers=f.num_workers)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(1)
+  if jax.process_index() != 0:
+    return
+  if f.json:
+    print(json.dumps(result, sort_keys=True))
+    return
+  print(f"Zero-shot on {f.dataset}:{f.split} ({result['num_examples']} images, "
+        f"{result['num_classes']} classes, {result['num_hashtags']} hashtags; class map in "
+        f"{result['class_map']}):")
+  for key, agg in (("top1_platt", "aggregation_platt"),
+                   ("top1_no_platt", "aggregation_no_platt")):
+    if result[key] is not None:
+      label = "with Platt scaling" if key == "top1_platt" else "without Platt scaling"
+      print(f"  top-1 {label}: {100 * result[key]:.2f}% ({result[agg]} aggregation)")
+
+
+if __name__ == "__main__":
+  from absl import app as _app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  _app.run(main)

@@ -20,6 +20,18 @@ for TResNet-M and ResNet50, not ViT-B).
 Paper number for ViT-B/16: pretrained this way it fine-tunes to 83.9% top-1 on ImageNet-1K,
 vs 83.3% from the official ImageNet-21K weights (Table 3).
 
+The paper's own backbone is TResNet-M (`model=tresnet_m`; TResNet-L is `model=tresnet_l`),
+fed [0, 1] pixels as this recipe does:
+  ARG=dataset=imagenet21k_p,data_dir=/data/tfds,model=tresnet_m
+  python -m bigpretrain.main --config=configs/semantic_softmax.py:$ARG --workdir=/runs/ss_tresnet_m
+Paper numbers for TResNet-M (Table 4, downstream after ImageNet-21K-P pretraining vs after
+ImageNet-1K pretraining): iNaturalist 72.7 vs 70.1, CIFAR-100 91.7 vs 89.5, Food-251 76.1 vs
+75.1 (top-1 %), MS-COCO 82.2 vs 79.5, Pascal-VOC 89.8 vs 85.8 (mAP %), Kinetics-200 84.3 vs
+80.5 (top-1 %); on 8x V100 it trains at ~5000 img/s, 40 min per epoch (section 3.1).
+TResNet needs image sides divisible by 4 (SpaceToDepth stem; 1/32 of the side at the end).
+A quick check on the demo data: `:model=tresnet_m --config.total_steps=2
+--config.batch_size=16 --config.data.image_size=64 --config.data.train_augment='squish|flip'`.
+
 Recipe (appendix B, as the authors' code does it: Alibaba-MIIL/ImageNet21K
 train_semantic_softmax.py and src_files/): Adam lr 3e-4 with coupled weight decay 1e-4 (none
 on biases and 1-D params), OneCycle with 10% warm-up then cosine, starting at lr / 20

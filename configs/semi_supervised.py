@@ -31,8 +31,9 @@ supervised baseline trains the student architecture on D alone for as many steps
 pretraining plus fine-tuning, with the pretraining optimizer and schedule.
 
 Demo (no arg, about 7 minutes on 2 CPU cores): D = a seeded class-balanced 10% of the demo
-train split (data.subset_frac; input_pipeline/subset.py), U = the `unlabeled` split plus the
-other 90% of train (its labels are never read: the selection relabels it). The demo's 100
+train split (data.subset_frac; input_pipeline/subset.py, the draw SWAG fine-tuning uses too),
+U = the `unlabeled` split plus the other 90% of train (its labels are never read: the
+selection relabels it). The demo's 100
 classes and 23k pool images scale P and K down: P = 10 as in the paper (10% of the classes
 instead of 1%), K = 100 (the paper's K = 16k is 1.6% of its 1M images per class; on the demo
 that would be 4 images, so K keeps ~43% of the ~230 pool images per class instead). Teacher
@@ -118,8 +119,8 @@ def get_config(arg=None):
   c.data = ml_collections.ConfigDict(dict(
       name=arg.dataset or ("demo" if demo else "tfds:imagenet2012"),
       dir=arg.data_dir,
-      # D: data.subset_frac of train, drawn per class (0 = all of train is D).
-      subset_frac=0.1 if demo else 0.0,
+      # D: data.subset_frac of train, drawn per class (1 = all of train is D).
+      subset_frac=0.1 if demo else 1.0,
       subset_seed=0,
       # U: these splits of the same dataset, plus the rest of train when the subset is on.
       pool_splits=("unlabeled",) if demo else ("yfcc100m",),

@@ -106,9 +106,13 @@ TRAIN_OPS: dict[str, Callable[..., TrainOp]] = {
 RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
 
 # Eval-time resizes by name, with the signature op(image, image_size).
+# 'center_crop' resizes the shorter side to image_size / 0.875 first (the standard 87.5% crop);
+# 'shorter_center_crop' resizes it to image_size itself, as SWAG evaluates (Singh et al. 2022,
+# section 4.1: "resize smaller side to 224 then 224x224 center crop").
 EVAL_RESIZES: dict[str, Callable[[Img, int], Img]] = {
     "squish": augment.squish,
     "center_crop": augment.center_crop,
+    "shorter_center_crop": functools.partial(augment.center_crop, crop_fraction=1.0),
 }
 
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?")

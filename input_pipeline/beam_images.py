@@ -123,6 +123,17 @@ def verified_image(data: bytes, quality: int = JPEG_QUALITY) -> bytes:
   return out.getvalue()
 
 
+def check_declared_size(data: bytes, max_pixels: int) -> None:
+  """Raises Image.DecompressionBombError if the header declares more than max_pixels pixels:
+  read before any pixel is decoded, since a tiny file can declare a huge image."""
+  with Image.open(io.BytesIO(data)) as image:  # PIL itself refuses > 2 MAX_IMAGE_PIXELS.
+    width, height = image.size
+  if width * height > max_pixels:
+    raise Image.DecompressionBombError(
+        f"image declares {width} x {height} = {width * height} pixels, more than the limit "
+        f"{max_pixels}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageOptions:
   """image_size: squish side (None keeps images as they are); jpeg_quality of re-encodes."""
@@ -455,9 +466,8 @@ def reuse(builder: tfds.core.DatasetBuilder, params: dict[str, Any]) -> None:
     logging.warning("Reused dataset was prepared from %s, not %s.", made_with.get("raw_dir"),
                     params.get("raw_dir"))
   splits = {s: builder.info.splits[s].num_examples for s in sorted(builder.info.splits.keys())}
-  logging.info("Reusing the finished dataset in %s (%s, %d classes); nothing is regenerated. "
-               "Delete that folder to rebuild it.", builder.data_dir, splits,
-               builder.info.features["label"].num_classes)
+  logging.info("Reusing the finished dataset in %s (%s examples); nothing is regenerated. "
+               "Delete that folder to rebuild it.", builder.data_dir, splits)
 
 
 def note_incomplete(dataset_dir) -> list[str]:

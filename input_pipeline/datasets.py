@@ -12,9 +12,12 @@
   'imagenet21k_p'        ImageNet-21K-P prepared in data.dir by `python -m input_pipeline.prepare
                          imagenet21k_p --manual_dir=RAW --data_dir=DIR` (imagenet21k_p.py);
                          class_names are the kept wnids, splits 'train' and 'validation'.
-  'hashtags:demo'        the demo read as a SWAG hashtag dataset: canonical hashtags as
-                         classes, 'hashtag_ids' per record, head/tail resampled train
-                         (hashtag_source.py).
+  'hashtags:NAME'        a SWAG hashtag dataset prepared into data.dir by `python -m
+                         input_pipeline.prepare hashtags --manual_dir=RAW --data_dir=DIR
+                         --name=NAME` (hashtag_job.py): canonical hashtags as classes,
+                         'hashtag_ids' per record, head/tail resampled train
+                         (hashtag_source.py). 'hashtags:demo': the demo's tags, prepared
+                         by the same job on first use.
   'folder:NAME'          an ImageFolder tree converted into data.dir by `python -m
                          input_pipeline.prepare folder --manual_dir=RAW --data_dir=DIR
                          --name=NAME` (image_folder.py); class_names are the folder names.
@@ -225,7 +228,7 @@ def _selection(name: str, data_dir: str):
   return selection_source.SelectionDataset(name, data_dir)
 
 
-def _hashtags_demo(name: str, data_dir: str):
+def _hashtags(name: str, data_dir: str):
   # Imported on use: hashtag_source imports this module.
   from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top
   return hashtag_source.load(name, data_dir)
@@ -256,12 +259,9 @@ def _loader(name: str) -> Callable[[str, str], Dataset]:
 
 
 def get_dataset(data_cfg) -> Dataset:
-  """`config.data` (uses keys 'name', 'dir' and the subset_* keys) -> Dataset; see the module
-  docstring."""
+  """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
   name = str(data_cfg.get("name", ""))
-  dataset = _loader(name)(name, _data_dir(data_cfg))
-  # data.subset_frac > 0: a seeded class-balanced share of a split (input_pipeline/subset.py).
-  return subset.maybe_wrap(dataset, data_cfg)
+  return _loader(name)(name, _data_dir(data_cfg))
 
 
 register_source("demo", _demo)
@@ -270,7 +270,7 @@ register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
 register_source(IMAGENET21K_P, _imagenet21k_p)
 register_source("folder:", _folder, "folder:NAME")
 register_source("selection:", _selection, "selection:DIR")
-register_source("hashtags:demo", _hashtags_demo)
+register_source("hashtags:", _hashtags, "hashtags:NAME")
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:
@@ -296,14 +296,15 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
 
 
 def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[float]]:
-  """The train split of `dataset` and of every data.mix entry, with their weights.
+  """The train split of `dataset` (its per-class draw when data.subset_frac < 1; see
+  subset.py) and of every data.mix entry, with their weights.
 
   Mixed datasets are looked up like data.name (same data.dir) and must have the same classes
   in the same order, so that one label means one class everywhere.
   """
   split = data_cfg.get("train_split", "train")
   mix = parse_mix(data_cfg.get("mix", ""))
-  sources = [dataset.source(split)]
+  sources = [subset.apply(dataset.source(split), data_cfg, dataset.info.name)]
   weights = [1.0 - sum(w for _, w in mix)]
   for name, weight in mix:
     other = get_dataset({"name": name, "dir": _data_dir(data_cfg)})

@@ -1,114 +1,81 @@
-"""`hashtags:demo`: the demo dataset read as a SWAG hashtag dataset (Singh et al. 2022).
+"""`hashtags:NAME`: SWAG hashtag datasets (Singh et al. 2022) made by the Beam job
+(hashtag_job.py), read with head/tail resampling on train; `hashtags:demo` is the demo.
 
-The demo's 'hashtags' (class lemmas written as Instagram tags, plus noise tags) are mapped
-through the WordNet canonicalisation (bigpretrain.hashtags.vocabulary, appendix A):
-- vocabulary: canonical_hashtag of every distinct tag of the train split, tags without one
-  dropped, sorted (deterministic on every host); it is the class list (class_names);
-- each record gains 'hashtag_ids', the sorted distinct vocabulary ids of its tags;
-- train images left without a label are dropped (DatasetInfo.stats counts them); validation
-  keeps every image (the soft_target metrics count only labelled ones);
+- class_names: the dataset's vocabulary (canonical hashtags, sorted; id = index);
+- records: 'image' (encoded bytes), 'hashtag_ids' (sorted vocabulary ids, shipped as a padded
+  id list), 'hashtags' (raw tags), 'file_name';
 - train has an index_sampler: head/tail resampling (appendix A "Image Sampling"), alpha 0.7,
-  epochs of as many samples as train images.
+  epochs of as many samples as train images, tail threshold = the one the dataset was
+  prepared with (--tail_threshold, default the paper's 5,000), kept in its metadata;
+- info.stats: the job's counts (skipped images by reason, raw tags, head/tail).
 
-Computing this reads every record and loads WordNet (seconds for the demo), so the result is
-cached as JSON (vocabulary and per-record ids) next to the demo's files and read from there.
+`hashtags:demo` comes from the same job: the demo's train and validation images and tags are
+exported once into the cache as WebDataset shards (`<data dir>/hashtags_demo_raw/SPLIT/*.tar`,
+KEY.png + KEY.json {"hashtags", "label"}) and prepared by hashtag_job with min_count =
+min_raw_count = 1 (the vocabulary is every canonical label of the train tags) and
+DEMO_TAIL_THRESHOLD, under a file lock, like the demo itself. Reading needs no Apache Beam;
+building the demo the first time does.
 """
+import io
 import json
-import os
 import pathlib
+import re
+import tarfile
 from typing import Any
 
 import numpy as np
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core import read_only_builder
 
 from bigpretrain.hashtags import resampling
-from bigpretrain.hashtags import vocabulary
 from input_pipeline import datasets
 from input_pipeline import demo
 
 FIELD = "hashtag_ids"
-SPLITS = ("train", "validation")
+BUILDER_NAME = "bigpretrain_hashtags"
+LABEL_INDEX = "hashtag_ids-{split}.npz"  # Written by hashtag_job.prepare beside the shards.
+PREFIX = "hashtags:"
 ALPHA = 0.7  # Head share of the samples (appendix A).
+DEMO_NAME = "demo"
+DEMO_SPLITS = ("train", "validation")
+DEMO_RAW = "hashtags_demo_raw"
+DEMO_SHARD_SIZE = 5000
 # Head = labels in at least this many train images (the paper's 5,000 is for billions of
 # images). The demo's 109 labels are in 45-686 of its ~17k labelled train images; at 200
 # both the head and the tail hold a good part of the labels and of the images.
 DEMO_TAIL_THRESHOLD = 200
-_CACHE_VERSION = 1
-_CACHE_NAME = "hashtags_v1.json"
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 
 
-def canonical_ids(tags, index: dict[str, int], canonical: dict[str, str | None]) -> list[int]:
-  """Raw tags -> sorted distinct vocabulary ids (tags without a label, or unseen, dropped)."""
-  ids = {index[c] for c in (canonical.get(t) for t in tags) if c is not None and c in index}
-  return sorted(ids)
-
-
-def build_labels(records_by_split: dict[str, list[list[str]]]) -> dict[str, Any]:
-  """{'vocabulary': sorted canonical labels of the train tags, 'labels': {split: [ids per
-  record]}} from each split's raw tag lists (the work the cache saves)."""
-  distinct = sorted({t for split in records_by_split.values() for tags in split for t in tags})
-  canonical = {t: vocabulary.canonical_hashtag(t) for t in distinct}
-  train_tags = {t for tags in records_by_split["train"] for t in tags}
-  labels = sorted({canonical[t] for t in train_tags if canonical[t] is not None})
-  index = {label: i for i, label in enumerate(labels)}
-  return {"version": _CACHE_VERSION, "vocabulary": labels,
-          "raw_hashtags": len(train_tags),
-          "labels": {split: [canonical_ids(tags, index, canonical) for tags in lists]
-                     for split, lists in records_by_split.items()}}
-
-
-def _read_cache(path: pathlib.Path) -> dict | None:
-  try:
-    cached = json.loads(path.read_text())
-  except (FileNotFoundError, json.JSONDecodeError):
-    return None
-  return cached if cached.get("version") == _CACHE_VERSION else None
-
-
-def demo_labels(builder) -> dict[str, Any]:
-  """build_labels of the demo's splits, cached in the demo's data folder."""
-  path = pathlib.Path(builder.data_dir) / _CACHE_NAME
-  cached = _read_cache(path)
-  if cached is not None:
-    return cached
-  with demo.file_lock(path.with_name(f".{_CACHE_NAME}.lock")):
-    cached = _read_cache(path)  # Another process may have written it meanwhile.
-    if cached is not None:
-      return cached
-    base = datasets.Dataset("demo", builder)
-    tags = {}
-    for split in SPLITS:
-      source = base.source(split)
-      tags[split] = [source[i]["hashtags"] for i in range(len(source))]
-    result = build_labels(tags)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, separators=(",", ":")))
-    tmp.replace(path)  # Atomic: readers never see half a file.
-  return result
+def label_lists(path) -> list[np.ndarray]:
+  """A split's id lists from its label index file ('ids' flat, 'offsets' [N + 1])."""
+  with np.load(path) as index:
+    ids, offsets = index["ids"], index["offsets"]
+  return np.split(ids, offsets[1:-1]) if len(offsets) > 1 else []
 
 
 class HashtagSource:
-  """Records of one split with 'hashtag_ids' added; train skips images without a label.
+  """Records of one split, 'hashtag_ids' as a list of ints; train is resampled.
 
   Picklable (grain workers): holds the wrapped RecordSource and plain arrays.
   """
 
-  def __init__(self, source, labels: list[list[int]], *, drop_unlabelled: bool,
+  def __init__(self, source, labels: list[np.ndarray] | None, *,
                tail_threshold: int | None = None):
     self._source = source
     self.split = source.split
-    keep = [i for i, ids in enumerate(labels) if ids or not drop_unlabelled]
-    self._indices = np.asarray(keep, np.int64)
-    self._labels = [labels[i] for i in keep]
+    if tail_threshold is not None and labels is not None and len(labels) != len(source):
+      raise ValueError(f"label index of split {self.split!r} has {len(labels)} images, the "
+                       f"split {len(source)}; re-run the preparation to rewrite it")
+    self._labels = labels
     self._tail_threshold = tail_threshold
 
   def __len__(self) -> int:
-    return len(self._indices)
+    return len(self._source)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    if not 0 <= index < len(self):
-      raise IndexError(f"record {index} outside {self!r}")
-    record = dict(self._source[int(self._indices[index])])
-    record[FIELD] = list(self._labels[index])
+    record = dict(self._source[index])
+    record[FIELD] = [int(i) for i in record[FIELD]]
     return record
 
   def __repr__(self) -> str:
@@ -123,47 +90,132 @@ class HashtagSource:
                                        seed=seed)
 
   def index_sampler(self, seed: int, process_index: int, process_count: int):
-    """This host's share of the resampled stream (the pipeline's sampler hook); None for
-    splits read as they are."""
+    """This host's resampler over its own slice of the images (resampling.host_sampler:
+    memory O(images per host), per-epoch stats logged); the pipeline's sampler hook. None
+    for splits read as they are."""
     if self._tail_threshold is None:
       return None
-    return self.resampler(seed).for_host(process_index, process_count)
+    start, stop = resampling.host_slice(len(self), process_index, process_count)
+    counts = np.bincount(np.concatenate([np.asarray(ids, np.int64) for ids in self._labels]))
+    return resampling.host_sampler(
+        self._labels[start:stop], num_images=len(self), label_counts=counts,
+        tail_threshold=self._tail_threshold, alpha=ALPHA, num_samples=len(self), seed=seed,
+        process_index=process_index, process_count=process_count, log_epochs=True)
 
 
 class HashtagDataset:
-  """`hashtags:demo`: info (class_names = the canonical labels) and per-split sources."""
+  """A prepared hashtag dataset: info (class_names = the vocabulary) and split sources."""
 
-  def __init__(self, name: str, data_dir: str):
-    builder = demo.prepare(data_dir or None)
-    self._base = datasets.Dataset("demo", builder)
-    cached = demo_labels(builder)
-    self.vocabulary = list(cached["vocabulary"])
-    self._labels = cached["labels"]
-    train = self._labels["train"]
-    kept = [ids for ids in train if ids]
-    max_len = max(len(ids) for split in SPLITS for ids in self._labels[split])
-    _, is_tail = resampling.importance(kept, DEMO_TAIL_THRESHOLD)
+  def __init__(self, name: str, builder, image_size: int | None = None):
+    self.builder = builder
+    meta = dict(builder.info.metadata or {})
+    if "vocabulary" not in meta:
+      raise ValueError(f"{builder.data_dir} holds no hashtag vocabulary in its metadata; "
+                       "prepare it with `python -m input_pipeline.prepare hashtags`.")
+    self.vocabulary = [v["label"] for v in meta["vocabulary"]]
+    self.tail_threshold = int(meta["head_tail"]["tail_threshold"])
+    splits = tuple(sorted(builder.info.splits.keys()))
+    skipped = dict(meta.get("skipped", {}))
     self.info = datasets.DatasetInfo(
         name=name, num_classes=len(self.vocabulary), class_names=self.vocabulary,
-        num_examples={"train": len(kept), "validation": len(self._labels["validation"])},
-        image_size=self._base.info.image_size, splits=SPLITS,
-        features={FIELD: max_len},
-        stats={"raw_hashtags": cached["raw_hashtags"],
-               "dropped_unlabelled_train": len(train) - len(kept),
-               "tail_threshold": DEMO_TAIL_THRESHOLD,
-               "tail_train_images": int(is_tail.sum())})
+        num_examples={s: int(builder.info.splits[s].num_examples) for s in splits},
+        image_size=image_size, splits=splits,
+        features={FIELD: int(meta["max_lengths"][FIELD])},
+        stats={"raw_hashtags": meta["raw_tags"]["distinct_train_tags"],
+               "dropped_unlabelled_train": skipped.get("no_label", 0),
+               "skipped": skipped,
+               "tail_threshold": self.tail_threshold,
+               "tail_train_images": meta["head_tail"]["tail_images"],
+               "head_train_images": meta["head_tail"]["head_images"]})
 
   def source(self, split: str) -> HashtagSource:
-    if split not in SPLITS:
+    if split not in self.info.splits:
       raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
-                       f"splits: {list(SPLITS)}.")
-    return HashtagSource(self._base.source(split), self._labels[split],
-                         drop_unlabelled=split == "train",
-                         tail_threshold=DEMO_TAIL_THRESHOLD if split == "train" else None)
+                       f"splits: {list(self.info.splits)}.")
+    if split != "train":
+      return HashtagSource(_records(self.builder, split), None)
+    path = pathlib.Path(self.builder.data_dir) / LABEL_INDEX.format(split=split)
+    if not path.exists():
+      raise FileNotFoundError(
+          f"{path} is missing: re-run `python -m input_pipeline.prepare hashtags` with the "
+          "same --data_dir and --name; it writes the label index of a finished dataset.")
+    return HashtagSource(_records(self.builder, split), label_lists(path),
+                         tail_threshold=self.tail_threshold)
+
+
+def _records(builder, split: str) -> datasets.RecordSource:
+  """Random-access records of a split, images left encoded."""
+  decoders = {"image": tfds.decode.SkipDecoding()}
+  return datasets.RecordSource(builder.as_data_source(split, decoders=decoders), split)
+
+
+# ------------------------------------------------------------------------------------------
+# hashtags:demo.
+
+
+def export_demo(base_builder, raw_dir: pathlib.Path) -> pathlib.Path:
+  """Writes the demo's train and validation splits as WebDataset shards under raw_dir
+  (once: a finished export is reused); returns raw_dir."""
+  done = raw_dir / ".complete"
+  if done.exists():
+    return raw_dir
+  base = datasets.Dataset("demo", base_builder)
+  wnids = base.info.class_names
+  for split in DEMO_SPLITS:
+    folder = raw_dir / split
+    folder.mkdir(parents=True, exist_ok=True)
+    source = base.source(split)
+    for start in range(0, len(source), DEMO_SHARD_SIZE):
+      shard = folder / f"demo-{start // DEMO_SHARD_SIZE:05d}.tar"
+      with tarfile.open(shard, "w") as tar:
+        for i in range(start, min(start + DEMO_SHARD_SIZE, len(source))):
+          record = source[i]
+          meta = json.dumps({"hashtags": record["hashtags"],
+                             "label": wnids[record["label"]]}).encode("utf-8")
+          for name, data in ((f"{i:06d}.png", record["image"]), (f"{i:06d}.json", meta)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+  done.write_text("")
+  return raw_dir
+
+
+def _find(full_name: str, root: pathlib.Path):
+  try:
+    return read_only_builder.builder_from_files(full_name, data_dir=str(root))
+  except tfds.core.registered.DatasetNotFoundError:
+    return None
+
+
+def demo_builder(data_dir: str):
+  """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
+  base = demo.prepare(data_dir or None)
+  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  full_name = f"{BUILDER_NAME}/{DEMO_NAME}"
+  found = _find(full_name, root)
+  if found is not None and (pathlib.Path(found.data_dir) /
+                            LABEL_INDEX.format(split="train")).exists():
+    return found
+  with demo.file_lock(root / f".{BUILDER_NAME}-{DEMO_NAME}.lock"):
+    # Imported here: reading needs no Apache Beam, only building does.
+    from input_pipeline import hashtag_job  # pylint: disable=import-outside-toplevel
+    raw = export_demo(base, root / DEMO_RAW)
+    return hashtag_job.prepare(raw, root, DEMO_NAME, min_count=1, min_raw_count=1,
+                               tail_threshold=DEMO_TAIL_THRESHOLD)
 
 
 def load(name: str, data_dir: str) -> HashtagDataset:
-  """Loader for datasets.register_source."""
-  if name != "hashtags:demo":
-    raise ValueError(f"Unknown hashtag dataset {name!r}; built in: 'hashtags:demo'.")
-  return HashtagDataset(name, data_dir)
+  """Loader for datasets.register_source: 'hashtags:NAME'."""
+  rest = name[len(PREFIX):]
+  if not NAME_RE.fullmatch(rest):
+    raise ValueError(f"Bad dataset name {name!r}: use 'hashtags:NAME' with NAME the --name "
+                     "given to `python -m input_pipeline.prepare hashtags`, or 'hashtags:demo'.")
+  if rest == DEMO_NAME:
+    return HashtagDataset(name, demo_builder(data_dir), image_size=demo.IMAGE_SIZE)
+  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  how = (f"Prepare it with `python -m input_pipeline.prepare hashtags --manual_dir=RAW "
+         f"--data_dir={root} --name={rest}`.")
+  builder = _find(f"{BUILDER_NAME}/{rest}", root) if root.is_dir() else None
+  if builder is None:
+    raise FileNotFoundError(f"No prepared hashtag dataset {name!r} in {root}. {how}")
+  return HashtagDataset(name, builder)

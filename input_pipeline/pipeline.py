@@ -62,7 +62,7 @@ def data_defaults() -> ml_collections.ConfigDict:
       eval_split="validation",
       # '|'-separated ops applied in order; see augment_spec.TRAIN_OPS.
       train_augment="flip",
-      # 'squish' or 'center_crop'; see augment_spec.EVAL_RESIZES.
+      # 'squish', 'center_crop' or 'shorter_center_crop'; see augment_spec.EVAL_RESIZES.
       eval_resize="squish",
       # '0_1', 'imagenet' or 'minus1_1' (applied on device); see augment.normalize.
       normalize="0_1",
@@ -79,6 +79,10 @@ def data_defaults() -> ml_collections.ConfigDict:
       # named like data.name in data.dir with data.name's classes; data.name gets the rest
       # of the weight (1 - the sum). See datasets.train_sources and mixed_train_iterator.
       mix="",
+      # Few-shot training: a seeded per-class draw of this share of data.train_split (1.0 =
+      # all); see input_pipeline/subset.py.
+      subset_frac=1.0,
+      subset_seed=0,
   ))
 
 

@@ -9,13 +9,18 @@ and the semi-supervised selection index.
   python -m input_pipeline.prepare selection --predictions=DIR --k=K --data_dir=OUT \
       [--variant=balanced_ranked|unbalanced_ranked|balanced_with_tags] \
       [--class_sizes=SIZES.json | --zipf_total=T [--zipf_exponent=1.0]] [--seed=0] \
-      [--expected_classes=CLASSES.txt]
+      [--expected_classes=CLASSES.txt] [--exclude=FILE]
+  python -m input_pipeline.prepare hashtags --manual_dir=RAW --data_dir=OUT [--name=NAME] \
+      [--min_count=1] [--min_raw_count=2] [--tail_threshold=5000] [--image_size=keep] \
+      [--max_pixels=N]
 
 imagenet21k_p: input_pipeline/imagenet21k_p.py (the paper's three steps); folder: any
 ImageFolder tree, input_pipeline/image_folder.py. Train on the result with
 `--config.data.name=imagenet21k_p` (or `folder:NAME`) and `--config.data.dir=OUT`.
 selection: the semi-supervised recipe's top-K selection of D-hat from teacher predictions, an
 index into the source dataset (input_pipeline/selection.py, which documents both formats).
+hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manifests
+(input_pipeline/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
 The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
 FlinkRunner, SparkRunner, ...). Flags this command does not define are handed to Beam as
@@ -31,6 +36,8 @@ from typing import Sequence
 from absl import logging
 
 from input_pipeline import beam_images
+from input_pipeline import hashtag_job
+from input_pipeline import hashtag_source
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p
 from input_pipeline import selection
@@ -87,9 +94,49 @@ def build_parser() -> argparse.ArgumentParser:
   psel.add_argument("--expected_classes", default=None,
                     help="Text file, one class name a line: the class list the teacher must "
                     "have.")
+  psel.add_argument("--exclude", default=None,
+                    help="Exclusion list (bigpretrain.dedup's exclusions.tsv): its images are "
+                    "never selected.")
   psel.add_argument("--batch_size", type=int, default=selection.BATCH_SIZE,
                     help="Prediction rows read per batch.")
+
+  ptags = sub.add_parser("hashtags", help="A SWAG hashtag dataset from crawled WebDataset "
+                         "shards and JSONL/Parquet manifests, as hashtags:NAME.")
+  ptags.add_argument("--manual_dir", required=True, help="Folder of shards and manifests.")
+  ptags.add_argument("--data_dir", required=True, help="tfds data dir to write into.")
+  ptags.add_argument("--name", default="hashtags",
+                     help="Dataset name (read as hashtags:NAME); 'demo' is reserved.")
+  ptags.add_argument("--beam_runner", default=None,
+                     help="Beam runner (default: DirectRunner on this machine).")
+  ptags.add_argument("--min_count", type=int, default=hashtag_job.MIN_COUNT,
+                     help="Keep a canonical hashtag only if at least this many train images "
+                     "have it.")
+  ptags.add_argument("--min_raw_count", type=int, default=hashtag_job.MIN_RAW_COUNT,
+                     help="Keep a raw hashtag only if at least this many train images have "
+                     "it (paper: used more than once).")
+  ptags.add_argument("--tail_threshold", type=int, default=hashtag_job.TAIL_THRESHOLD,
+                     help="Head = canonical hashtags in at least this many train images.")
+  ptags.add_argument("--image_size", type=_size, default=None,
+                     help="Squish side; 'keep' (default) keeps the images as they are.")
+  ptags.add_argument("--jpeg_quality", type=int, default=beam_images.JPEG_QUALITY,
+                     help="Quality of re-encoded JPEGs.")
+  ptags.add_argument("--max_pixels", type=int, default=hashtag_job.MAX_PIXELS,
+                     help="Skip images whose header declares more pixels (bombs).")
   return parser
+
+
+def run_hashtags(args, beam_options) -> str:
+  """The hashtags subcommand: runs it and returns its summary."""
+  name = image_folder.check_name(args.name)
+  if name == hashtag_source.DEMO_NAME:
+    raise SystemExit("--name=demo is reserved for hashtags:demo (made from the demo dataset);"
+                     " choose another name.")
+  builder = hashtag_job.prepare(
+      args.manual_dir, args.data_dir, name, min_count=args.min_count,
+      min_raw_count=args.min_raw_count, tail_threshold=args.tail_threshold,
+      image_size=args.image_size, jpeg_quality=args.jpeg_quality, max_pixels=args.max_pixels,
+      beam_runner=args.beam_runner, beam_options=beam_options)
+  return hashtag_job.summary(builder)
 
 
 def _read_lines(path: str) -> list[str]:
@@ -108,7 +155,7 @@ def run_selection(args, beam_options) -> str:
       args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,
       zipf_total=args.zipf_total, zipf_exponent=args.zipf_exponent, seed=args.seed,
       expected_class_names=expected, beam_runner=args.beam_runner, beam_options=beam_options,
-      batch_size=args.batch_size)
+      batch_size=args.batch_size, exclude=args.exclude)
   return selection.summary(info, args.data_dir)
 
 
@@ -146,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.info("Passing to Beam: %s", beam_options)
   if args.dataset == "selection":
     print(run_selection(args, beam_options), flush=True)
+    return 0
+  if args.dataset == "hashtags":
+    print(run_hashtags(args, beam_options), flush=True)
     return 0
   kwargs = dict(beam_runner=args.beam_runner, beam_options=beam_options,
                 min_images=args.min_images, val_per_class=args.val_per_class,

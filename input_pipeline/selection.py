@@ -3,7 +3,7 @@
   python -m input_pipeline.prepare selection --predictions=DIR --k=K --data_dir=OUT \
       [--variant=balanced_ranked|unbalanced_ranked|balanced_with_tags] \
       [--class_sizes=SIZES.json | --zipf_total=T [--zipf_exponent=1.0]] [--seed=0] \
-      [--expected_classes=CLASSES.txt] [--beam_runner=...]
+      [--expected_classes=CLASSES.txt] [--exclude=FILE] [--beam_runner=...]
 
 The rule (Yalniz et al., 2019, section 3.2): for each class, the K images with the highest
 score among those that kept the class in their top-P; an image selected for several classes
@@ -29,6 +29,10 @@ Beam):
     "top_p": P, "dataset": NAME, "splits": [...], and optionally "num_records": rows in all
     shards (checked: fewer means unfinished inference), "scores": "softmax" or "logits"}.
   --expected_classes (one class name a line) must equal class_names, else a clear error.
+  --exclude: an exclusion list (input_pipeline/exclusions.py; bigpretrain.dedup writes one of
+    the pool's near-duplicates of evaluation images): its images are dropped as they are read,
+    never candidates, and counted (report num_excluded). predictions.json's num_excluded is
+    what inference already left out with the same list.
 
 Output, OUT (an index into the source dataset, not a copy of its images):
   - index-SSSSS-of-NNNNN.parquet: one row per (image, class) selection, columns dataset, split,
@@ -40,7 +44,8 @@ Output, OUT (an index into the source dataset, not a copy of its images):
     "params", "dataset", "splits", "class_names", "index_files" (in order) and "report".
   A data source reads D-hat as the rows of index_files concatenated in order: example i is
   record `index` of split `split` of dataset `dataset`, with label `label`.
-  The report: num_records (|U| read), num_selected (|D-hat|, image-class pairs as in the
+  The report: num_records (|U| read), num_excluded (of those, dropped by --exclude),
+  num_selected (|D-hat|, image-class pairs as in the
   paper's Table 9), num_requested (sum of K), per class the requested K, count, candidates
   (images that kept the class / whose tags map to it) and threshold (lowest selected score,
   null when none), the shortfall (classes that got fewer than K: never an error, only
@@ -73,6 +78,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bigpretrain.selection import tags as tags_lib
+from input_pipeline import exclusions
 from input_pipeline import selection_formats as formats
 from bigpretrain.selection import topk
 
@@ -133,13 +139,15 @@ class _ReadShard(beam.DoFn):
   """
 
   def __init__(self, preds: formats.Predictions, variant: str, batch_size: int, seed: int,
-               lemmas: Mapping[str, Sequence[int]] | None):
+               lemmas: Mapping[str, Sequence[int]] | None, excluded: np.ndarray):
     self._preds = preds
     self._variant = variant
     self._batch_size = batch_size
     self._seed = seed
     self._lemmas = lemmas
+    self._excluded = excluded  # Sorted packed ids of the images on the exclusion list.
     self._records = _counter("records_read")
+    self._dropped = _counter("records_excluded")
     self._shards = _counter("shards_read")
 
   def process(self, path: str):
@@ -157,6 +165,11 @@ class _ReadShard(beam.DoFn):
         if not batch.num_rows:
           continue
         ids = self._ids(batch, path)
+        records = len(ids)
+        drop = excluded_mask(ids, self._excluded)
+        if drop.any():
+          batch, ids = batch.filter(pa.array(~drop)), ids[~drop]
+          self._dropped.inc(int(drop.sum()))
         if with_tags:
           tags = batch.column("tags").to_pylist()
           classes, pair_ids = tags_lib.tag_pairs(ids, [t or [] for t in tags], self._lemmas)
@@ -167,8 +180,9 @@ class _ReadShard(beam.DoFn):
           _, top, values = topk.check_predictions(
               ids, top, values, num_classes=len(preds.class_names), where=path)
           classes, pair_ids, scores = top.ravel(), np.repeat(ids, preds.top_p), values.ravel()
-        self._records.inc(len(ids))
-        yield {"classes": classes, "ids": pair_ids, "scores": scores, "records": len(ids)}
+        self._records.inc(records)
+        yield {"classes": classes, "ids": pair_ids, "scores": scores, "records": records,
+               "excluded": records - len(ids)}
     self._shards.inc()
 
   def _ids(self, batch: pa.RecordBatch, path: str) -> np.ndarray:
@@ -224,9 +238,30 @@ class _PartialTopK(beam.DoFn):
       yield c, (c, group_ids, group_scores)
 
 
+def excluded_mask(ids: np.ndarray, excluded: np.ndarray) -> np.ndarray:
+  """Which packed ids are in the sorted array `excluded` (bool, like ids)."""
+  if not excluded.size:
+    return np.zeros(len(ids), bool)
+  at = np.minimum(np.searchsorted(excluded, ids), excluded.size - 1)
+  return excluded[at] == ids
+
+
+def excluded_ids(preds: formats.Predictions, listed: exclusions.Exclusions) -> np.ndarray:
+  """Sorted packed ids of the listed images that belong to the predictions' sources."""
+  ids = [pack_ids(rank, listed.indices(dataset, split))
+         for rank, (dataset, split) in enumerate(preds.sources)
+         if listed.indices(dataset, split).size]
+  ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+  if len(listed) and not ids.size:
+    logging.warning("Exclusion list %s names %d images, none of the predictions' sources %s.",
+                    listed.path, len(listed), preds.sources)
+  return ids
+
+
 def _batch_counts(batch, num_classes: int):
-  """Candidate batch -> (records, candidates per class [C])."""
-  return batch["records"], np.bincount(batch["classes"], minlength=num_classes)
+  """Candidate batch -> (records, excluded records, candidates per class [C])."""
+  return (batch["records"], batch["excluded"],
+          np.bincount(batch["classes"], minlength=num_classes))
 
 
 def _check_unique(ids: np.ndarray, c: int, preds: formats.Predictions) -> None:
@@ -337,25 +372,25 @@ def select_pcoll(batches, k: np.ndarray, preds: formats.Predictions, *, naive: b
 
 
 class _SumCounts(beam.CombineFn):
-  """(records, per-class candidates [C]) summed; (0, zeros) for no input."""
+  """(records, excluded, per-class candidates [C]) summed; (0, 0, zeros) for no input."""
 
   def __init__(self, num_classes: int):
     self._num_classes = num_classes
 
   def create_accumulator(self):
-    return 0, np.zeros(self._num_classes, np.int64)
+    return 0, 0, np.zeros(self._num_classes, np.int64)
 
   def add_input(self, mutable_accumulator, element):
-    return mutable_accumulator[0] + element[0], mutable_accumulator[1] + element[1]
+    return tuple(a + e for a, e in zip(mutable_accumulator, element))
 
   def merge_accumulators(self, accumulators):
-    records, candidates = self.create_accumulator()
-    for r, c in accumulators:
-      records, candidates = records + r, candidates + c
-    return records, candidates
+    total = self.create_accumulator()
+    for acc in accumulators:
+      total = tuple(t + a for t, a in zip(total, acc))
+    return total
 
   def extract_output(self, accumulator):
-    return int(accumulator[0]), accumulator[1].tolist()
+    return int(accumulator[0]), int(accumulator[1]), accumulator[2].tolist()
 
 
 # ------------------------------------------------------------------------------------------
@@ -420,15 +455,15 @@ def _shard_of(class_selected, per_shard: int):
 
 
 def _write_raw_report(_, path: str, written, counts):
-  records, candidates = counts
+  records, excluded, candidates = counts
   with epath.Path(path).open("w") as f:
-    json.dump({"records": records, "candidates": candidates,
+    json.dump({"records": records, "excluded": excluded, "candidates": candidates,
                "written": sorted(written, key=lambda w: w["file"])}, f)
 
 
 def build_report(k: np.ndarray, candidates: Sequence[int], records: int,
-                 class_stats: Sequence[Sequence[Any]], class_names: Sequence[str]
-                 ) -> dict[str, Any]:
+                 class_stats: Sequence[Sequence[Any]], class_names: Sequence[str],
+                 excluded: int = 0) -> dict[str, Any]:
   """The selection report (module docstring) from per-class [class, count, threshold] rows."""
   num_classes = len(class_names)
   counts, thresholds = [0] * num_classes, [None] * num_classes
@@ -440,6 +475,7 @@ def build_report(k: np.ndarray, candidates: Sequence[int], records: int,
   hist, edges = np.histogram(counts_arr, bins=HISTOGRAM_BINS, range=(0, top))
   return {
       "num_records": int(records),
+      "num_excluded": int(excluded),
       "num_selected": int(counts_arr.sum()),
       "num_requested": int(k.sum()),
       "num_classes": num_classes,
@@ -490,7 +526,7 @@ def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
 
 
 def _pipeline(pipeline, preds: formats.Predictions, k: np.ndarray, variant: str, seed: int,
-              out_dir: str, batch_size: int, naive: bool) -> None:
+              out_dir: str, batch_size: int, naive: bool, excluded: np.ndarray) -> None:
   lemmas = None
   if variant == "balanced_with_tags":
     try:
@@ -501,7 +537,8 @@ def _pipeline(pipeline, preds: formats.Predictions, k: np.ndarray, variant: str,
   batches = (pipeline
              | "Shards" >> beam.Create(list(preds.shards))
              | "ReshuffleShards" >> beam.Reshuffle()
-             | "Read" >> beam.ParDo(_ReadShard(preds, variant, batch_size, seed, lemmas)))
+             | "Read" >> beam.ParDo(_ReadShard(preds, variant, batch_size, seed, lemmas,
+                                                     excluded)))
   score_dtype = np.int64 if variant == "balanced_with_tags" else np.float32
   selected, counts = select_pcoll(batches, k, preds, naive=naive, score_dtype=score_dtype)
   per_shard = classes_per_shard(k)
@@ -523,13 +560,14 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
             zipf_total: int | None = None, zipf_exponent: float = 1.0, seed: int = 0,
             expected_class_names: Sequence[str] | None = None, beam_runner=None,
             beam_options: Sequence[str] | None = None, batch_size: int = BATCH_SIZE,
-            naive: bool = False) -> dict[str, Any]:
+            naive: bool = False, exclude: str | None = None) -> dict[str, Any]:
   """Selects D-hat from the predictions in predictions_dir into data_dir, or reuses a
   finished selection made with the same parameters. Returns selection.json's content.
 
   k / class_sizes / zipf_total / zipf_exponent / seed: the variant's parameters (module
   docstring); expected_class_names: the class list the predictions must have; beam_runner,
-  beam_options: the Beam runner and extra flags; naive: run the Top.PerKey reference form.
+  beam_options: the Beam runner and extra flags; naive: run the Top.PerKey reference form;
+  exclude: an exclusion list whose images are never selected.
   """
   if int(batch_size) != batch_size or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r}; expected a positive int.")
@@ -540,6 +578,11 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
   params = {"predictions": preds.path, "variant": variant, "k": k,
             "class_sizes": dict(sorted(class_sizes.items())) if class_sizes else None,
             "zipf_total": zipf_total, "zipf_exponent": zipf_exponent, "seed": seed}
+  excluded = np.zeros(0, np.int64)
+  if exclude:
+    listed = exclusions.read(exclude)
+    excluded = excluded_ids(preds, listed)
+    params["exclude"] = listed.describe()
   out = epath.Path(data_dir)
   done = out / formats.SELECTION_FILE
   if done.exists():
@@ -558,7 +601,7 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
                variant, len(preds.shards), preds.path, len(k_arr), preds.top_p, k_arr.sum())
   options = pipeline_options.PipelineOptions(list(beam_options or []))
   with beam.Pipeline(runner=beam_runner, options=options) as pipeline:
-    _pipeline(pipeline, preds, k_arr, variant, seed, str(out), batch_size, naive)
+    _pipeline(pipeline, preds, k_arr, variant, seed, str(out), batch_size, naive, excluded)
   raw_path = out / RAW_REPORT_FILE
   raw = json.loads(raw_path.read_text())
   if preds.num_records is not None and raw["records"] != preds.num_records:
@@ -576,7 +619,7 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
       "index_files": [w["file"] for w in raw["written"]],
       "columns": ["dataset", "split", "index", "label", "score", "rank"],
       "report": build_report(k_arr, raw["candidates"], raw["records"], stats,
-                             preds.class_names),
+                             preds.class_names, excluded=raw["excluded"]),
   }
   done.write_text(json.dumps(info))
   raw_path.unlink()
@@ -621,7 +664,7 @@ def summary(info: Mapping[str, Any], data_dir) -> str:
   short = r["shortfall"]
   lines = [
       f"Selection ({info['params']['variant']}) in {data_dir}, from {info['params']['predictions']}",
-      f"  read {r['num_records']} images; |D-hat| = {r['num_selected']} of "
+      f"  read {r['num_records']} images ({r.get('num_excluded', 0)} excluded); |D-hat| = {r['num_selected']} of "
       f"{r['num_requested']} wanted, {len(info['index_files'])} index file(s)",
       f"  classes: {r['num_full_classes']} of {r['num_classes']} got their K; class sizes: "
       f"{bins or 'none'}",

@@ -38,12 +38,15 @@ def write_predictions(path, dataset: str, split: str, index, classes, scores,
 
 def write_info(pred_dir, *, class_names: Sequence[str], top_p: int, dataset: str,
                splits: Sequence[str], num_records: int | None = None,
-               scores: str = "softmax") -> None:
-  """Writes predictions.json (module docstring) into pred_dir."""
+               scores: str = "softmax", num_excluded: int | None = None) -> None:
+  """Writes predictions.json (module docstring) into pred_dir; num_excluded: records left
+  out by an exclusion list (bigpretrain.infer --exclude)."""
   info = {"class_names": list(class_names), "top_p": int(top_p), "dataset": dataset,
           "splits": sorted(splits), "scores": scores}
   if num_records is not None:
     info["num_records"] = int(num_records)
+  if num_excluded is not None:
+    info["num_excluded"] = int(num_excluded)
   (epath.Path(pred_dir) / INFO_FILE).write_text(json.dumps(info, indent=1))
 
 

@@ -41,3 +41,6 @@ def test_predict_cli_on_a_trained_run(tmp_path):
   assert row["image"] == str(image)
   assert [v["level"] for v in row["levels"]] == list(range(5))  # threshold 0: every level.
   assert all(0 < v["prob"] <= 1 and v["wnid"].startswith("n") for v in row["levels"])
+  # The single answer is the hierarchical one (semantic.metrics), a class of the run.
+  answer = row["answer"]
+  assert answer["wnid"].startswith("n") and 0 < answer["prob"] <= 1

@@ -77,12 +77,18 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
   ckpts = tmp_path / "checkpoints"
   latest = max(int(p) for p in os.listdir(ckpts) if p.isdigit())
   for root, _, files in os.walk(ckpts / str(latest) / "params"):
-    for f in files:  # Garble every file of the params item.
-      with open(os.path.join(root, f), "wb") as fh:
-        fh.write(b"garbage")
+    if os.path.basename(root) == "d":
+      for f in files:  # Truncate the array data, as an interrupted copy would.
+        path = os.path.join(root, f)
+        with open(path, "rb") as fh:
+          data = fh.read()
+        with open(path, "wb") as fh:
+          fh.write(data[:len(data) // 2])
   r = helpers.run_main(helpers.main_args(tmp_path, total_steps=12, ckpt_every_steps=3))
   assert r.returncode == 0, r.stderr[-3000:]
-  assert f"checkpoint step {latest} is unreadable" in r.stdout + r.stderr
+  out = r.stdout + r.stderr
+  assert out.count(f"checkpoint step {latest} ") == 1 and "is unreadable" in out
+  assert "Traceback" not in out  # One warning, not the failed restore's async noise.
   assert (tmp_path / "checkpoints_corrupt" / str(latest)).exists()  # Kept, not deleted.
   got = _losses(tmp_path)
   for step in range(1, 11):  # Steps after the fallback are recomputed identically.

@@ -79,3 +79,55 @@ def test_jit_with_tree_closed_over_and_static():
   np.testing.assert_array_equal(closed[0], want[0])
   np.testing.assert_array_equal(closed[1], want[1])
   assert int(static[0]) == want[0].sum() and int(static[1]) == want[1].sum()
+
+
+def _level_softmax_by_hand(row):
+  p = np.zeros(len(_PARENT))
+  for classes in _LEVELS:
+    e = np.exp(row[classes] - row[classes].max())
+    p[classes] = e / e.sum()
+  return p
+
+
+def test_semantic_softmax_answer_is_the_walk_stop_probability():
+  """P(answer c) = (product of level probabilities along c's chain) * (1 - the next level's
+  mass on c's children), written out per class from _CHAINS."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, len(_PARENT))).astype(np.float32) * 2
+  tree = SemanticTree.from_parents(_PARENT)
+  got = np.asarray(metrics.semantic_softmax_answer(jnp.asarray(logits), tree))
+  children = {c: [d for d, p in enumerate(_PARENT) if p == c] for c in range(len(_PARENT))}
+  for b in range(3):
+    p = _level_softmax_by_hand(logits[b].astype(np.float64))
+    for c in range(len(_PARENT)):
+      through = np.prod([p[a] for a in _CHAINS[c]])
+      want = through * (1 - sum(p[d] for d in children[c]))
+      np.testing.assert_allclose(got[b, c], want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[b].sum(), 1.0, rtol=1e-5)  # A distribution over classes.
+
+
+def test_semantic_answer_picks_a_confident_deep_class_and_stops_when_unsure():
+  tree = SemanticTree.from_parents(_PARENT)
+  big = 8.0
+  # Confident along 0 -> 1 -> 3 -> 5: the answer is the leaf 5.
+  deep = np.zeros((1, len(_PARENT)), np.float32)
+  deep[0, [0, 1, 3, 5]] = big
+  # Confident 0 -> 1, but level 2 puts most mass on 7 (under 2, which level 1 rejected):
+  # p2 = (1, 1, e) / (2 + e) for (3, 4, 7), so P(stop at 1) ~ e / (2 + e) = 0.58 beats
+  # P(4) ~ 0.21 and P(3) ~ 0 (the one-class last level always continues to 5): answer 1.
+  unsure = np.zeros((1, len(_PARENT)), np.float32)
+  unsure[0, [0, 1]] = big
+  unsure[0, 7] = 1.0
+  answer = metrics.semantic_softmax_answer(jnp.asarray(np.concatenate([deep, unsure])), tree)
+  assert np.argmax(np.asarray(answer), axis=-1).tolist() == [5, 1]
+  # A flat argmax over all logits ties 0, 1, 3, 5 in the first row: no meaningful answer.
+
+
+def test_multi_label_answer_subtracts_the_children():
+  tree = SemanticTree.from_parents(_PARENT)
+  logits = np.array([[3.0, 1.0, -1.0, 0.5, -2.0, -3.0, -4.0, 0.0]], np.float32)
+  s = 1 / (1 + np.exp(-logits[0].astype(np.float64)))
+  want = np.array([max(0.0, s[c] - sum(s[d] for d, p in enumerate(_PARENT) if p == c))
+                   for c in range(len(_PARENT))])
+  got = np.asarray(metrics.multi_label_answer(jnp.asarray(logits), tree))[0]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -81,47 +81,23 @@ def test_paper_defaults_and_variants():
 
 
 # ------------------------------------------------------------------------------------------
-# The labelled draw.
+# The labelled draw (input_pipeline/subset.py, shared with SWAG fine-tuning).
 
 
-def test_draw_counts_by_hand_and_determinism():
-  labels = np.repeat([0, 1, 2, 4], [10, 25, 3, 7])  # Class 3 has no records.
-  rng = np.random.default_rng(0)
-  labels = labels[rng.permutation(len(labels))]
-  # floor(0.1 n + 0.5), at least 1: 10 -> 1, 25 -> 3, 3 -> 1 (0.8 rounds to 1), 7 -> 1.
-  np.testing.assert_array_equal(subset.counts(labels, 0.1), [1, 3, 1, 0, 1])
-  picked = subset.draw(labels, 0.1, seed=3)
-  np.testing.assert_array_equal(np.bincount(labels[picked], minlength=5), [1, 3, 1, 0, 1])
-  assert np.all(np.diff(picked) > 0)
-  np.testing.assert_array_equal(picked, subset.draw(labels, 0.1, seed=3))
-  draws = {tuple(subset.draw(labels, 0.5, seed=s)) for s in range(5)}
-  assert len(draws) > 1  # The seed matters.
-  rest = subset.complement(picked, len(labels))
-  np.testing.assert_array_equal(np.sort(np.concatenate([picked, rest])), np.arange(len(labels)))
-  # A class's draw depends only on the seed and its own records.
-  keep = labels != 1
-  other = subset.draw(labels[keep], 0.1, seed=3)
-  np.testing.assert_array_equal(np.flatnonzero(keep)[other], picked[labels[picked] != 1])
-  with pytest.raises(ValueError, match="subset_frac"):
-    subset.draw(labels, 1.0, seed=0)
-
-
-def test_demo_subset_through_the_data_config():
-  d = datasets.get_dataset({"name": "demo", "subset_frac": 0.1, "subset_seed": 7})
+def test_demo_labelled_draw_counts_and_determinism():
   full = datasets.get_dataset({"name": "demo"})
-  labels = subset.read_labels(full.source("train"))
+  cfg = {"name": "demo", "subset_frac": 0.1, "subset_seed": 7}
+  d = datasets.train_sources(cfg, full)[0][0]
+  labels = np.array([r["label"] for r in (full.source("train")[i] for i in range(len(
+      full.source("train"))))])
   n = np.bincount(labels, minlength=full.info.num_classes)
-  want = np.where(n > 0, np.maximum(np.floor(0.1 * n + 0.5), 1), 0)
-  got = np.bincount(subset.read_labels(d.source("train")), minlength=full.info.num_classes)
-  np.testing.assert_array_equal(got, want)
-  assert d.info.num_examples["train"] == want.sum()
-  assert d.info.num_examples["validation"] == full.info.num_examples["validation"]
-  i = len(d.indices) // 2
-  assert d.source("train")[i]["image"] == full.source("train")[int(d.indices[i])]["image"]
-  with pytest.raises(ValueError, match="subset_frac"):
-    datasets.get_dataset({"name": "demo", "subset_frac": 1.5})
-  with pytest.raises(ValueError, match="subset_split='nope'"):
-    datasets.get_dataset({"name": "demo", "subset_frac": 0.1, "subset_split": "nope"})
+  want = np.where(n > 0, np.maximum(np.floor(0.1 * n + 0.5), 1), 0)  # Per class, by hand.
+  np.testing.assert_array_equal(np.bincount(labels[d.indices], minlength=len(n)), want)
+  assert len(d) == want.sum() and np.all(np.diff(d.indices) > 0)
+  again = datasets.train_sources(dict(cfg), datasets.get_dataset({"name": "demo"}))[0][0]
+  np.testing.assert_array_equal(again.indices, d.indices)
+  other = datasets.train_sources({**cfg, "subset_seed": 8}, full)[0][0]
+  assert not np.array_equal(other.indices, d.indices)
 
 
 # ------------------------------------------------------------------------------------------
@@ -140,7 +116,7 @@ class _Strided:
   def source(self, split):
     full = self.demo.source(split)
     step = len(full) // self.info.num_examples[split]
-    return subset.IndexedSource(full, np.arange(self.info.num_examples[split]) * step)
+    return subset.SubsetSource(full, np.arange(self.info.num_examples[split]) * step)
 
 
 datasets.register_source("semisup_every:", _Strided)
@@ -215,12 +191,14 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
   assert checkpoint.read_meta(str(r1 / "finetune"))["class_names"] == (
       datasets.get_dataset({"name": "demo"}).info.class_names)
 
-  # U: the unlabeled split and train without D's records; D-hat reads from both.
-  d_set = datasets.get_dataset({"name": "semisup_every:200", "subset_frac": 0.5})
+  # U: the unlabeled split and train without D's records.
+  cfg = {"name": "semisup_every:200", "subset_frac": 0.5}
+  d = datasets.train_sources(cfg, datasets.get_dataset(cfg))[0][0]
+  rest = np.setdiff1d(np.arange(200), d.indices)
   pool = pa.concat_tables([pq.read_table(p) for p in sorted((r1 / "pool").glob("*.parquet"))])
   train_rows = pool.filter(pa.compute.equal(pool.column("split"), "train"))
-  np.testing.assert_array_equal(np.sort(train_rows.column("index").to_numpy()), d_set.rest())
-  assert pool.num_rows == 200 + len(d_set.rest())
+  np.testing.assert_array_equal(np.sort(train_rows.column("index").to_numpy()), rest)
+  assert pool.num_rows == 200 + len(rest)
   info = json.loads((r1 / "pool" / selection_formats.INFO_FILE).read_text())
   assert info["num_records"] == pool.num_rows and info["splits"] == ["train", "unlabeled"]
 
@@ -249,7 +227,7 @@ def test_bad_input_gets_clear_errors(tmp_path):
   with pytest.raises(ValueError, match=r"pool_splits names \['nope'\]"):
     semi_supervised.run(_tiny_config(**{"data.pool_splits": ("nope",)}), str(tmp_path))
   with pytest.raises(ValueError, match="pool_train_rest needs config.data.subset_frac"):
-    semi_supervised.run(_tiny_config(**{"data.subset_frac": 0.0}), str(tmp_path / "b"))
+    semi_supervised.run(_tiny_config(**{"data.subset_frac": 1.0}), str(tmp_path / "b"))
   assert not (tmp_path / "round1").exists()  # Nothing ran.
 
   # Predictions of a teacher with another class list: refused before selection.

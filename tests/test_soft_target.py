@@ -15,7 +15,6 @@ from bigpretrain.hashtags import vocabulary
 from bigpretrain.objectives import multi_label
 from bigpretrain.objectives import soft_target
 from input_pipeline import datasets
-from input_pipeline import hashtag_source
 from tests import helpers
 
 C = 6
@@ -193,9 +192,14 @@ def test_hashtag_demo_train_is_resampled_per_host(hashtags_demo):
   assert 0 < hashtags_demo.info.stats["tail_train_images"] < len(train)  # A real head/tail.
   whole = train.resampler(7)
   assert whole.alpha == 0.7 and len(whole) == len(train)
+  # One host: the whole-dataset resampler itself.
+  np.testing.assert_array_equal(train.index_sampler(7, 0, 1)[np.arange(50)],
+                                whole[np.arange(50)])
+  # Two hosts: each draws its half of an epoch from its own half of the images.
   hosts = [train.index_sampler(7, p, 2) for p in range(2)]
-  for p, host in enumerate(hosts):
-    np.testing.assert_array_equal(host[np.arange(50)], whole[np.arange(50) * 2 + p])
+  half = len(train) // 2
+  assert [len(h) for h in hosts] == [(len(train) + 1) // 2, len(train) // 2]
+  assert hosts[0][np.arange(2000)].max() < half <= hosts[1][np.arange(2000)].min()
   np.testing.assert_array_equal(train.index_sampler(7, 1, 2)[np.arange(50)],
                                 hosts[1][np.arange(50)])  # Deterministic by seed.
   assert not np.array_equal(train.index_sampler(8, 0, 1)[np.arange(50)], whole[np.arange(50)])

@@ -11,8 +11,21 @@ ResampledIndices is that epoch as a random-access index sampler: sample j is a p
 (seed, j), so a data iterator that checkpoints its position resumes exactly, hosts draw their
 own shares without talking to each other, and no list of M indices is ever built (M is
 billions in the paper). Memory is the per-group cumulative importance: 12 bytes per image
-below 2^31 images, 16 above, on every host, since each host reads the one global stream
-(for_host); that is O(all images), not O(images per host).
+below 2^31 images, 16 above.
+
+Two ways to split the epoch over P hosts:
+- for_host(p, P): host p reads global samples p, p + P, ...: the exact global draw, but every
+  host holds the cumulative importance of ALL images (O(all images) per host).
+- host_sampler(...): host p owns the contiguous image slice host_slice(N, p, P) and draws its
+  host_share(M, p, P) samples from that slice alone (its own alpha head / tail split, its own
+  key stream `stream=p`, image indices offset to the slice), from importance computed on the
+  slice with the global hashtag counts (importance(..., label_counts=)): memory
+  O(images per host). What changes statistically: the draw is stratified by host. Image i of
+  slice s is drawn with probability (M_s / M) I_i / W_s (W_s: the importance mass of i's
+  group in s) instead of I_i / W; the two agree when every slice holds a 1/P share of the head
+  and of the tail importance, which a shuffled dataset meets up to the slice sums' sampling
+  noise (relative ~ 1/sqrt(images per slice)); a host whose slice has no head (or no tail)
+  image is an error. Each host still draws exactly round(alpha * M_s) head samples per epoch.
 
 How sample j is drawn (epoch e = j // M, position r = j % M):
 - head or tail: a keyed pseudo-random permutation pi_e of [0, M) (a Feistel network with
@@ -28,6 +41,7 @@ How sample j is drawn (epoch e = j // M, position r = j % M):
 import itertools
 from typing import Sequence
 
+from absl import logging
 import numpy as np
 
 _MASK64 = (1 << 64) - 1
@@ -67,8 +81,8 @@ def _check_int(name: str, value, minimum: int) -> int:
   return int(value)
 
 
-def importance(label_lists: Sequence[Sequence[int]],
-               tail_threshold: int) -> tuple[np.ndarray, np.ndarray]:
+def importance(label_lists: Sequence[Sequence[int]], tail_threshold: int, *,
+               label_counts=None) -> tuple[np.ndarray, np.ndarray]:
   """Per-image importance max_h f(h)^-1/2 (float64 [N]) and tail flag (bool [N]).
 
   Args:
@@ -76,6 +90,8 @@ def importance(label_lists: Sequence[Sequence[int]],
       repeated within an image counts once. Every image needs at least one label (the
       dataset job drops images left without one).
     tail_threshold: hashtags in at least this many images are the head (paper: 5,000).
+    label_counts: f(h) of every label id (int [L], images holding it in the whole dataset),
+      for a host that reads only its slice of the images; None counts f(h) in label_lists.
   """
   tail_threshold = _check_int("tail_threshold", tail_threshold, 0)
   n = len(label_lists)
@@ -95,7 +111,21 @@ def importance(label_lists: Sequence[Sequence[int]],
   image = np.repeat(np.arange(n, dtype=np.int64), lengths)
   pairs = np.unique(image * len(uniq) + label)  # Distinct (image, label), sorted by image.
   pair_image, pair_label = np.divmod(pairs, len(uniq))
-  freq = np.bincount(pair_label, minlength=len(uniq))  # f(h): images holding h.
+  if label_counts is None:
+    freq = np.bincount(pair_label, minlength=len(uniq))  # f(h): images holding h.
+  else:
+    counts = np.asarray(label_counts)
+    if counts.ndim != 1 or counts.dtype.kind not in "iu":
+      raise ValueError(f"label_counts must be a 1-D int array, got {counts.dtype} "
+                       f"{counts.shape}")
+    if uniq[-1] >= counts.size:
+      raise ValueError(f"label id {uniq[-1]} has no entry in label_counts (size {counts.size})")
+    freq = counts[uniq]
+    seen = np.bincount(pair_label, minlength=len(uniq))
+    if (freq < seen).any():
+      bad = uniq[np.argmax(freq < seen)]
+      raise ValueError(f"label_counts[{bad}] = {counts[bad]} is below the {seen[freq < seen][0]} "
+                       "images holding it here: label_counts must count the whole dataset")
   starts = np.concatenate([[0], np.cumsum(np.bincount(pair_image, minlength=n))[:-1]])
   rarest = np.minimum.reduceat(freq[pair_label], starts)  # Max I_h is at the min f(h).
   return rarest.astype(np.float64) ** -0.5, rarest < tail_threshold
@@ -132,7 +162,11 @@ class ResampledIndices:
   """
 
   def __init__(self, importance: np.ndarray, is_tail: np.ndarray, *, alpha: float,
-               num_samples: int, seed: int):
+               num_samples: int, seed: int, stream: int = 0, offset: int = 0,
+               log_epochs: bool = False):
+    """`stream` selects an independent key stream for the same seed (one per host in
+    host_sampler); `offset` is added to every image index drawn (the first image of a host's
+    slice); `log_epochs` logs epoch_stats when the last sample of an epoch is read."""
     weights = np.asarray(importance, np.float64)
     is_tail = np.asarray(is_tail)
     if weights.ndim != 1 or not weights.size:
@@ -159,8 +193,12 @@ class ResampledIndices:
     except ValueError as e:
       raise ValueError(f"{e} (alpha={self.alpha}: a head share of 0 needs no head images, "
                        "1 no tail images)") from None
-    self._draw_key = _mix64(_mix64(self.seed) + 1)  # One key per stream of randomness.
-    self._perm_key = _mix64(_mix64(self.seed) + 2)
+    self.stream = _check_int("stream", stream, 0)
+    self.offset = _check_int("offset", offset, 0)
+    self.log_epochs = bool(log_epochs)
+    base = _mix64(self.seed) + 4 * self.stream * _GOLDEN  # Stream 0: the seed's own keys.
+    self._draw_key = _mix64(base + 1)  # One key per source of randomness.
+    self._perm_key = _mix64(base + 2)
     bits = max(2, (self.num_samples - 1).bit_length())  # 2^bits >= M.
     self._half = (bits + 1) // 2  # The permuted domain [0, 4^half) is [M, 4 M).
     self._last_keys = (-1, [])
@@ -178,7 +216,9 @@ class ResampledIndices:
       if not 0 <= j < _MAX_SAMPLES:
         raise IndexError(f"sample id must be in [0, 2^62), got {j}")
       u = _uniform(self._draw_key, j)
-      return int((self._head if self._is_head(j) else self._tail).draw(u))
+      if self.log_epochs and j % self.num_samples == self.num_samples - 1:
+        self._log_epoch(j // self.num_samples)
+      return int((self._head if self._is_head(j) else self._tail).draw(u)) + self.offset
     j = np.asarray(j)
     if j.dtype.kind not in "iu":
       raise TypeError(f"sample ids must be ints, got {j.dtype}")
@@ -191,7 +231,39 @@ class ResampledIndices:
     for group, rows in ((self._head, head), (self._tail, ~head)):
       if group is not None:
         out[rows] = group.draw(u[rows])
+    if self.log_epochs:
+      for epoch in np.unique(j[j % self.num_samples == self.num_samples - 1]):
+        self._log_epoch(int(epoch) // self.num_samples)
+    if self.offset:
+      out = out.astype(np.int64) + self.offset
     return out.reshape(shape)
+
+  def epoch_stats(self, epoch: int, chunk: int = 1 << 20) -> dict:
+    """{'epoch', 'samples', 'unique_images', 'head_share'} of one epoch, by drawing it again
+    in chunks: O(num_samples) time, O(images) memory (a flag per image of the sampler)."""
+    epoch = _check_int("epoch", epoch, 0)
+    groups = [g for g in (self._head, self._tail) if g is not None]
+    num_images = max(int(g.indices[-1]) for g in groups) + 1
+    seen = np.zeros(num_images, bool)
+    head = 0
+    start = epoch * self.num_samples
+    for a in range(start, start + self.num_samples, chunk):
+      j = np.arange(a, min(a + chunk, start + self.num_samples), dtype=np.uint64)
+      is_head = self._is_head(j)
+      head += int(np.count_nonzero(is_head))
+      u = _uniform(self._draw_key, j)
+      for group, rows in ((self._head, is_head), (self._tail, ~is_head)):
+        if group is not None and rows.any():
+          seen[group.draw(u[rows])] = True
+    return {"epoch": epoch, "samples": self.num_samples,
+            "unique_images": int(np.count_nonzero(seen)),
+            "head_share": head / self.num_samples}
+
+  def _log_epoch(self, epoch: int) -> None:
+    stats = self.epoch_stats(epoch)
+    logging.info("Resampling (seed %d, stream %d) epoch %d: %d samples, %d unique images, "
+                 "head share %.4f", self.seed, self.stream, epoch, stats["samples"],
+                 stats["unique_images"], stats["head_share"])
 
   def for_host(self, process_index: int, process_count: int) -> "HostIndices":
     """This host's view of the global sample stream: its j-th record is sample
@@ -256,3 +328,52 @@ class HostIndices:
     if j.dtype.kind not in "iu":
       raise TypeError(f"sample ids must be ints, got {j.dtype}")
     return self.sampler[j.astype(np.int64) * self.process_count + self.process_index]
+
+
+def host_slice(num_images: int, process_index: int, process_count: int) -> tuple[int, int]:
+  """[start, stop) of the images host `process_index` owns: contiguous, sizes within one."""
+  num_images = _check_int("num_images", num_images, 1)
+  process_count = _check_int("process_count", process_count, 1)
+  process_index = _check_int("process_index", process_index, 0)
+  if process_index >= process_count:
+    raise ValueError(f"process_index {process_index} must be < process_count {process_count}")
+  if num_images < process_count:
+    raise ValueError(f"{num_images} images cannot give each of {process_count} hosts a slice")
+  return (process_index * num_images // process_count,
+          (process_index + 1) * num_images // process_count)
+
+
+def host_share(num_samples: int, process_index: int, process_count: int) -> int:
+  """Host p's samples of an epoch of num_samples: len(range(p, M, P)) (they sum to M)."""
+  return len(range(process_index, num_samples, process_count))
+
+
+def host_sampler(label_lists: Sequence[Sequence[int]], *, num_images: int, label_counts,
+                 tail_threshold: int, alpha: float, num_samples: int, seed: int,
+                 process_index: int, process_count: int,
+                 log_epochs: bool = False) -> ResampledIndices:
+  """Host p's resampler over its own image slice (see the module doc: memory O(images per
+  host), draws stratified by host); it returns dataset image indices.
+
+  Args:
+    label_lists: the label ids of this host's images only, images host_slice(num_images,
+      p, P) of the dataset, in order.
+    num_images: N, the images of the whole dataset.
+    label_counts: f(h) over the whole dataset (int [L]), e.g. the vocabulary's image counts.
+    num_samples: the GLOBAL epoch length M; this host draws host_share(M, p, P) of it.
+    Others: as ResampledIndices (the host's key stream is `stream=process_index`).
+  """
+  start, stop = host_slice(num_images, process_index, process_count)
+  if len(label_lists) != stop - start:
+    raise ValueError(f"host {process_index} of {process_count} owns images [{start}, {stop}) "
+                     f"of {num_images}, but got label lists for {len(label_lists)} images")
+  share = host_share(_check_int("num_samples", num_samples, 1), process_index, process_count)
+  if share < 1:
+    raise ValueError(f"an epoch of {num_samples} samples leaves host {process_index} of "
+                     f"{process_count} none")
+  weights, is_tail = importance(label_lists, tail_threshold, label_counts=label_counts)
+  try:
+    return ResampledIndices(weights, is_tail, alpha=alpha, num_samples=share, seed=seed,
+                            stream=process_index, offset=start, log_epochs=log_epochs)
+  except ValueError as e:
+    raise ValueError(f"host {process_index} of {process_count}: {e}") from None

@@ -138,8 +138,9 @@ def _register_all():
   from bigpretrain.models import mobilenet_v3
   from bigpretrain.models import regnet
   from bigpretrain.models import resnet
+  from bigpretrain.models import tresnet
   from bigpretrain.models import vit
-  modules = [mixer, mobilenet_v3, regnet, resnet, vit]
+  modules = [mixer, mobilenet_v3, regnet, resnet, tresnet, vit]
   for module in modules:
     for model_name, factory in sorted(module.MODELS.items()):
       register(model_name, factory)

@@ -16,8 +16,12 @@ stride), Squeeze-Excitation, 1x1 conv, each conv followed by BatchNorm (ReLU aft
 first two); projection shortcut (1x1 conv + BN) when the width or resolution changes; ReLU
 after the sum. The SE squeeze width is int(round(se_ratio * the block's INPUT width)), not of
 the bottleneck width (torchvision, ClassyVision and SWAG all do this). Global average
-pooling and a linear head. BatchNorm as in resnet.py (PyTorch defaults; batch statistics of
-the global batch under a sharded jit, i.e. synchronised BN).
+pooling and a linear head. BatchNorm as in resnet.py (PyTorch defaults). Synchronised BN
+(SWAG, appendix B) needs no code: the trainer's jit sees the global batch array, so the
+batch mean/variance are reductions over the whole batch that XLA turns into cross-device
+all-reduces over the data axis (tests/test_swag.py checks outputs and running statistics of
+an 8-device step against one device on the whole batch, and that per-device statistics
+differ).
 
 Init: convs He-normal (fan_out) as torchvision, SE biases zero, zero head, and the last
 BatchNorm scale of each block zero (zero_init_residual, as for our ResNets; SWAG's released
@@ -174,3 +178,8 @@ MODELS = {
                             se_ratio=0.25, stem_width=32)
     for name, (d, w0, wa, wm, gw) in _REGNETY.items()
 }
+# A 6-block RegNetY for the CPU demo configs: stages (32, 1), (64, 2), (128, 3), group width
+# 64. XLA's CPU gradients of many-group convolutions are slow (regnety_400mf, 8-channel
+# groups: ~14 s per 64-image 32x32 step on 2 cores; this model: ~0.25 s).
+MODELS["regnety_demo"] = functools.partial(RegNet, depth=6, w_0=32, w_a=24.0, w_m=2.0,
+                                           group_width=64, se_ratio=0.25, stem_width=16)

@@ -33,6 +33,12 @@ class Objective:
     without a prefix (the evaluator adds its own)."""
     raise NotImplementedError
 
+  def answer(self, logits) -> jax.Array:
+    """[B, C] probability of each class being the image's one label: its argmax is the
+    model's answer (predict) and its ranking the eval's top-k. Hierarchical for objectives
+    trained on the class tree (semantic.metrics)."""
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
   def finalize_eval(self, totals: dict) -> dict:
     """Metrics derived from the totals summed over a whole split (e.g. mAP from histograms)."""
     del totals
@@ -87,11 +93,12 @@ def semantic_eval_metrics(logits, labels, mask, tree) -> dict:
   return out
 
 
-def classification_eval(model, batch, topk, tree):
-  """Eval logits plus top-k metrics and, on WordNet-labelled data, semantic metrics."""
+def classification_eval(model, batch, topk, tree, answer=None):
+  """Eval logits plus top-k metrics (of `answer(logits)` when given) and, on WordNet-labelled
+  data, semantic metrics."""
   logits = model(batch["image"], train=False)
   mask = eval_mask(batch, logits.shape[0])
-  out = topk_metrics(logits, batch["label"], mask, topk)
+  out = topk_metrics(logits if answer is None else answer(logits), batch["label"], mask, topk)
   if tree is not None:
     out.update(semantic_eval_metrics(logits, batch["label"], mask, tree))
   return logits, mask, out

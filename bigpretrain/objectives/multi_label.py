@@ -10,6 +10,7 @@ import numpy as np
 
 from bigpretrain import losses
 from bigpretrain.objectives import base
+from bigpretrain.semantic import metrics as semantic_metrics
 
 
 def average_precision_from_histograms(pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
@@ -100,8 +101,11 @@ class MultiLabel(base.Objective):
       loss = losses.binary_cross_entropy(logits, y)
     return self.loss_scale * loss, {}
 
+  def answer(self, logits):
+    return semantic_metrics.multi_label_answer(logits, self.tree)
+
   def eval_metrics(self, model, batch, topk):
-    logits, mask, out = base.classification_eval(model, batch, topk, self.tree)
+    logits, mask, out = base.classification_eval(model, batch, topk, self.tree, self.answer)
     # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.
     out["ap_hist"] = ap_histograms(jax.nn.sigmoid(logits), self.multi_hot(batch["label"]),
                                    mask, self.bins)

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 
 from bigpretrain import losses
 from bigpretrain.objectives import base
+from bigpretrain.semantic import metrics as semantic_metrics
 
 
 class SemanticSoftmax(base.Objective):
-  """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k."""
+  """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k of
+  the hierarchical answer (semantic.metrics.semantic_softmax_answer)."""
 
   def __init__(self, cfg, info, allowed=("label_smoothing", "max_weight")):
     base.check_keys(cfg, set(allowed))
@@ -33,5 +35,8 @@ class SemanticSoftmax(base.Objective):
                                              max_weight=self.max_weight)
     return loss, {f"train/level{k}_loss": l for k, l in enumerate(aux["level_losses"])}
 
+  def answer(self, logits):
+    return semantic_metrics.semantic_softmax_answer(logits, self.tree)
+
   def eval_metrics(self, model, batch, topk):
-    return base.classification_eval(model, batch, topk, self.tree)[2]
+    return base.classification_eval(model, batch, topk, self.tree, self.answer)[2]

@@ -8,6 +8,7 @@ become constants.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bigpretrain.semantic.tree import SemanticTree
 
@@ -41,3 +42,52 @@ def semantic_accuracy(logits: jax.Array, semantic_targets: jax.Array,
   """Correct and labelled (image, level) pairs pooled over levels: (num_correct, num_valid)."""
   correct, valid = per_level_accuracy(logits, semantic_targets, tree)
   return jnp.sum(correct), jnp.sum(valid)
+
+
+# Hierarchical inference: one answer per image from a model trained on the class tree.
+#
+# Read the model as a top-down walk: start at a root class, then at each node either step to
+# one of its children or stop there. subtree_probs(c) is the probability that the walk passes
+# through c (the label is c or a descendant of c); the probability that it stops at c (the
+# label is exactly c) is then subtree_probs(c) minus the sum over c's children. Its argmax is the
+# single answer and its ranking gives top-k. Unlike an argmax over all logits, it neither always
+# answers a root (ancestors are the most probable classes) nor a leaf, and needs no threshold.
+
+
+def level_softmax(logits: jax.Array, tree: SemanticTree) -> jax.Array:
+  """[B, C] logits -> [B, C] probabilities, a separate softmax inside each level."""
+  probs = jnp.zeros(logits.shape, jnp.float32)
+  for classes in tree.level_classes:
+    probs = probs.at[:, classes].set(jax.nn.softmax(logits[:, classes].astype(jnp.float32)))
+  return probs
+
+
+def path_probs(level_probs: jax.Array, tree: SemanticTree) -> jax.Array:
+  """Semantic softmax: P(the walk passes through c) = the product of the level probabilities
+  of c and of each of its ancestors (the level softmaxes are the walk's steps)."""
+  out = level_probs
+  for classes in tree.level_classes[1:]:  # Parents sit one level up and are already done.
+    parents = jnp.asarray(tree.parent[classes])
+    out = out.at[:, classes].multiply(out[:, parents])
+  return out
+
+
+def stop_probs(subtree: jax.Array, tree: SemanticTree) -> jax.Array:
+  """P(the label is exactly c) = P(subtree of c) - sum over c's children, clipped at 0 (a
+  multi-label model's sigmoids need not be consistent down the tree)."""
+  children = jnp.zeros_like(subtree)
+  has_parent = np.flatnonzero(tree.parent >= 0)
+  if len(has_parent):
+    children = children.at[:, tree.parent[has_parent]].add(subtree[:, has_parent])
+  return jnp.maximum(subtree - children, 0.0)
+
+
+def semantic_softmax_answer(logits: jax.Array, tree: SemanticTree) -> jax.Array:
+  """[B, C] per-class probability of being the answer, for per-level softmax models."""
+  return stop_probs(path_probs(level_softmax(logits, tree), tree), tree)
+
+
+def multi_label_answer(logits: jax.Array, tree: SemanticTree) -> jax.Array:
+  """The same for sigmoid models trained on label + ancestors: sigmoid(c) estimates
+  P(label in the subtree of c)."""
+  return stop_probs(jax.nn.sigmoid(logits.astype(jnp.float32)), tree)
