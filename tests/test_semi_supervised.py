@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -196,7 +197,7 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
   d = datasets.train_sources(cfg, datasets.get_dataset(cfg))[0][0]
   rest = np.setdiff1d(np.arange(200), d.indices)
   pool = pa.concat_tables([pq.read_table(p) for p in sorted((r1 / "pool").glob("*.parquet"))])
-  train_rows = pool.filter(pa.compute.equal(pool.column("split"), "train"))
+  train_rows = pool.filter(pc.equal(pool.column("split"), "train"))
   np.testing.assert_array_equal(np.sort(train_rows.column("index").to_numpy()), rest)
   assert pool.num_rows == 200 + len(rest)
   info = json.loads((r1 / "pool" / selection_formats.INFO_FILE).read_text())
