@@ -1,0 +1,294 @@
+"""bigpretrain.convert: timm / torchvision weights give the same logits in bigpretrain, and
+export gives back the source library's exact state dict.
+
+Models are randomly initialised by timm / torchvision (no downloads) at small input sizes;
+every constant tensor (BatchNorm / LayerNorm affine and running statistics, biases, heads,
+class tokens, LayerScale) is redrawn so that a swapped or dropped tensor changes the logits.
+"""
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from bigpretrain import checkpoint
+from bigpretrain import convert
+from bigpretrain import models
+
+_REASON = "needs the interop extra (torch, torchvision, timm, safetensors): " + \
+    convert.INTEROP_HINT
+
+
+def _need(name):
+  return pytest.importorskip(name, reason=_REASON)
+
+
+def _randomize(model, seed=0):
+  """Redraws constant float tensors: zeros ~ N(0, 0.1), other constants ~ U(0.5, 1.5)."""
+  torch = _need("torch")
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for t in model.state_dict().values():
+      if not t.is_floating_point() or t.numel() < 2 or t.min() != t.max():
+        continue
+      if float(t.flatten()[0]) == 0.0:
+        t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+      else:
+        t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+  return model.eval()
+
+
+def _timm(name, **kw):
+  return _randomize(_need("timm").create_model(name, pretrained=False, **kw))
+
+
+def _torchvision(name, **kw):
+  _need("torch")
+  return _randomize(getattr(_need("torchvision").models, name)(**kw))
+
+
+def _torchvision_vit_ti(image_size):
+  """torchvision's VisionTransformer class (the layout of vit_b_16 and SWAG's ViTs) at
+  DeiT-Ti size."""
+  _need("torch")
+  from torchvision.models import vision_transformer  # pylint: disable=import-outside-toplevel
+  return _randomize(vision_transformer.VisionTransformer(
+      image_size, 16, num_layers=12, num_heads=3, hidden_dim=192, mlp_dim=768,
+      num_classes=10))
+
+
+def _state_dict(model):
+  return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def _save(model, path):
+  """The model's state dict as a .safetensors (no torch needed to read) or .pth file."""
+  if str(path).endswith(".safetensors"):
+    _need("safetensors.numpy").save_file(_state_dict(model), str(path))
+  else:
+    _need("torch").save(model.state_dict(), str(path))
+  return str(path)
+
+
+def _images(size, n=2, seed=0):
+  return np.random.default_rng(seed).normal(size=(n, size, size, 3)).astype(np.float32)
+
+
+def _torch_logits(model, images, features=False):
+  torch = _need("torch")
+  x = torch.from_numpy(images.transpose(0, 3, 1, 2).copy())
+  with torch.no_grad():
+    if features:  # timm's pre-logits features
+      return model.forward_head(model.forward_features(x), pre_logits=True).numpy()
+    return model(x).numpy()
+
+
+def _assert_close(ours, theirs):
+  """Equal within 1e-4 relative to the logits' scale (at least 1e-4 absolute)."""
+  ours, theirs = np.asarray(ours), np.asarray(theirs)
+  assert ours.shape == theirs.shape
+  tol = 1e-4 * max(1.0, float(np.abs(theirs).max()))
+  assert float(np.abs(ours - theirs).max()) <= tol, (np.abs(ours - theirs).max(), tol)
+
+
+# (source, builder, image size, file suffix): one per converted architecture.
+CASES = [
+    ("timm:vit_tiny_patch16_224",
+     lambda: _timm("vit_tiny_patch16_224", img_size=32, num_classes=10), 32, ".safetensors"),
+    ("timm:vit_base_patch16_224_miil_in21k",
+     lambda: _timm("vit_base_patch16_224_miil", img_size=32, num_classes=11221), 32,
+     ".safetensors"),
+    ("timm:deit3_small_patch16_224",
+     lambda: _timm("deit3_small_patch16_224", img_size=32, num_classes=10), 32, ".pth"),
+    ("torchvision:vit_ti_16", lambda: _torchvision_vit_ti(32), 32, ".safetensors"),
+    ("timm:resnet18", lambda: _timm("resnet18", num_classes=10), 64, ".safetensors"),
+    ("torchvision:resnet18", lambda: _torchvision("resnet18", num_classes=10), 64, ".pth"),
+    ("torchvision:resnext50_32x4d",
+     lambda: _torchvision("resnext50_32x4d", num_classes=10), 64, ".safetensors"),
+    ("torchvision:regnet_y_400mf",
+     lambda: _torchvision("regnet_y_400mf", num_classes=10), 64, ".safetensors"),
+    ("timm:tresnet_m", lambda: _timm("tresnet_m", num_classes=10), 64, ".safetensors"),
+    ("timm:mobilenetv3_large_100",
+     lambda: _timm("mobilenetv3_large_100", num_classes=10), 64, ".safetensors"),
+    ("timm:mixer_s16_224", lambda: _timm("mixer_s16_224", img_size=32, num_classes=10), 32,
+     ".safetensors"),
+]
+
+
+@pytest.mark.parametrize("spec,build,size,suffix", CASES, ids=[c[0] for c in CASES])
+def test_logits_equal_and_export_is_identity(spec, build, size, suffix, tmp_path):
+  torch_model = build()
+  weights = _save(torch_model, tmp_path / f"weights{suffix}")
+  meta = convert.import_weights(spec, weights, str(tmp_path / "ckpt"))
+  images = _images(size)
+  ours = models.load_pretrained(str(tmp_path / "ckpt"))(images)
+  _assert_close(ours, _torch_logits(torch_model, images))
+  assert meta["num_classes"] == _torch_logits(torch_model, images).shape[1]
+
+  # Export gives back exactly the tensors the library saved, and it loads them strictly.
+  out = str(tmp_path / f"exported{suffix}")
+  exported = convert.export_weights(str(tmp_path / "ckpt"), out)
+  original = _state_dict(torch_model)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    np.testing.assert_array_equal(exported[key], value, err_msg=key)
+  fresh = build()
+  fresh.load_state_dict({k: _need("torch").from_numpy(v)
+                         for k, v in convert.read_state_dict(out).items()}, strict=True)
+  _assert_close(_torch_logits(fresh, images), _torch_logits(torch_model, images))
+
+
+def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
+  torch_model = _torchvision("resnet18", num_classes=10)
+  convert.import_weights("torchvision:resnet18",
+                         _save(torch_model, tmp_path / "w.safetensors"), str(tmp_path / "c"))
+  loaded = models.pretrained.load(str(tmp_path / "c"))
+  extra = jax.device_get(loaded.variables["extra"])
+  np.testing.assert_array_equal(extra["stem_bn"]["mean"], torch_model.bn1.running_mean.numpy())
+  np.testing.assert_array_equal(extra["blocks"][6]["downsample_bn"]["var"],
+                                torch_model.layer4[0].downsample[1].running_var.numpy())
+
+
+def test_miil_in21k_layout(tmp_path):
+  """MIIL's ImageNet-21K-P ViT-B/16 differs from vit_base_patch16_224 in timm by qkv_bias=False
+  and mean 0 / std 1 inputs; its head has 11,221 classes."""
+  torch_model = _timm("vit_base_patch16_224_miil", img_size=32, num_classes=11221)
+  assert torch_model.blocks[0].attn.qkv.bias is None
+  meta = convert.import_weights("timm:vit_base_patch16_224_miil_in21k",
+                                _save(torch_model, tmp_path / "w.safetensors"),
+                                str(tmp_path / "c"))
+  assert meta["model"]["qkv_bias"] is False
+  assert meta["data"]["normalize"] == "0_1"
+  assert checkpoint.read_meta(str(tmp_path / "c"))["num_classes"] == 11221
+  with pytest.raises(ValueError, match=r"first mismatching tensor 'blocks\.0\.attn\.qkv\.bias' "
+                     "is missing"):
+    convert.to_bigpretrain(_state_dict(torch_model), "timm:vit_base_patch16_224")
+
+
+def test_position_embedding_resized_bilinearly(tmp_path):
+  torch = _need("torch")
+  torch_model = _torchvision_vit_ti(32)
+  meta = convert.import_weights("torchvision:vit_ti_16",
+                                _save(torch_model, tmp_path / "w.safetensors"),
+                                str(tmp_path / "c"), image_size=64)
+  assert meta["data"]["image_size"] == 64 and meta["model"]["image_size"] == 64
+  model = models.load_pretrained(str(tmp_path / "c"))
+  pos = torch_model.encoder.pos_embedding.detach()  # [1, 1 + 2 * 2, 192]
+  grid = pos[:, 1:].reshape(1, 2, 2, 192).permute(0, 3, 1, 2)
+  want = torch.nn.functional.interpolate(grid, size=(4, 4), mode="bilinear",
+                                         align_corners=False)
+  want = torch.cat([pos[:, :1], want.permute(0, 2, 3, 1).reshape(1, 16, 192)], 1).numpy()
+  np.testing.assert_allclose(np.asarray(model.pos_embed[...]), want, atol=1e-6)
+  assert model(_images(64)).shape == (2, 10)
+  with pytest.raises(ValueError, match="token-mixing MLPs fix the image size"):
+    convert.to_bigpretrain(_state_dict(_timm("mixer_s16_224", img_size=32)),
+                           "timm:mixer_s16_224", image_size=64)
+
+
+def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
+  torch_model = _timm("vit_tiny_patch16_224", img_size=32, num_classes=10)
+  meta = convert.import_weights("timm:vit_tiny_patch16_224",
+                                _save(torch_model, tmp_path / "w.safetensors"),
+                                str(tmp_path / "c"), num_classes=3)
+  assert meta["num_classes"] == 3
+  model = models.load_pretrained(str(tmp_path / "c"))
+  images = _images(32)
+  _assert_close(model.features(images), _torch_logits(torch_model, images, features=True))
+  np.testing.assert_array_equal(np.asarray(model.head.kernel[...]), np.zeros((192, 3)))
+  # config.model_init into a 3-class model keeps everything; into 5 classes, a fresh head.
+  model_def = models.ModelDef.from_config({"name": "vit_ti16", "image_size": 32}, 5)
+  params, extra = model_def.create(jax.random.key(1))
+  _, fresh = checkpoint.init_from(str(tmp_path / "c"), {"params": params, "extra": extra})
+  assert fresh == ["params/head/bias", "params/head/kernel"]
+
+
+def test_converted_checkpoint_serves_predict(tmp_path):
+  """bigpretrain.predict reads the meta (normalisation, eval resize, objective)."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from bigpretrain import predict  # pylint: disable=import-outside-toplevel
+  torch_model = _timm("resnet18", num_classes=10)
+  convert.import_weights("timm:resnet18", _save(torch_model, tmp_path / "w.safetensors"),
+                         str(tmp_path / "c"), image_size=64)
+  image = tmp_path / "x.png"
+  Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 96, 3), np.uint8)).save(image)
+  (result,) = predict.predict(str(tmp_path / "c"), [str(image)], 0.5)
+  assert len(result["top5"]) == 5
+  meta = json.loads(json.dumps(checkpoint.read_meta(str(tmp_path / "c"))))
+  assert meta["source"]["from"] == "timm:resnet18" and meta["data"]["normalize"] == "imagenet"
+
+
+def test_mismatching_state_dict_names_first_tensor():
+  resnet18 = _state_dict(_timm("resnet18"))
+  with pytest.raises(ValueError, match=r"timm:resnet50: first mismatching tensor "
+                     r"'layer1\.0\.bn3\.bias' is missing"):
+    convert.to_bigpretrain(resnet18, "timm:resnet50")
+  vit_tiny = _state_dict(_timm("vit_tiny_patch16_224", img_size=32))
+  with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.proj\.bias' has shape \(192,\), "
+                     r"expected \(384,\)"):
+    convert.to_bigpretrain(vit_tiny, "timm:vit_small_patch16_224")
+  with pytest.raises(ValueError, match=r"tensors the model lacks, first 'extra\.weight'"):
+    convert.to_bigpretrain({**resnet18, "extra.weight": np.zeros(3)}, "timm:resnet18")
+  with pytest.raises(ValueError, match="no classifier tensor 'fc.bias'"):
+    convert.to_bigpretrain(vit_tiny, "torchvision:resnet18")
+  with pytest.raises(ValueError, match="unknown source 'timm:resnet51'"):
+    convert.to_bigpretrain(resnet18, "timm:resnet51")
+
+
+def test_export_refuses_another_architecture(tmp_path):
+  convert.import_weights("timm:resnet18", _save(_timm("resnet18", num_classes=10),
+                                                tmp_path / "w.safetensors"), str(tmp_path / "c"))
+  with pytest.raises(ValueError, match="model is 'resnet18'; timm:resnet50 is 'resnet50'"):
+    convert.export_weights(str(tmp_path / "c"), str(tmp_path / "o.safetensors"),
+                           "timm:resnet50")
+  with pytest.raises(ValueError, match="expected a .safetensors"):
+    convert.export_weights(str(tmp_path / "c"), str(tmp_path / "o.npz"))
+
+
+def test_corrupt_files_are_clear_errors(tmp_path):
+  _need("torch")
+  _need("safetensors")
+  for name in ("w.safetensors", "w.pth"):
+    path = tmp_path / name
+    path.write_bytes(b"\x00\x01not weights at all" * 10)
+    with pytest.raises(ValueError, match=f"{name} is not a readable"):
+      convert.read_state_dict(str(path))
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    convert.read_state_dict(str(tmp_path / "missing.pth"))
+  with pytest.raises(ValueError, match="unknown weight file type '.h5'"):
+    (tmp_path / "w.h5").write_bytes(b"x")
+    convert.read_state_dict(str(tmp_path / "w.h5"))
+
+
+class _Payload:
+  """Unpickling this runs os.mkdir(marker): what a malicious weight file would do."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.mkdir, (self.marker,))
+
+
+def test_pickle_carrying_code_is_refused_not_run(tmp_path):
+  torch = _need("torch")
+  marker = str(tmp_path / "code_ran")
+  path = str(tmp_path / "evil.pth")
+  torch.save({"weight": torch.zeros(2), "payload": _Payload(marker)}, path)
+  with pytest.raises(ValueError, match="refused to load .*evil.pth.*weights_only=True"):
+    convert.read_state_dict(path)
+  assert not os.path.exists(marker)
+  torch.load(path, weights_only=False)  # The payload is real: a full unpickle runs it.
+  assert os.path.isdir(marker)
+
+
+def test_missing_extra_names_the_pip_command(tmp_path, monkeypatch):
+  (tmp_path / "w.pth").write_bytes(b"x")
+  (tmp_path / "w.safetensors").write_bytes(b"x")
+  monkeypatch.setitem(sys.modules, "torch", None)
+  monkeypatch.setitem(sys.modules, "safetensors", None)
+  monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+  for name in ("w.pth", "w.safetensors"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[interop\]'"):
+      convert.read_state_dict(str(tmp_path / name))
