@@ -1,7 +1,8 @@
 """Weight import and export: timm / torchvision state dicts <-> bigpretrain checkpoints.
 
   python -m bigpretrain.convert --from=timm:vit_base_patch16_224_miil_in21k \
-      --weights=vit_miil_21k.pth --out=DIR [--num_classes=N] [--image_size=S]
+      --weights=vit_miil_21k.pth --out=DIR [--num_classes=N] [--image_size=S] \
+      [--class_names=FILE]
   python -m bigpretrain.convert --export --weights=DIR --out=FILE.safetensors|.pth \
       [--to=FORMAT:ARCH]
 
@@ -256,11 +257,17 @@ def read_state_dict(path: str) -> dict[str, np.ndarray]:
     try:
       obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      # torch names a refused callable or class as 'GLOBAL module.name'.
+      refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+      if not refused:
+        lines = [line.strip() for line in str(e).splitlines()
+                 if line.strip() and not line.startswith("Check the documentation")]
+        raise ValueError(f"{path} is not a readable PyTorch weight file (the unpickler "
+                         f"failed: {lines[-1] if lines else type(e).__name__})") from e
       raise ValueError(
-          f"refused to load {path}: it is a pickle that would build objects other than "
-          f"tensors (possibly code), which torch.load(weights_only=True) does not run. "
-          f"Get the weights as .safetensors or from a trusted source. ({first})") from e
+          f"refused to load {path}: the pickle would call or build objects other than "
+          f"tensors (possibly code), which torch.load(weights_only=True) does not run: "
+          f"{refused[0]} Get the weights as .safetensors or from a trusted source.") from e
     except Exception as e:  # pylint: disable=broad-except
       raise ValueError(f"{path} is not a readable PyTorch weight file "
                        f"({type(e).__name__}: {e})") from e
@@ -319,9 +326,9 @@ def _model_def(cfg: dict, num_classes: int):
 
 def expected_tensors(arch: Arch, model_def) -> dict[str, tuple[str, tuple[int, ...]]]:
   """Source key -> (our path, source shape) for every array of `model_def`."""
-  tree = {"params": model_def.abstract_pure_params(), "extra": model_def.abstract_pure_extra()}
-  out = {}
-  for path, x in _flat(tree).items():
+  out = {}  # Parameters first: the order errors name the first mismatch in.
+  params = _flat({"params": model_def.abstract_pure_params()})
+  for path, x in {**params, **_flat({"extra": model_def.abstract_pure_extra()})}.items():
     ours = path.split("/", 1)[1]
     shape = to_torch_layout(ours, np.empty(x.shape, np.uint8)).shape
     out[torch_name(arch, ours)] = (path, tuple(shape))
@@ -393,7 +400,18 @@ def _resize_pos_embed(pos: np.ndarray, cfg: dict, image_size: int) -> np.ndarray
   return np.asarray(vit.resize_pos_embed(pos, (old, old), (new, new), num_prefix=prefix))
 
 
-def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: str) -> dict:
+def read_class_names(path: str, num_classes: int) -> list[str]:
+  """One class name per line (e.g. wnids), in the order of the head's outputs."""
+  with open(path, encoding="utf-8") as f:
+    names = [line.strip() for line in f if line.strip()]
+  if len(names) != num_classes:
+    raise ValueError(f"--class_names={path} lists {len(names)} classes; the head has "
+                     f"{num_classes}")
+  return names
+
+
+def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: str,
+                     class_names: list[str] | None = None) -> dict:
   """Saves {'params', 'extra'} and a meta describing the model as checkpoint step 0."""
   arch = get_arch(spec)
   out = os.path.abspath(out)
@@ -405,7 +423,7 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
       "model": cfg,
       "compute_dtype": "float32",
       "num_classes": int(model_def.kwargs["num_classes"]),
-      "class_names": [],
+      "class_names": list(class_names or ()),
       "dataset": spec,
       "data": {"image_size": int(cfg.get("image_size") or 224), "normalize": arch.normalize,
                "eval_resize": arch.eval_resize},
@@ -422,12 +440,16 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
 
 
 def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None = None,
-                   image_size: int | None = None) -> dict:
-  """Converts a timm / torchvision weight file into a bigpretrain checkpoint; its meta."""
+                   image_size: int | None = None, class_names: str | None = None) -> dict:
+  """Converts a timm / torchvision weight file into a bigpretrain checkpoint; its meta.
+  `class_names`: a file naming the head's classes (teachers and infer compare them with
+  their dataset's); without it the meta has none."""
   get_arch(spec)
   model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
                                            num_classes=num_classes, image_size=image_size)
-  return write_checkpoint(out, model_def, variables, spec, weights)
+  names = (read_class_names(class_names, int(model_def.kwargs["num_classes"]))
+           if class_names else None)
+  return write_checkpoint(out, model_def, variables, spec, weights, names)
 
 
 def from_bigpretrain(variables: dict, model_def, spec: str) -> dict[str, np.ndarray]:
@@ -441,7 +463,9 @@ def from_bigpretrain(variables: dict, model_def, spec: str) -> dict[str, np.ndar
     if k in cfg:
       target[k] = cfg[k]
   num_classes = int(model_def.kwargs["num_classes"])
-  expected = expected_tensors(arch, _model_def(target, num_classes))
+  if any(cfg.get(k) != v for k, v in target.items()):  # else the checkpoint's model is it
+    model_def = _model_def(target, num_classes)
+  expected = expected_tensors(arch, model_def)
   ours = {k: np.asarray(v) for k, v in _flat(variables).items()}
   names = {path: key for key, (path, _) in expected.items()}
   for path in ours:
@@ -477,7 +501,7 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
     _import_safetensors().save_file(sd, out)
   elif suffix in PICKLE_SUFFIXES:
     torch = _import_torch()
-    torch.save({k: torch.from_numpy(v) for k, v in sd.items()}, out)
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, out)
   else:
     raise ValueError(f"--out={out}: expected a .safetensors or {'/'.join(PICKLE_SUFFIXES)} "
                      "file name")
@@ -496,6 +520,8 @@ _NUM_CLASSES = flags.DEFINE_integer("num_classes", None, "Import: classes of the
                                     "(default: the weights'); another count re-initialises it.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "Import: the input size (ViT "
                                    "position embeddings are resized to it).")
+_CLASS_NAMES = flags.DEFINE_string("class_names", None, "Import: a text file with the "
+                                   "head's class names (e.g. wnids), one per line.")
 _EXPORT = flags.DEFINE_bool("export", False, "Export a bigpretrain checkpoint instead.")
 
 
@@ -512,7 +538,8 @@ def main(argv):
       if not _FROM.value:
         raise app.UsageError("--from=FORMAT:ARCH is required")
       meta = import_weights(_FROM.value, _WEIGHTS.value, _OUT.value,
-                            num_classes=_NUM_CLASSES.value, image_size=_IMAGE_SIZE.value)
+                            num_classes=_NUM_CLASSES.value, image_size=_IMAGE_SIZE.value,
+                            class_names=_CLASS_NAMES.value)
       print(f"Wrote {meta['model']['name']} ({meta['num_classes']} classes, "
             f"{meta['data']['image_size']} px, normalize={meta['data']['normalize']}) to "
             f"{_OUT.value}")

@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from absl.testing import flagsaver
+from flax import nnx
 import jax
 import numpy as np
 import pytest
@@ -85,6 +87,19 @@ def _torch_logits(model, images, features=False):
     return model(x).numpy()
 
 
+def _logits(model, images):
+  """Eval-mode logits of a bigpretrain model, jitted (one compile beats op-by-op dispatch)."""
+  return nnx.jit(lambda m, x: m(x))(model, images)
+
+
+def _preset(timm_model) -> str:
+  """timm's pretrained_cfg mean / std as a config.data.normalize preset."""
+  mean, std = timm_model.pretrained_cfg["mean"], timm_model.pretrained_cfg["std"]
+  presets = {((0.0,) * 3, (1.0,) * 3): "0_1", ((0.5,) * 3, (0.5,) * 3): "minus1_1",
+             ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)): "imagenet"}
+  return presets[(tuple(mean), tuple(std))]
+
+
 def _assert_close(ours, theirs):
   """Equal within 1e-4 relative to the logits' scale (at least 1e-4 absolute)."""
   ours, theirs = np.asarray(ours), np.asarray(theirs)
@@ -123,9 +138,11 @@ def test_logits_equal_and_export_is_identity(spec, build, size, suffix, tmp_path
   weights = _save(torch_model, tmp_path / f"weights{suffix}")
   meta = convert.import_weights(spec, weights, str(tmp_path / "ckpt"))
   images = _images(size)
-  ours = models.load_pretrained(str(tmp_path / "ckpt"))(images)
-  _assert_close(ours, _torch_logits(torch_model, images))
-  assert meta["num_classes"] == _torch_logits(torch_model, images).shape[1]
+  theirs = _torch_logits(torch_model, images)
+  _assert_close(_logits(models.load_pretrained(str(tmp_path / "ckpt")), images), theirs)
+  assert meta["num_classes"] == theirs.shape[1]
+  if spec.startswith("timm:"):  # The input normalisation the weights expect.
+    assert meta["data"]["normalize"] == _preset(torch_model)
 
   # Export gives back exactly the tensors the library saved, and it loads them strictly.
   out = str(tmp_path / f"exported{suffix}")
@@ -134,10 +151,9 @@ def test_logits_equal_and_export_is_identity(spec, build, size, suffix, tmp_path
   assert sorted(exported) == sorted(original)
   for key, value in original.items():
     np.testing.assert_array_equal(exported[key], value, err_msg=key)
-  fresh = build()
-  fresh.load_state_dict({k: _need("torch").from_numpy(v)
-                         for k, v in convert.read_state_dict(out).items()}, strict=True)
-  _assert_close(_torch_logits(fresh, images), _torch_logits(torch_model, images))
+  torch_model.load_state_dict({k: _need("torch").from_numpy(v)
+                               for k, v in convert.read_state_dict(out).items()}, strict=True)
+  np.testing.assert_array_equal(_torch_logits(torch_model, images), theirs)
 
 
 def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
@@ -149,22 +165,6 @@ def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
   np.testing.assert_array_equal(extra["stem_bn"]["mean"], torch_model.bn1.running_mean.numpy())
   np.testing.assert_array_equal(extra["blocks"][6]["downsample_bn"]["var"],
                                 torch_model.layer4[0].downsample[1].running_var.numpy())
-
-
-def test_miil_in21k_layout(tmp_path):
-  """MIIL's ImageNet-21K-P ViT-B/16 differs from vit_base_patch16_224 in timm by qkv_bias=False
-  and mean 0 / std 1 inputs; its head has 11,221 classes."""
-  torch_model = _timm("vit_base_patch16_224_miil", img_size=32, num_classes=11221)
-  assert torch_model.blocks[0].attn.qkv.bias is None
-  meta = convert.import_weights("timm:vit_base_patch16_224_miil_in21k",
-                                _save(torch_model, tmp_path / "w.safetensors"),
-                                str(tmp_path / "c"))
-  assert meta["model"]["qkv_bias"] is False
-  assert meta["data"]["normalize"] == "0_1"
-  assert checkpoint.read_meta(str(tmp_path / "c"))["num_classes"] == 11221
-  with pytest.raises(ValueError, match=r"first mismatching tensor 'blocks\.0\.attn\.qkv\.bias' "
-                     "is missing"):
-    convert.to_bigpretrain(_state_dict(torch_model), "timm:vit_base_patch16_224")
 
 
 def test_position_embedding_resized_bilinearly(tmp_path):
@@ -181,7 +181,7 @@ def test_position_embedding_resized_bilinearly(tmp_path):
                                          align_corners=False)
   want = torch.cat([pos[:, :1], want.permute(0, 2, 3, 1).reshape(1, 16, 192)], 1).numpy()
   np.testing.assert_allclose(np.asarray(model.pos_embed[...]), want, atol=1e-6)
-  assert model(_images(64)).shape == (2, 10)
+  assert _logits(model, _images(64)).shape == (2, 10)
   with pytest.raises(ValueError, match="token-mixing MLPs fix the image size"):
     convert.to_bigpretrain(_state_dict(_timm("mixer_s16_224", img_size=32)),
                            "timm:mixer_s16_224", image_size=64)
@@ -195,7 +195,8 @@ def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
   assert meta["num_classes"] == 3
   model = models.load_pretrained(str(tmp_path / "c"))
   images = _images(32)
-  _assert_close(model.features(images), _torch_logits(torch_model, images, features=True))
+  _assert_close(nnx.jit(lambda m, x: m.features(x))(model, images),
+                _torch_logits(torch_model, images, features=True))
   np.testing.assert_array_equal(np.asarray(model.head.kernel[...]), np.zeros((192, 3)))
   # config.model_init into a 3-class model keeps everything; into 5 classes, a fresh head.
   model_def = models.ModelDef.from_config({"name": "vit_ti16", "image_size": 32}, 5)
@@ -228,6 +229,11 @@ def test_mismatching_state_dict_names_first_tensor():
   with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.proj\.bias' has shape \(192,\), "
                      r"expected \(384,\)"):
     convert.to_bigpretrain(vit_tiny, "timm:vit_small_patch16_224")
+  # MIIL's ImageNet-21K-P ViT has no qkv bias (timm's vit_base_patch16_224_miil).
+  no_qkv_bias = _state_dict(_timm("vit_tiny_patch16_224", img_size=32, qkv_bias=False))
+  with pytest.raises(ValueError, match=r"first mismatching tensor 'blocks\.0\.attn\.qkv\.bias' "
+                     "is missing"):
+    convert.to_bigpretrain(no_qkv_bias, "timm:vit_tiny_patch16_224")
   with pytest.raises(ValueError, match=r"tensors the model lacks, first 'extra\.weight'"):
     convert.to_bigpretrain({**resnet18, "extra.weight": np.zeros(3)}, "timm:resnet18")
   with pytest.raises(ValueError, match="no classifier tensor 'fc.bias'"):
@@ -276,7 +282,8 @@ def test_pickle_carrying_code_is_refused_not_run(tmp_path):
   marker = str(tmp_path / "code_ran")
   path = str(tmp_path / "evil.pth")
   torch.save({"weight": torch.zeros(2), "payload": _Payload(marker)}, path)
-  with pytest.raises(ValueError, match="refused to load .*evil.pth.*weights_only=True"):
+  with pytest.raises(ValueError, match=r"refused to load .*evil.pth.*weights_only=True.*"
+                     r"GLOBAL \w+\.mkdir"):
     convert.read_state_dict(path)
   assert not os.path.exists(marker)
   torch.load(path, weights_only=False)  # The payload is real: a full unpickle runs it.
@@ -292,3 +299,40 @@ def test_missing_extra_names_the_pip_command(tmp_path, monkeypatch):
   for name in ("w.pth", "w.safetensors"):
     with pytest.raises(ImportError, match=r"pip install -e '\.\[interop\]'"):
       convert.read_state_dict(str(tmp_path / name))
+
+
+def _main(capsys, **flag_values) -> tuple[int, str]:
+  """Runs `python -m bigpretrain.convert` with these flags in this process: (exit code,
+  stdout + stderr)."""
+  with flagsaver.flagsaver(**flag_values):
+    try:
+      convert.main(["convert"])
+      code = 0
+    except SystemExit as e:
+      code = e.code
+  out = capsys.readouterr()
+  return code, out.out + out.err
+
+
+def test_command_line_import_with_class_names_and_export(tmp_path, capsys):
+  torch_model = _timm("resnet18", num_classes=3)
+  weights = _save(torch_model, tmp_path / "w.pth")
+  names = tmp_path / "names.txt"
+  names.write_text("n01440764\nn01443537\nn01484850\n")
+  code, out = _main(capsys, **{"from": "timm:resnet18"}, weights=weights,
+                    out=str(tmp_path / "c"), class_names=str(names), image_size=64)
+  assert code == 0, out
+  meta = checkpoint.read_meta(str(tmp_path / "c"))
+  assert meta["class_names"] == ["n01440764", "n01443537", "n01484850"]
+  assert meta["data"]["image_size"] == 64
+  code, out = _main(capsys, export=True, weights=str(tmp_path / "c"),
+                    out=str(tmp_path / "out.pth"))
+  assert code == 0, out
+  exported = convert.read_state_dict(str(tmp_path / "out.pth"))
+  np.testing.assert_array_equal(exported["fc.weight"], torch_model.fc.weight.detach().numpy())
+  code, out = _main(capsys, **{"from": "timm:resnet50"}, weights=weights,
+                    out=str(tmp_path / "d"))
+  assert code == 1 and "ERROR: the state dict does not match timm:resnet50" in out
+  with pytest.raises(ValueError, match="lists 3 classes; the head has 5"):
+    convert.import_weights("timm:resnet18", weights, str(tmp_path / "e"), num_classes=5,
+                           class_names=str(names))
