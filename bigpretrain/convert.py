@@ -19,7 +19,7 @@ weight, BatchNorm mean / var <- running_mean / running_var (carried into 'extra'
 Image size: ViT and Mixer take it from the weights (position embedding / token-MLP size);
 --image_size resizes a ViT's position-embedding grid bilinearly (half-pixel centres, as
 torch's F.interpolate(mode='bilinear', align_corners=False); timm's resample_abs_pos_embed
-defaults to bicubic: the two differ slightly, and fine-tuning absorbs it). A Mixer's
+defaults to antialiased bicubic, so an embedding timm resizes differs slightly). A Mixer's
 token-mixing MLP is tied to its token count, so it cannot change size. --num_classes other
 than the weights' keeps the backbone and gives a freshly initialised head (model_init's rule).
 
@@ -496,6 +496,12 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
     raise ValueError(f"{ckpt} was not converted from a timm / torchvision file: give "
                      "--to=FORMAT:ARCH")
   sd = from_bigpretrain(jax.device_get(loaded.variables), loaded.model_def, spec)
+  write_state_dict(sd, out)
+  return sd
+
+
+def write_state_dict(sd: dict[str, np.ndarray], out: str) -> None:
+  """Writes a state dict as .safetensors (numpy API, no torch) or a torch pickle."""
   suffix = os.path.splitext(out)[1].lower()
   if suffix == ".safetensors":
     _import_safetensors().save_file(sd, out)
@@ -505,7 +511,6 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
   else:
     raise ValueError(f"--out={out}: expected a .safetensors or {'/'.join(PICKLE_SUFFIXES)} "
                      "file name")
-  return sd
 
 
 _FROM = flags.DEFINE_string("from", None, "Import: the source layout FORMAT:ARCH, e.g. "

@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 
 from bigpretrain import checkpoint
+from bigpretrain import config_lib
 from bigpretrain import convert
 from bigpretrain import models
+from bigpretrain import sharding
+from bigpretrain.models import pretrained
 
 _REASON = "needs the interop extra (torch, torchvision, timm, safetensors): " + \
     convert.INTEROP_HINT
@@ -139,14 +142,18 @@ def test_logits_equal_and_export_is_identity(spec, build, size, suffix, tmp_path
   meta = convert.import_weights(spec, weights, str(tmp_path / "ckpt"))
   images = _images(size)
   theirs = _torch_logits(torch_model, images)
-  _assert_close(_logits(models.load_pretrained(str(tmp_path / "ckpt")), images), theirs)
+  loaded = pretrained.load(str(tmp_path / "ckpt"))  # What models.load_pretrained returns.
+  _assert_close(_logits(loaded.module(), images), theirs)
   assert meta["num_classes"] == theirs.shape[1]
   if spec.startswith("timm:"):  # The input normalisation the weights expect.
     assert meta["data"]["normalize"] == _preset(torch_model)
 
   # Export gives back exactly the tensors the library saved, and it loads them strictly.
+  # (export_weights without its second checkpoint read: the CLI test runs it whole.)
   out = str(tmp_path / f"exported{suffix}")
-  exported = convert.export_weights(str(tmp_path / "ckpt"), out)
+  exported = convert.from_bigpretrain(jax.device_get(loaded.variables), loaded.model_def,
+                                      meta["source"]["from"])
+  convert.write_state_dict(exported, out)
   original = _state_dict(torch_model)
   assert sorted(exported) == sorted(original)
   for key, value in original.items():
@@ -160,7 +167,7 @@ def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
   torch_model = _torchvision("resnet18", num_classes=10)
   convert.import_weights("torchvision:resnet18",
                          _save(torch_model, tmp_path / "w.safetensors"), str(tmp_path / "c"))
-  loaded = models.pretrained.load(str(tmp_path / "c"))
+  loaded = pretrained.load(str(tmp_path / "c"))
   extra = jax.device_get(loaded.variables["extra"])
   np.testing.assert_array_equal(extra["stem_bn"]["mean"], torch_model.bn1.running_mean.numpy())
   np.testing.assert_array_equal(extra["blocks"][6]["downsample_bn"]["var"],
@@ -218,6 +225,14 @@ def test_converted_checkpoint_serves_predict(tmp_path):
   assert len(result["top5"]) == 5
   meta = json.loads(json.dumps(checkpoint.read_meta(str(tmp_path / "c"))))
   assert meta["source"]["from"] == "timm:resnet18" and meta["data"]["normalize"] == "imagenet"
+  # Teachers (semantic KD, infer) load it sharded over a mesh by the logical rules.
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 2})
+  loaded = pretrained.load(str(tmp_path / "c"), mesh=mesh,
+                           rules=config_lib.base_config().sharding_rules)
+  kernel = loaded.variables["params"]["blocks"][7]["conv2"]["kernel"]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tensor")
+  np.testing.assert_array_equal(np.asarray(kernel), torch_model.layer4[1].conv2.weight.detach()
+                                .numpy().transpose(2, 3, 1, 0))
 
 
 def test_mismatching_state_dict_names_first_tensor():
