@@ -163,6 +163,51 @@ def test_logits_equal_and_export_is_identity(spec, build, size, suffix, tmp_path
   np.testing.assert_array_equal(_torch_logits(torch_model, images), theirs)
 
 
+def _regnet_y(depth, w_0, w_a, w_m, group_width):
+  """torchvision's RegNet class for regnet_y_* parameters (regnet_y_128gf carries SWAG's
+  weights); its BlockParams are computed on the CPU (they cannot be on the meta device)."""
+  from torchvision.models import regnet  # pylint: disable=import-outside-toplevel
+  with _need("torch").device("cpu"):
+    params = regnet.BlockParams.from_init_params(depth=depth, w_0=w_0, w_a=w_a, w_m=w_m,
+                                                 group_width=group_width, se_ratio=0.25)
+  return regnet.RegNet(params)
+
+
+# The released full-size layouts: (source, builder of the library's model, image size).
+FULL_SIZE = [
+    ("timm:vit_base_patch16_224_miil_in21k",
+     lambda: _need("timm").create_model("vit_base_patch16_224_miil", num_classes=11221), 224),
+    ("timm:deit3_base_patch16_224", lambda: _need("timm").create_model("deit3_base_patch16_224"),
+     224),
+    ("torchvision:vit_h_14", lambda: _need("torchvision").models.vit_h_14(image_size=518), 518),
+    ("timm:resnet50", lambda: _need("timm").create_model("resnet50"), None),
+    ("torchvision:resnext101_32x16d",
+     lambda: _need("torchvision").models.resnet.ResNet(
+         _need("torchvision").models.resnet.Bottleneck, [3, 4, 23, 3], groups=32,
+         width_per_group=16), None),
+    ("torchvision:regnet_y_128gf", lambda: _regnet_y(27, 456, 160.83, 2.52, 264), None),
+    ("timm:tresnet_l", lambda: _need("timm").create_model("tresnet_l"), None),
+    ("timm:mixer_b16_224", lambda: _need("timm").create_model("mixer_b16_224"), 224),
+]
+
+
+@pytest.mark.parametrize("spec,build,size", FULL_SIZE, ids=[c[0] for c in FULL_SIZE])
+def test_full_size_layouts_match_exactly(spec, build, size):
+  """Every tensor name and shape of the released architecture maps, none left over (built on
+  torch's meta device: shapes without memory)."""
+  torch = _need("torch")
+  with torch.device("meta"):
+    model = build()
+  sd = {k: np.broadcast_to(np.float32(0), tuple(v.shape)) for k, v in model.state_dict().items()}
+  model_def, variables, cfg = convert.to_bigpretrain(sd, spec)
+  assert cfg.get("image_size") == size
+  assert model_def.kwargs["num_classes"] == sd[convert.torch_name(
+      convert.get_arch(spec), "head/bias")].shape[0]
+  n_ours = sum(x.size for x in jax.tree.leaves(variables))
+  n_theirs = sum(v.size for k, v in sd.items() if not k.endswith("num_batches_tracked"))
+  assert n_ours == n_theirs
+
+
 def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
   torch_model = _torchvision("resnet18", num_classes=10)
   convert.import_weights("torchvision:resnet18",
