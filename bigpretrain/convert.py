@@ -513,45 +513,55 @@ def write_state_dict(sd: dict[str, np.ndarray], out: str) -> None:
                      "file name")
 
 
-_FROM = flags.DEFINE_string("from", None, "Import: the source layout FORMAT:ARCH, e.g. "
-                            "timm:vit_base_patch16_224_miil_in21k or torchvision:vit_b_16.")
-_TO = flags.DEFINE_string("to", None, "Export: the target layout FORMAT:ARCH (default: the "
-                          "layout the checkpoint was converted from).")
-_WEIGHTS = flags.DEFINE_string("weights", None, "Import: a .safetensors / .pth weight file. "
-                               "Export: a bigpretrain run workdir or checkpoint dir.")
-_OUT = flags.DEFINE_string("out", None, "Import: a new checkpoint dir. Export: the file to "
-                           "write (.safetensors, or .pth with torch).")
-_NUM_CLASSES = flags.DEFINE_integer("num_classes", None, "Import: classes of the new head "
-                                    "(default: the weights'); another count re-initialises it.")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "Import: the input size (ViT "
-                                   "position embeddings are resized to it).")
-_CLASS_NAMES = flags.DEFINE_string("class_names", None, "Import: a text file with the "
-                                   "head's class names (e.g. wnids), one per line.")
-_EXPORT = flags.DEFINE_bool("export", False, "Export a bigpretrain checkpoint instead.")
+def define_flags(flag_values=flags.FLAGS) -> None:
+  """The command's flags; defined only when it runs (as bigpretrain.infer / dedup do)."""
+  f = dict(flag_values=flag_values)
+  flags.DEFINE_string("from", None, "Import: the source layout FORMAT:ARCH, e.g. "
+                      "timm:vit_base_patch16_224_miil_in21k or torchvision:vit_b_16.", **f)
+  flags.DEFINE_string("to", None, "Export: the target layout FORMAT:ARCH (default: the "
+                      "layout the checkpoint was converted from).", **f)
+  flags.DEFINE_string("weights", None, "Import: a .safetensors / .pth weight file. Export: "
+                      "a bigpretrain run workdir or checkpoint dir.", **f)
+  flags.DEFINE_string("out", None, "Import: a new checkpoint dir. Export: the file to write "
+                      "(.safetensors, or .pth with torch).", **f)
+  flags.DEFINE_integer("num_classes", None, "Import: classes of the new head (default: the "
+                       "weights'); another count re-initialises it.", **f)
+  flags.DEFINE_integer("image_size", None, "Import: the input size (ViT position embeddings "
+                       "are resized to it).", **f)
+  flags.DEFINE_string("class_names", None, "Import: a text file with the head's class names "
+                      "(e.g. wnids), one per line.", **f)
+  flags.DEFINE_bool("export", False, "Export a bigpretrain checkpoint instead.", **f)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if not _WEIGHTS.value or not _OUT.value:
+def run(f) -> None:
+  """The command on parsed flag values `f`; a bad input prints ERROR and exits 1."""
+  if not f["weights"].value or not f["out"].value:
     raise app.UsageError("--weights and --out are required")
   try:
-    if _EXPORT.value:
-      sd = export_weights(_WEIGHTS.value, _OUT.value, _TO.value)
-      print(f"Wrote {len(sd)} tensors to {_OUT.value}")
+    if f["export"].value:
+      sd = export_weights(f["weights"].value, f["out"].value, f["to"].value)
+      print(f"Wrote {len(sd)} tensors to {f['out'].value}")
     else:
-      if not _FROM.value:
+      if not f["from"].value:
         raise app.UsageError("--from=FORMAT:ARCH is required")
-      meta = import_weights(_FROM.value, _WEIGHTS.value, _OUT.value,
-                            num_classes=_NUM_CLASSES.value, image_size=_IMAGE_SIZE.value,
-                            class_names=_CLASS_NAMES.value)
+      meta = import_weights(f["from"].value, f["weights"].value, f["out"].value,
+                            num_classes=f["num_classes"].value,
+                            image_size=f["image_size"].value,
+                            class_names=f["class_names"].value)
       print(f"Wrote {meta['model']['name']} ({meta['num_classes']} classes, "
             f"{meta['data']['image_size']} px, normalize={meta['data']['normalize']}) to "
-            f"{_OUT.value}")
+            f"{f['out'].value}")
   except (FileNotFoundError, ValueError, ImportError) as e:
     print(f"ERROR: {e}", file=sys.stderr)
     sys.exit(1)
 
 
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  run(flags.FLAGS)
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from absl.testing import flagsaver
+from absl import flags
 from flax import nnx
 import jax
 import numpy as np
@@ -361,15 +361,17 @@ def test_missing_extra_names_the_pip_command(tmp_path, monkeypatch):
       convert.read_state_dict(str(tmp_path / name))
 
 
-def _main(capsys, **flag_values) -> tuple[int, str]:
-  """Runs `python -m bigpretrain.convert` with these flags in this process: (exit code,
-  stdout + stderr)."""
-  with flagsaver.flagsaver(**flag_values):
-    try:
-      convert.main(["convert"])
-      code = 0
-    except SystemExit as e:
-      code = e.code
+def _main(capsys, *args) -> tuple[int, str]:
+  """Runs `python -m bigpretrain.convert ARGS` in this process, on its own flag values:
+  (exit code, stdout + stderr)."""
+  flag_values = flags.FlagValues()
+  convert.define_flags(flag_values)
+  flag_values(["convert", *args])
+  try:
+    convert.run(flag_values)
+    code = 0
+  except SystemExit as e:
+    code = e.code
   out = capsys.readouterr()
   return code, out.out + out.err
 
@@ -379,19 +381,19 @@ def test_command_line_import_with_class_names_and_export(tmp_path, capsys):
   weights = _save(torch_model, tmp_path / "w.pth")
   names = tmp_path / "names.txt"
   names.write_text("n01440764\nn01443537\nn01484850\n")
-  code, out = _main(capsys, **{"from": "timm:resnet18"}, weights=weights,
-                    out=str(tmp_path / "c"), class_names=str(names), image_size=64)
+  code, out = _main(capsys, "--from=timm:resnet18", f"--weights={weights}",
+                    f"--out={tmp_path / 'c'}", f"--class_names={names}", "--image_size=64")
   assert code == 0, out
   meta = checkpoint.read_meta(str(tmp_path / "c"))
   assert meta["class_names"] == ["n01440764", "n01443537", "n01484850"]
   assert meta["data"]["image_size"] == 64
-  code, out = _main(capsys, export=True, weights=str(tmp_path / "c"),
-                    out=str(tmp_path / "out.pth"))
+  code, out = _main(capsys, "--export", f"--weights={tmp_path / 'c'}",
+                    f"--out={tmp_path / 'out.pth'}")
   assert code == 0, out
   exported = convert.read_state_dict(str(tmp_path / "out.pth"))
   np.testing.assert_array_equal(exported["fc.weight"], torch_model.fc.weight.detach().numpy())
-  code, out = _main(capsys, **{"from": "timm:resnet50"}, weights=weights,
-                    out=str(tmp_path / "d"))
+  code, out = _main(capsys, "--from=timm:resnet50", f"--weights={weights}",
+                    f"--out={tmp_path / 'd'}")
   assert code == 1 and "ERROR: the state dict does not match timm:resnet50" in out
   with pytest.raises(ValueError, match="lists 3 classes; the head has 5"):
     convert.import_weights("timm:resnet18", weights, str(tmp_path / "e"), num_classes=5,
