@@ -31,11 +31,18 @@ setuptools.setup(
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
-        # Beam: the data-preparation tests; faiss: the dedup tests.
-        "test": ["pytest>=8.0", "apache-beam>=2.60", "faiss-cpu>=1.8"],
+        # Beam: the data-preparation tests; faiss: the dedup tests; interop: the weight
+        # conversion tests.
+        "test": ["pytest>=8.0", "apache-beam>=2.60", "faiss-cpu>=1.8",
+                 "bigpretrain[interop]"],
         "beam": ["apache-beam>=2.60"],
         # Nearest-neighbour search of bigpretrain.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
         "dedup": ["faiss-cpu>=1.8"],
+        # bigpretrain.convert: timm / torchvision weights. torch is pinned exactly: on these
+        # machines torch==2.14.1 and torchvision==0.29.1 install from local wheels, while an
+        # unpinned torch pulls a multi-GB CUDA build from the index. safetensors reads and
+        # writes .safetensors through numpy, without torch.
+        "interop": ["torch==2.14.1", "torchvision==0.29.1", "timm>=1.0", "safetensors>=0.4"],
     },
 )

@@ -1,0 +1,567 @@
+"""Weight import and export: timm / torchvision state dicts <-> bigpretrain checkpoints.
+
+  python -m bigpretrain.convert --from=timm:vit_base_patch16_224_miil_in21k \
+      --weights=vit_miil_21k.pth --out=DIR [--num_classes=N] [--image_size=S] \
+      [--class_names=FILE]
+  python -m bigpretrain.convert --export --weights=DIR --out=FILE.safetensors|.pth \
+      [--to=FORMAT:ARCH]
+
+Import writes a bigpretrain checkpoint (items 'params' and 'meta', step 0) that
+config.model_init, teachers, infer, zero_shot, predict and models.load_pretrained read.
+Export writes the state dict the source library's model loads with strict=True (BatchNorm
+`num_batches_tracked` written as 0); --to defaults to the layout the checkpoint came from.
+
+Names map by per-architecture rules on dotted paths (our 'blocks/3/attn/qkv/kernel' is
+'blocks.3.attn.qkv.weight' before the rules); leaves: conv kernel [kh, kw, I, O] <- torch
+weight [O, I, kh, kw], linear kernel [I, O] <- weight [O, I], LayerNorm / BatchNorm scale <-
+weight, BatchNorm mean / var <- running_mean / running_var (carried into 'extra').
+
+Image size: ViT and Mixer take it from the weights (position embedding / token-MLP size);
+--image_size resizes a ViT's position-embedding grid bilinearly (half-pixel centres, as
+torch's F.interpolate(mode='bilinear', align_corners=False); timm's resample_abs_pos_embed
+defaults to antialiased bicubic, so an embedding timm resizes differs slightly). A Mixer's
+token-mixing MLP is tied to its token count, so it cannot change size. --num_classes other
+than the weights' keeps the backbone and gives a freshly initialised head (model_init's rule).
+
+Security: weight files come from the internet. `.safetensors` is read with the safetensors
+numpy API (no torch, no code); `.pth` / `.pt` / `.torch` / `.bin` pickles only through
+torch.load(weights_only=True), which refuses pickles that would construct arbitrary objects.
+"""
+import dataclasses
+import math
+import os
+import pickle
+import re
+import sys
+from collections.abc import Callable
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from bigpretrain import checkpoint
+
+INTEROP_HINT = "pip install -e '.[interop]'"
+PICKLE_SUFFIXES = (".pth", ".pt", ".torch", ".bin")
+_LEAVES = {"kernel": "weight", "scale": "weight", "mean": "running_mean",
+           "var": "running_var"}
+
+Rule = tuple[str, str | Callable]
+
+
+def _stage_blocks(stages: tuple[int, ...], fmt: str) -> Rule:
+  """Rule mapping our flat 'blocks.k.' to `fmt` of (stage s, index i in the stage)."""
+  def sub(m):
+    k = int(m.group(1))
+    for s, n in enumerate(stages):
+      if k < n:
+        return fmt.format(s=s, s1=s + 1, i=k)
+      k -= n
+    raise ValueError(f"block {m.group(1)} is beyond the stages {stages}")
+  return (r"^blocks\.(\d+)\.", sub)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+  """One source layout: the bigpretrain model it maps to and how names translate."""
+  model: str  # registered bigpretrain model name
+  rules: tuple[Rule, ...]  # regex substitutions, in order, on our dotted names
+  normalize: str  # the source's input normalisation (config.data.normalize preset)
+  options: dict = dataclasses.field(default_factory=dict)  # model options of the variant
+  eval_resize: str = "center_crop"
+  sized_by: str | None = None  # 'pos_embed' (ViT) or 'tokens' (Mixer): size from weights
+
+
+_TIMM_VIT = ((r"^patch_embed\.", "patch_embed.proj."),)
+_TORCHVISION_VIT = (
+    (r"^cls_token$", "class_token"), (r"^pos_embed$", "encoder.pos_embedding"),
+    (r"^patch_embed\.", "conv_proj."),
+    (r"^blocks\.(\d+)\.", r"encoder.layers.encoder_layer_\1."),
+    (r"\.norm1\.", ".ln_1."), (r"\.norm2\.", ".ln_2."),
+    (r"\.attn\.qkv\.(weight|bias)$", r".self_attention.in_proj_\1"),
+    (r"\.attn\.proj\.", ".self_attention.out_proj."),
+    (r"\.mlp\.fc1\.", ".mlp.0."), (r"\.mlp\.fc2\.", ".mlp.3."),
+    (r"^norm\.", "encoder.ln."), (r"^head\.", "heads.head."),
+    (r"^pre_logits\.", "heads.pre_logits."))
+
+
+def _resnet_rules(stages):
+  return ((r"^stem_conv\.", "conv1."), (r"^stem_bn\.", "bn1."),
+          _stage_blocks(stages, "layer{s1}.{i}."),
+          (r"\.downsample_conv\.", ".downsample.0."), (r"\.downsample_bn\.", ".downsample.1."),
+          (r"^head\.", "fc."))
+
+
+def _regnet_rules(stages):
+  return ((r"^stem_conv\.", "stem.0."), (r"^stem_bn\.", "stem.1."),
+          _stage_blocks(stages, "trunk_output.block{s1}.block{s1}-{i}."),
+          (r"\.conv_([abc])\.", r".f.\1.0."), (r"\.bn_([abc])\.", r".f.\1.1."),
+          (r"\.se\.", ".f.se."), (r"\.proj_conv\.", ".proj.0."), (r"\.proj_bn\.", ".proj.1."),
+          (r"^head\.", "fc."))
+
+
+# timm's TResNet: everything under 'body.' but the head ('head.fc.'); a shortcut is
+# Sequential(AvgPool, ConvNormAct), so its parameters sit at index 1 (in TResNet-M/L every
+# shortcut is on a strided block; see models/tresnet.py).
+_TRESNET = ((r"^head\.", "head.fc."), (r"^(?!head\.fc\.)", "body."),
+            (r"\.downsample\.", ".downsample.1."))
+# timm's mobilenetv3_large_100: stages of 1, 2, 3, 4, 2, 3 blocks, then the 1x1 conv to 960
+# as stage 6 (ConvBnAct: conv, bn1).
+_MOBILENET = ((r"^bn_stem\.", "bn1."), _stage_blocks((1, 2, 3, 4, 2, 3), "blocks.{s}.{i}."),
+              (r"^conv_last\.", "blocks.6.0.conv."), (r"^bn_last\.", "blocks.6.0.bn1."),
+              (r"^head\.", "classifier."))
+_MIXER = ((r"^patch_embed\.", "stem.proj."), (r"\.token_mixing\.", ".mlp_tokens."),
+          (r"\.channel_mixing\.", ".mlp_channels."))
+_RESNET_STAGES = {"18": (2, 2, 2, 2), "50": (3, 4, 6, 3), "101": (3, 4, 23, 3),
+                  "152": (3, 8, 36, 3)}
+_DEIT3 = {"layerscale_init": 1e-6, "pos_embed_cls": False}  # DeiT-III: LS, no cls pos-emb.
+
+
+def _archs() -> dict[str, Arch]:
+  out = {}
+  # timm ViTs (AugReg weights: mean = std = 0.5).
+  sizes = {"tiny": "ti", "small": "s", "medium": "m", "base": "b", "large": "l", "huge": "h"}
+  for name in ("tiny_patch16", "small_patch16", "small_patch32", "base_patch16",
+               "base_patch32", "large_patch16", "large_patch32"):
+    size, patch = name.split("_patch")
+    for res in (224, 384):
+      out[f"timm:vit_{name}_{res}"] = Arch(f"vit_{sizes[size]}{patch}", _TIMM_VIT, "minus1_1",
+                                           sized_by="pos_embed")
+  # ImageNet-21K-P ViT-B/16 (Ridnik et al. 2021; timm 'vit_base_patch16_224_miil.in21k'):
+  # no qkv bias, inputs in [0, 1] (timm's cfg: mean 0, std 1), 11,221 classes, bilinear.
+  miil = Arch("vit_b16", _TIMM_VIT, "0_1", {"qkv_bias": False}, sized_by="pos_embed")
+  out["timm:vit_base_patch16_224_miil_in21k"] = out["timm:vit_base_patch16_224_miil"] = miil
+  for size in ("small", "medium", "base", "large"):
+    for res in (224, 384):
+      out[f"timm:deit3_{size}_patch16_{res}"] = Arch(f"vit_{sizes[size]}16", _TIMM_VIT,
+                                                     "imagenet", _DEIT3, sized_by="pos_embed")
+  out["timm:deit3_huge_patch14_224"] = Arch("vit_h14", _TIMM_VIT, "imagenet", _DEIT3,
+                                            sized_by="pos_embed")
+  # torchvision's VisionTransformer (SWAG's ViTs are vit_b_16 / vit_l_16 / vit_h_14 at
+  # 384 / 512 / 518 px, evaluated on a full centre crop of the shorter side). vit_ti_16 and
+  # vit_s_16 are that class at DeiT sizes (not torchvision builders; small test models).
+  for size, patch in (("ti", 16), ("s", 16), ("b", 16), ("b", 32), ("l", 16), ("l", 32),
+                      ("h", 14)):
+    out[f"torchvision:vit_{size}_{patch}"] = Arch(
+        f"vit_{size}{patch}", _TORCHVISION_VIT, "imagenet", sized_by="pos_embed",
+        eval_resize="shorter_center_crop")
+  for depth, stages in _RESNET_STAGES.items():
+    for fmt in ("timm", "torchvision"):
+      out[f"{fmt}:resnet{depth}"] = Arch(f"resnet{depth}", _resnet_rules(stages), "imagenet")
+  # ResNeXts: torchvision's, and the semi-supervised / weakly supervised hubs' (Yalniz et al.
+  # 2019, Mahajan et al. 2018), which use torchvision's ResNet class.
+  for name, depth in (("resnext50_32x4d", "50"), ("resnext101_32x4d", "101"),
+                      ("resnext101_32x8d", "101"), ("resnext101_32x16d", "101"),
+                      ("resnext101_32x48d", "101")):
+    out[f"torchvision:{name}"] = Arch(name, _resnet_rules(_RESNET_STAGES[depth]), "imagenet")
+  # torchvision RegNetY (regnet_y_128gf carries SWAG's RegNetY-128GF weights).
+  from bigpretrain.models import regnet  # pylint: disable=import-outside-toplevel
+  for size in ("400mf", "8gf", "16gf", "32gf", "128gf"):
+    name = f"regnety_{size}"
+    stages = tuple(n for _, n, _ in regnet.regnet_stages(*regnet._REGNETY[name]))  # pylint: disable=protected-access
+    out[f"torchvision:regnet_y_{size}"] = Arch(name, _regnet_rules(stages), "imagenet")
+  # TResNet (timm cfg: mean 0, std 1).
+  out["timm:tresnet_m"] = Arch("tresnet_m", _TRESNET, "0_1")
+  out["timm:tresnet_l"] = Arch("tresnet_l", _TRESNET, "0_1")
+  out["timm:mobilenetv3_large_100"] = Arch("mobilenetv3_large_100", _MOBILENET, "imagenet")
+  for size in ("s", "b", "l"):
+    out[f"timm:mixer_{size}16_224"] = Arch(f"mixer_{size}16", _MIXER, "minus1_1",
+                                           sized_by="tokens")
+  out["timm:mixer_b16_224_miil_in21k"] = Arch("mixer_b16", _MIXER, "0_1", sized_by="tokens")
+  return out
+
+
+ARCHS = _archs()
+
+
+def get_arch(spec: str) -> Arch:
+  if spec not in ARCHS:
+    fmt = spec.split(":")[0]
+    known = sorted(a for a in ARCHS if a.startswith(fmt + ":")) or sorted(ARCHS)
+    raise ValueError(f"unknown source {spec!r}; expected FORMAT:ARCH, one of: "
+                     f"{', '.join(known)}")
+  return ARCHS[spec]
+
+
+def torch_name(arch: Arch, path: str) -> str:
+  """Our 'a/b/kernel' -> the source library's state-dict key."""
+  *mods, leaf = path.split("/")
+  name = ".".join(mods + [_LEAVES.get(leaf, leaf)])
+  for pattern, repl in arch.rules:
+    name = re.sub(pattern, repl, name)
+  return name
+
+
+def to_torch_layout(path: str, x: np.ndarray) -> np.ndarray:
+  if path.endswith("kernel") and x.ndim == 4:
+    return x.transpose(3, 2, 0, 1)
+  if path.endswith("kernel") and x.ndim == 2:
+    return x.T
+  return x
+
+
+def from_torch_layout(path: str, x: np.ndarray) -> np.ndarray:
+  if path.endswith("kernel") and x.ndim == 4:
+    return x.transpose(2, 3, 1, 0)
+  if path.endswith("kernel") and x.ndim == 2:
+    return x.T
+  return x
+
+
+def _import_torch():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f"reading or writing PyTorch pickles needs torch: {INTEROP_HINT} "
+                      "(or use a .safetensors file, read without torch)") from e
+  return torch
+
+
+def _import_safetensors():
+  try:
+    from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f".safetensors files need the safetensors package: {INTEROP_HINT}") from e
+  return st_numpy
+
+
+def _unwrap(obj, path: str) -> dict:
+  """The state dict inside a checkpoint dict ('state_dict' / 'model' wrappers, DataParallel's
+  'module.' prefix)."""
+  for key in ("state_dict", "model", "model_state"):
+    if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+      obj = obj[key]
+  if not isinstance(obj, dict) or not obj:
+    raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+  if all(k.startswith("module.") for k in obj):
+    obj = {k[len("module."):]: v for k, v in obj.items()}
+  return obj
+
+
+def read_state_dict(path: str) -> dict[str, np.ndarray]:
+  """A weight file's tensors as numpy arrays (floating point as float32)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"weight file {path} does not exist")
+  suffix = os.path.splitext(path)[1].lower()
+  if suffix == ".safetensors":
+    st_numpy = _import_safetensors()
+    try:
+      tensors = st_numpy.load_file(path)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"{path} is not a readable .safetensors file "
+                       f"({type(e).__name__}: {e})") from e
+  elif suffix in PICKLE_SUFFIXES:
+    torch = _import_torch()
+    try:
+      obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+      # torch names a refused callable or class as 'GLOBAL module.name'.
+      refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+      if not refused:
+        lines = [line.strip() for line in str(e).splitlines()
+                 if line.strip() and not line.startswith("Check the documentation")]
+        raise ValueError(f"{path} is not a readable PyTorch weight file (the unpickler "
+                         f"failed: {lines[-1] if lines else type(e).__name__})") from e
+      raise ValueError(
+          f"refused to load {path}: the pickle would call or build objects other than "
+          f"tensors (possibly code), which torch.load(weights_only=True) does not run: "
+          f"{refused[0]} Get the weights as .safetensors or from a trusted source.") from e
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"{path} is not a readable PyTorch weight file "
+                       f"({type(e).__name__}: {e})") from e
+    tensors = {}
+    for k, v in _unwrap(obj, path).items():
+      if not isinstance(v, torch.Tensor):
+        raise ValueError(f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor")
+      tensors[k] = (v.float() if v.is_floating_point() else v).numpy()
+  else:
+    raise ValueError(f"{path}: unknown weight file type {suffix!r}; expected .safetensors or "
+                     f"one of {PICKLE_SUFFIXES}")
+  return {k: v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v
+          for k, v in _unwrap(tensors, path).items()}
+
+
+def _flat(tree: dict) -> dict:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(p, simple=True, separator="/"): v for p, v in leaves}
+
+
+def _unflat(flat: dict) -> dict:
+  out = {"params": {}, "extra": {}}
+  for path, v in flat.items():
+    *parents, leaf = path.split("/")
+    node = out
+    for p in parents:
+      node = node.setdefault(int(p) if p.isdigit() else p, {})
+    node[int(leaf) if leaf.isdigit() else leaf] = v
+  return out
+
+
+def _source_size(arch: Arch, spec: str, sd: dict) -> int | None:
+  """The image size the weights were trained at (ViT / Mixer); None for CNNs."""
+  if arch.sized_by is None:
+    return None
+  if arch.sized_by == "tokens":
+    key, axis, prefix = torch_name(arch, "blocks/0/token_mixing/fc1/kernel"), 1, 0
+  else:
+    key, axis = torch_name(arch, "pos_embed"), 1
+    prefix = 0 if arch.options.get("pos_embed_cls", True) is False else 1
+  patch_key = torch_name(arch, "patch_embed/kernel")
+  for k in (key, patch_key):
+    if k not in sd:
+      raise ValueError(f"the state dict is not {spec}: it has no tensor {k!r}")
+  tokens = sd[key].shape[axis] - prefix
+  grid = math.isqrt(tokens)
+  if grid * grid != tokens:
+    raise ValueError(f"{key!r} has {tokens} patch tokens, not a square grid")
+  return grid * sd[patch_key].shape[-1]
+
+
+def _model_def(cfg: dict, num_classes: int):
+  from bigpretrain import models  # pylint: disable=import-outside-toplevel
+  return models.ModelDef.from_config(cfg, num_classes)
+
+
+def expected_tensors(arch: Arch, model_def) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """Source key -> (our path, source shape) for every array of `model_def`."""
+  out = {}  # Parameters first: the order errors name the first mismatch in.
+  params = _flat({"params": model_def.abstract_pure_params()})
+  for path, x in {**params, **_flat({"extra": model_def.abstract_pure_extra()})}.items():
+    ours = path.split("/", 1)[1]
+    shape = to_torch_layout(ours, np.empty(x.shape, np.uint8)).shape
+    out[torch_name(arch, ours)] = (path, tuple(shape))
+  return out
+
+
+def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = None,
+                   image_size: int | None = None, seed: int = 0):
+  """Maps a source state dict onto the bigpretrain model of `spec` ('timm:resnet50').
+
+  Returns (model_def, {'params', 'extra'} numpy trees, model config). Raises ValueError
+  naming the first tensor that is missing or has another shape, and any tensor left over.
+  """
+  arch = get_arch(spec)
+  sd = dict(state_dict)
+  head_key = torch_name(arch, "head/bias")
+  if head_key not in sd:
+    raise ValueError(f"the state dict is not {spec}: it has no classifier tensor {head_key!r} "
+                     f"(its first tensors: {list(sd)[:4]})")
+  src_classes = int(sd[head_key].shape[0])
+  src_size = _source_size(arch, spec, sd)
+  cfg = {"name": arch.model, **arch.options}
+  if arch.model.startswith("vit") and torch_name(arch, "pre_logits/bias") in sd:
+    cfg["pre_logits"] = True  # torchvision's representation layer (heads.pre_logits)
+  if src_size is not None:
+    cfg["image_size"] = src_size
+  model_def = _model_def(cfg, src_classes)
+  expected = expected_tensors(arch, model_def)
+  flat = {}
+  for key, (path, shape) in expected.items():
+    if key not in sd:
+      raise ValueError(f"the state dict does not match {spec}: first mismatching tensor "
+                       f"{key!r} is missing (expected shape {shape})")
+    if tuple(sd[key].shape) != shape:
+      raise ValueError(f"the state dict does not match {spec}: first mismatching tensor "
+                       f"{key!r} has shape {tuple(sd[key].shape)}, expected {shape}")
+    flat[path] = from_torch_layout(path, sd[key])
+  extra = [k for k in sd if k not in expected and not k.endswith("num_batches_tracked")]
+  if extra:
+    raise ValueError(f"the state dict does not match {spec}: it has tensors the model lacks, "
+                     f"first {extra[0]!r} ({len(extra)} in all)")
+
+  if image_size is not None and image_size != cfg.get("image_size", image_size):
+    if arch.sized_by != "pos_embed":
+      raise ValueError(f"{spec}: the token-mixing MLPs fix the image size to "
+                       f"{cfg['image_size']}; --image_size={image_size} is not possible")
+    flat["params/pos_embed"] = _resize_pos_embed(flat["params/pos_embed"], cfg, image_size)
+  num_classes = src_classes if num_classes is None else int(num_classes)
+  if image_size is not None and image_size != cfg.get("image_size"):
+    cfg["image_size"] = image_size
+    model_def = _model_def(cfg, num_classes)
+  elif num_classes != src_classes:
+    model_def = _model_def(cfg, num_classes)
+  if num_classes != src_classes:  # A fresh head, as config.model_init does.
+    fresh = _flat(dict(zip(("params", "extra"), model_def.create(jax.random.key(seed)))))
+    for path, value in fresh.items():
+      if path.startswith("params/head/"):
+        flat[path] = np.asarray(value)
+  return model_def, _unflat(flat), cfg
+
+
+def _resize_pos_embed(pos: np.ndarray, cfg: dict, image_size: int) -> np.ndarray:
+  from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
+  patch = int(re.search(r"(\d+)$", cfg["name"]).group(1))
+  if image_size % patch:
+    raise ValueError(f"--image_size={image_size} is not divisible by the patch size {patch}")
+  old, new = cfg["image_size"] // patch, image_size // patch
+  prefix = 0 if cfg.get("pos_embed_cls", True) is False else 1
+  return np.asarray(vit.resize_pos_embed(pos, (old, old), (new, new), num_prefix=prefix))
+
+
+def read_class_names(path: str, num_classes: int) -> list[str]:
+  """One class name per line (e.g. wnids), in the order of the head's outputs."""
+  with open(path, encoding="utf-8") as f:
+    names = [line.strip() for line in f if line.strip()]
+  if len(names) != num_classes:
+    raise ValueError(f"--class_names={path} lists {len(names)} classes; the head has "
+                     f"{num_classes}")
+  return names
+
+
+def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: str,
+                     class_names: list[str] | None = None) -> dict:
+  """Saves {'params', 'extra'} and a meta describing the model as checkpoint step 0."""
+  arch = get_arch(spec)
+  out = os.path.abspath(out)
+  if os.path.isdir(out) and os.listdir(out):
+    raise ValueError(f"--out={out} is not empty; give a new directory")
+  cfg = model_def.config()
+  meta = {
+      "version": checkpoint.META_VERSION,
+      "model": cfg,
+      "compute_dtype": "float32",
+      "num_classes": int(model_def.kwargs["num_classes"]),
+      "class_names": list(class_names or ()),
+      "dataset": spec,
+      "data": {"image_size": int(cfg.get("image_size") or 224), "normalize": arch.normalize,
+               "eval_resize": arch.eval_resize},
+      "objective": {"name": "softmax", "label_smoothing": 0.0},
+      "source": {"from": spec, "weights": os.path.basename(weights)},
+  }
+  device = jax.local_devices()[0]
+  arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x), device), variables)
+  with ocp.CheckpointManager(out, options=ocp.CheckpointManagerOptions(
+      create=True, enable_async_checkpointing=False)) as manager:
+    manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(arrays),
+                                            meta=ocp.args.JsonSave(meta)))
+  return meta
+
+
+def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None = None,
+                   image_size: int | None = None, class_names: str | None = None) -> dict:
+  """Converts a timm / torchvision weight file into a bigpretrain checkpoint; its meta.
+  `class_names`: a file naming the head's classes (teachers and infer compare them with
+  their dataset's); without it the meta has none."""
+  get_arch(spec)
+  model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
+                                           num_classes=num_classes, image_size=image_size)
+  names = (read_class_names(class_names, int(model_def.kwargs["num_classes"]))
+           if class_names else None)
+  return write_checkpoint(out, model_def, variables, spec, weights, names)
+
+
+def from_bigpretrain(variables: dict, model_def, spec: str) -> dict[str, np.ndarray]:
+  """{'params', 'extra'} of `model_def` -> the state dict of `spec`'s source library."""
+  arch = get_arch(spec)
+  cfg = model_def.config()
+  if cfg["name"] != arch.model:
+    raise ValueError(f"the checkpoint's model is {cfg['name']!r}; {spec} is {arch.model!r}")
+  target = {"name": arch.model, **arch.options}
+  for k in ("image_size", "pre_logits"):
+    if k in cfg:
+      target[k] = cfg[k]
+  num_classes = int(model_def.kwargs["num_classes"])
+  if any(cfg.get(k) != v for k, v in target.items()):  # else the checkpoint's model is it
+    model_def = _model_def(target, num_classes)
+  expected = expected_tensors(arch, model_def)
+  ours = {k: np.asarray(v) for k, v in _flat(variables).items()}
+  names = {path: key for key, (path, _) in expected.items()}
+  for path in ours:
+    if path not in names:
+      raise ValueError(f"the checkpoint does not match {spec}: it has {path!r}, which "
+                       f"{spec} does not (model options {cfg})")
+  sd = {}
+  for key, (path, shape) in expected.items():
+    if path not in ours:
+      raise ValueError(f"the checkpoint does not match {spec}: it lacks {path!r} ({key!r})")
+    x = np.ascontiguousarray(to_torch_layout(path.split("/", 1)[1], ours[path]))
+    if x.shape != shape:
+      raise ValueError(f"the checkpoint does not match {spec}: {path!r} gives {key!r} of "
+                       f"shape {x.shape}, expected {shape}")
+    sd[key] = x
+    if key.endswith(".running_mean"):
+      sd[key[:-len("running_mean")] + "num_batches_tracked"] = np.zeros((), np.int64)
+  return sd
+
+
+def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np.ndarray]:
+  """Writes a bigpretrain checkpoint's weights as `spec`'s state dict (.safetensors, or .pth
+  with torch). `spec` defaults to the layout the checkpoint was converted from."""
+  from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
+  loaded = pretrained.load(ckpt)
+  spec = spec or loaded.meta.get("source", {}).get("from")
+  if not spec:
+    raise ValueError(f"{ckpt} was not converted from a timm / torchvision file: give "
+                     "--to=FORMAT:ARCH")
+  sd = from_bigpretrain(jax.device_get(loaded.variables), loaded.model_def, spec)
+  write_state_dict(sd, out)
+  return sd
+
+
+def write_state_dict(sd: dict[str, np.ndarray], out: str) -> None:
+  """Writes a state dict as .safetensors (numpy API, no torch) or a torch pickle."""
+  suffix = os.path.splitext(out)[1].lower()
+  if suffix == ".safetensors":
+    _import_safetensors().save_file(sd, out)
+  elif suffix in PICKLE_SUFFIXES:
+    torch = _import_torch()
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, out)
+  else:
+    raise ValueError(f"--out={out}: expected a .safetensors or {'/'.join(PICKLE_SUFFIXES)} "
+                     "file name")
+
+
+def define_flags(flag_values=flags.FLAGS) -> None:
+  """The command's flags; defined only when it runs (as bigpretrain.infer / dedup do)."""
+  f = dict(flag_values=flag_values)
+  flags.DEFINE_string("from", None, "Import: the source layout FORMAT:ARCH, e.g. "
+                      "timm:vit_base_patch16_224_miil_in21k or torchvision:vit_b_16.", **f)
+  flags.DEFINE_string("to", None, "Export: the target layout FORMAT:ARCH (default: the "
+                      "layout the checkpoint was converted from).", **f)
+  flags.DEFINE_string("weights", None, "Import: a .safetensors / .pth weight file. Export: "
+                      "a bigpretrain run workdir or checkpoint dir.", **f)
+  flags.DEFINE_string("out", None, "Import: a new checkpoint dir. Export: the file to write "
+                      "(.safetensors, or .pth with torch).", **f)
+  flags.DEFINE_integer("num_classes", None, "Import: classes of the new head (default: the "
+                       "weights'); another count re-initialises it.", **f)
+  flags.DEFINE_integer("image_size", None, "Import: the input size (ViT position embeddings "
+                       "are resized to it).", **f)
+  flags.DEFINE_string("class_names", None, "Import: a text file with the head's class names "
+                      "(e.g. wnids), one per line.", **f)
+  flags.DEFINE_bool("export", False, "Export a bigpretrain checkpoint instead.", **f)
+
+
+def run(f) -> None:
+  """The command on parsed flag values `f`; a bad input prints ERROR and exits 1."""
+  if not f["weights"].value or not f["out"].value:
+    raise app.UsageError("--weights and --out are required")
+  try:
+    if f["export"].value:
+      sd = export_weights(f["weights"].value, f["out"].value, f["to"].value)
+      print(f"Wrote {len(sd)} tensors to {f['out'].value}")
+    else:
+      if not f["from"].value:
+        raise app.UsageError("--from=FORMAT:ARCH is required")
+      meta = import_weights(f["from"].value, f["weights"].value, f["out"].value,
+                            num_classes=f["num_classes"].value,
+                            image_size=f["image_size"].value,
+                            class_names=f["class_names"].value)
+      print(f"Wrote {meta['model']['name']} ({meta['num_classes']} classes, "
+            f"{meta['data']['image_size']} px, normalize={meta['data']['normalize']}) to "
+            f"{f['out'].value}")
+  except (FileNotFoundError, ValueError, ImportError) as e:
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  run(flags.FLAGS)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
