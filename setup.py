@@ -39,10 +39,9 @@ setuptools.setup(
         # Nearest-neighbour search of bigpretrain.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
         "dedup": ["faiss-cpu>=1.8"],
-        # bigpretrain.convert: timm / torchvision weights. torch is pinned exactly: on these
-        # machines torch==2.14.1 and torchvision==0.29.1 install from local wheels, while an
-        # unpinned torch pulls a multi-GB CUDA build from the index. safetensors reads and
-        # writes .safetensors through numpy, without torch.
+        # bigpretrain.convert: timm / torchvision weights. torch and torchvision are pinned
+        # as a matching CPU pair: an unpinned torch resolves to a multi-GB CUDA build.
+        # safetensors reads and writes .safetensors through numpy, without torch.
         "interop": ["torch==2.14.1", "torchvision==0.29.1", "timm>=1.0", "safetensors>=0.4"],
     },
 )
