@@ -345,9 +345,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "Seed of the IVF k-means training sample.")
   flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  distributed.define_flags()
 
 
 def main(argv):
@@ -359,7 +357,7 @@ def main(argv):
       raise app.UsageError(f"--{name} is required.")
   try:
     _check_args(f.top_n, f.max_distance, f.batch_size, f.nprobe, f.nlist, f.ivf_threshold)
-    distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+    distributed.initialize_from_flags()
     report = run(f.workdir, f.pool, f.against, f.out, top_n=f.top_n,
                  max_distance=f.max_distance, data_dir=f.data_dir, batch_size=f.batch_size,
                  ivf_threshold=f.ivf_threshold, nlist=f.nlist, nprobe=f.nprobe, seed=f.seed,

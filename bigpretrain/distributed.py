@@ -6,6 +6,7 @@ multi-task SLURM job (JAX reads SLURM_* itself). A single process needs no initi
 """
 import os
 
+from absl import flags
 from absl import logging
 import jax
 
@@ -50,3 +51,17 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return kind
+
+
+def define_flags() -> None:
+  """--coordinator_address/--num_processes/--process_id, for commands that define their
+  flags when they run (bigpretrain.main defines its own at import)."""
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
+  flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def initialize_from_flags() -> str:
+  """maybe_initialize with the values of define_flags' flags."""
+  f = flags.FLAGS
+  return maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)

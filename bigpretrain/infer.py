@@ -320,9 +320,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
   flags.DEFINE_string("exclude", None, "Exclusion list (bigpretrain.dedup's exclusions.tsv): "
                       "its records of --data:--split are not scored.")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  distributed.define_flags()
 
 
 def main(argv):
@@ -332,7 +330,7 @@ def main(argv):
   for name in ("workdir", "data", "split", "out"):
     if not f[name].value:
       raise app.UsageError(f"--{name} is required.")
-  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+  distributed.initialize_from_flags()
   started = time.time()
   try:
     info = run(f.workdir, f.data, f.split, f.out, data_dir=f.data_dir, top_p=f.top_p,

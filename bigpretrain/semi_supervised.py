@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import distributed
 from bigpretrain import infer
 from bigpretrain import train
 from input_pipeline import datasets
@@ -324,9 +325,7 @@ def define_flags():
   config_flags.DEFINE_config_file("config", None, "configs/semi_supervised.py[:args].",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Folder of all stages (created; resumed if started).")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  distributed.define_flags()
 
 
 def main(argv):
@@ -335,8 +334,7 @@ def main(argv):
   f = flags.FLAGS
   if f.config is None or not f.workdir:
     raise app.UsageError("--config and --workdir are required.")
-  from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
-  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+  distributed.initialize_from_flags()
   os.makedirs(f.workdir, exist_ok=True)
   logging.get_absl_handler().use_absl_log_file("log", f.workdir)
   started = time.time()

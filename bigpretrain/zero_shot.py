@@ -400,6 +400,7 @@ def define_flags() -> None:
   """The command's flags; defined only when it runs (no duplicate flags next to other CLIs)."""
   # pylint: disable=import-outside-toplevel
   from absl import flags
+  from bigpretrain import distributed
   flags.DEFINE_string("workdir", None, "The hashtag model: a run folder or checkpoint dir.")
   flags.DEFINE_string("dataset", None, "WordNet-labelled dataset, as config.data.name.")
   flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
@@ -410,9 +411,7 @@ def define_flags() -> None:
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
   flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Total number of processes.")
-  flags.DEFINE_integer("process_id", None, "This process's index.")
+  distributed.define_flags()
 
 
 def main(argv):
@@ -426,7 +425,7 @@ def main(argv):
   for name in ("workdir", "dataset"):
     if not f[name].value:
       raise app.UsageError(f"--{name} is required.")
-  distributed.maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+  distributed.initialize_from_flags()
   try:
     result = run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
                  aggregation=f.aggregation, platt=f.platt, batch_size=f.batch_size,
