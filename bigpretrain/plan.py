@@ -24,6 +24,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 from ml_collections import config_flags
 import numpy as np
@@ -270,6 +271,7 @@ def main(argv):
   if jax.device_count() != _DEVICES.value:
     raise RuntimeError(f"jax started with {jax.device_count()} devices, not --devices="
                        f"{_DEVICES.value} (XLA_FLAGS' xla_force_host_platform_device_count?).")
+  logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
   config = _CONFIG.value
   try:
     if _MESH.value:
