@@ -13,7 +13,10 @@ analysis, the collectives of the compiled HLO by kind (count and result bytes), 
 the step fits the named accelerator's memory, with the margin.
 
 The figures are XLA:CPU's: a GPU or TPU compile fuses and schedules differently (temporaries
-especially), so treat them as an estimate of the accelerator's, not its measurement.
+especially), so treat them as an estimate of the accelerator's, not its measurement. One
+known CPU difference: XLA:CPU all-reduces the gradients of FSDP-sharded weights in full and
+then slices them (the all-reduce bytes equal the float32 parameter bytes, whatever the device
+count), so temp_bytes holds a full gradient per device that a reduce-scatter would not.
 """
 import dataclasses
 import json
@@ -28,6 +31,12 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 import numpy as np
+
+from bigpretrain import objectives
+from bigpretrain import sharding
+from bigpretrain import train
+from input_pipeline import datasets
+from input_pipeline import demo
 
 # Per-chip HBM, in bytes. Vendors' figures: Google Cloud TPU docs (v5e: 16 GiB HBM2 per chip;
 # v5p: 95 GiB HBM2e per chip); NVIDIA datasheets (H100 SXM 80 GB HBM3, H200 141 GB HBM3e,
@@ -90,9 +99,6 @@ def shard_bytes(abstract_tree) -> int:
 
 def known_class_names(data_name: str) -> list[str] | None:
   """The class list of a dataset the package knows by name, or None."""
-  # pylint: disable=import-outside-toplevel
-  from input_pipeline import datasets
-  from input_pipeline import demo
   if data_name == "demo" or data_name.startswith("demo/"):
     return demo.load_wnids()
   files = {datasets.IMAGENET21K_P: "imagenet21k_p_wnids.txt",
@@ -114,7 +120,6 @@ def planning_dataset(config, objective_reads, num_classes: int | None = None,
   `num_classes` classes named 'class_i'), the fields the objective reads (id lists padded to
   `list_length`: the step's shapes need one; the run length's split sizes do not matter to
   the step, so every split has one global batch)."""
-  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   name = str(config.data.name)
   names = known_class_names(name)
   if names is None:
@@ -137,7 +142,6 @@ def planning_dataset(config, objective_reads, num_classes: int | None = None,
 def abstract_batch(exp) -> dict:
   """The global batch the step takes, as ShapeDtypeStructs sharded over the batch axes
   (fields as input_pipeline.pipeline.record_fields ships them, plus the trainer's '_skipped')."""
-  from bigpretrain import sharding  # pylint: disable=import-outside-toplevel
   b, size = int(exp.config.batch_size), int(exp.config.data.image_size)
   spec = sharding.batch_sharding(exp.mesh)
   one = lambda shape, dtype: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=spec)
@@ -153,9 +157,6 @@ def abstract_batch(exp) -> dict:
 def compile_step(config, num_classes: int | None = None, devices=None):
   """(Experiment, abstract state, compiled train step) of `config` on the available (or the
   given) devices, with nothing allocated and no dataset read."""
-  # pylint: disable=import-outside-toplevel
-  from bigpretrain import objectives
-  from bigpretrain import train
   config = config.copy_and_resolve_references()
   if config.data.get("subset_frac", 1.0) != 1.0:  # A few-shot draw reads the records.
     with config.unlocked():
@@ -212,13 +213,12 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
 
 def parse_mesh(spec: str) -> dict:
   """'data:2,fsdp:4,tensor:1' -> {'data': 2, 'fsdp': 4, 'tensor': 1} (missing axes: 1)."""
-  from bigpretrain.sharding import MESH_AXES  # pylint: disable=import-outside-toplevel
-  out = dict.fromkeys(MESH_AXES, 1)
+  out = dict.fromkeys(sharding.MESH_AXES, 1)
   for part in (p.strip() for p in spec.split(",") if p.strip()):
     axis, _, size = part.partition(":")
-    if axis not in MESH_AXES or not re.fullmatch(r"-?\d+", size):
+    if axis not in sharding.MESH_AXES or not re.fullmatch(r"-?\d+", size):
       raise ValueError(f"--mesh={spec!r}: each entry must be AXIS:SIZE with AXIS in "
-                       f"{MESH_AXES} and SIZE an int (-1 = the remaining devices).")
+                       f"{sharding.MESH_AXES} and SIZE an int (-1 = the remaining devices).")
     out[axis] = int(size)
   return out
 
