@@ -228,16 +228,24 @@ class Experiment(ModelSetup):
     """The batch fields the objective reads, with their sizes (see pipeline.record_fields)."""
     return objectives.batch_fields(self.objective, self.dataset.info)
 
+  def _init(self, rng) -> dict:
+    params, extra = self.model_def.create(rng)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
+             "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
+    if "ema" in self.shardings:
+      state["ema"] = jax.tree.map(jnp.copy, {"params": params, "extra": extra})
+    return state
+
   def init_state(self) -> dict:
     """The train state, created directly with its shardings (no host copy of the params)."""
-    def init(rng):
-      params, extra = self.model_def.create(rng)
-      state = {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
-               "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
-      if "ema" in self.shardings:
-        state["ema"] = jax.tree.map(jnp.copy, {"params": params, "extra": extra})
-      return state
-    return jax.jit(init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
+    return jax.jit(self._init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
+
+  def abstract_state(self) -> dict:
+    """The train state as jax.ShapeDtypeStructs with their shardings: nothing is allocated
+    (ahead-of-time compilation, bigpretrain.plan)."""
+    shapes = jax.eval_shape(self._init, jax.random.key(self.config.seed))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, self.shardings)
 
   def restart_ema(self, state: dict) -> dict:
     """The state with its EMA set to (a copy of) its current weights, e.g. after model_init."""
@@ -257,13 +265,14 @@ class Experiment(ModelSetup):
                    donate_argnums=(0,))
 
 
-def build_model(config, devices=None) -> ModelSetup:
-  """Validates the config, then builds the mesh, the dataset and the model definition."""
+def build_model(config, devices=None, dataset=None) -> ModelSetup:
+  """Validates the config, then builds the mesh, the dataset and the model definition.
+  `dataset` replaces config.data's (e.g. bigpretrain.plan's stand-in, with only its info)."""
   config_lib.validate(config)
   setup_compilation_cache(config)
   mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_batch_size(config.batch_size, mesh)
-  dataset = datasets.get_dataset(config.data)
+  dataset = datasets.get_dataset(config.data) if dataset is None else dataset
   datasets.parse_mix(config.data.mix)  # A bad spec fails here, before anything is compiled.
   model_def = models.ModelDef.from_config(config.model, dataset.info.num_classes,
                                           config.compute_dtype, config.data.image_size)
@@ -271,9 +280,9 @@ def build_model(config, devices=None) -> ModelSetup:
                     variable_shardings(model_def, config, mesh))
 
 
-def build(config, devices=None) -> Experiment:
+def build(config, devices=None, dataset=None) -> Experiment:
   """build_model, then the objective (checked against the data and config) and optimizer."""
-  setup = build_model(config, devices)
+  setup = build_model(config, devices, dataset)
   info = setup.dataset.info
   objective = objectives.get_objective(config.objective, info)
   objectives.check(objective, info, config)

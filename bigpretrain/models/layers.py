@@ -119,6 +119,29 @@ def _constrain_to_shards(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Pins axis 0 of activations `x` to the batch mesh axes ('data', 'fsdp'), the other axes
+  left to the compiler, when run under a mesh with Auto axes (a no-op otherwise).
+
+  FSDP shards weights over 'fsdp' on their 'embed' axis while the batch is split over the
+  same axis; left alone, XLA's sharding propagation may follow the weights and split the
+  activations on 'embed' instead, all-reducing partial [global batch, ...] activations (this
+  made per-device temporaries depend on the device count). The constraint keeps activations
+  split by rows and weights all-gathered, as FSDP intends (MaxText constrains alike).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names)
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if not axes or not all(types[a] == jax.sharding.AxisType.Auto for a in axes):
+    return x
+  if x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    return x  # Rows that do not split over the mesh (e.g. a single eval image): as they come.
+  rest = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes, *rest))
+
+
 def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: float,
                  rng: jax.Array | None, *, num_shards: int | None = None) -> jax.Array:
   """Efficient stochastic depth (cosub supplement C): x + branch on a random row subset.

@@ -212,12 +212,13 @@ class VisionTransformer(nnx.Module):
     """Pooled, final-normed features [B, width] in float32 (the head's input: after the
     tanh representation layer when pre_logits=True)."""
     layers.check_rng(train, self.drop_path_rates, rng, "VisionTransformer")
-    x = self._tokens(images)
+    # Activations stay split by rows under FSDP (see layers.constrain_batch).
+    x = layers.constrain_batch(self._tokens(images))
     for i, block in enumerate(self.blocks):
-      x = block(x, train=train, rng=layers.fold_rng(rng, i))
+      x = layers.constrain_batch(block(x, train=train, rng=layers.fold_rng(rng, i)))
     x = self.norm(x)
     x = x[:, 0] if self.head_type == "token" else jnp.mean(x, axis=1)
-    x = x.astype(jnp.float32)
+    x = layers.constrain_batch(x.astype(jnp.float32))
     return x if self.pre_logits is None else jnp.tanh(self.pre_logits(x))
 
   def __call__(self, images: jax.Array, *, train: bool = False,

@@ -1,0 +1,136 @@
+"""The ahead-of-time plan: its figures against a real compile, flat per-device memory, CLI."""
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from bigpretrain import plan as plan_lib
+from bigpretrain import sharding
+from bigpretrain import train
+from tests import helpers
+
+# The demo ViT on 16px images (4 patches): compiles in seconds, same step as the recipe.
+_TINY_VIT = dict(name="vit_demo")
+
+
+def _config(batch_size, mesh=(1, -1, 1), recipe="semantic_softmax", **overrides):
+  config = helpers.tiny_config(recipe, **overrides)
+  config.model = dict(_TINY_VIT)
+  config.data.image_size = 16
+  config.batch_size = batch_size
+  config.mesh = dict(zip(sharding.MESH_AXES, mesh))
+  return config
+
+
+def test_collectives_are_counted_by_kind_with_result_bytes():
+  hlo = "\n".join([
+      "%all-reduce.1 = f32[16,8]{1,0} all-reduce(f32[16,8]{1,0} %p), replica_groups={}",
+      "%ag = (bf16[4]{0}, bf16[32]{0}) all-gather-start(bf16[4]{0} %x), dimensions={0}",
+      "%agd = bf16[32]{0} all-gather-done((bf16[4]{0}, bf16[32]{0}) %ag)",
+      "ROOT %rs.2 = f32[2,3]{1,0} reduce-scatter(f32[16,3]{1,0} %y), dimensions={0}",
+      "%t = (f32[5]{0}, s32[2]{0}) all-reduce(f32[5]{0} %a, s32[2]{0} %b)",
+      "%f = f32[8]{0} fusion(f32[8]{0} %all-reduce.1), kind=kLoop",  # Not a collective.
+  ])
+  out = plan_lib.collectives(hlo)
+  assert out["all-reduce"] == {"count": 2, "bytes": 16 * 8 * 4 + 5 * 4 + 2 * 4}
+  assert out["all-gather"] == {"count": 1, "bytes": 32 * 2}  # The output, not the operand.
+  assert out["reduce-scatter"] == {"count": 1, "bytes": 2 * 3 * 4}
+  assert out["all-to-all"] == out["collective-permute"] == {"count": 0, "bytes": 0}
+
+
+def test_plan_matches_the_compiled_step_of_the_allocated_state():
+  """Plan with abstract state and no dataset vs the trainer's step compiled on real arrays."""
+  config = _config(batch_size=16, mesh=(2, 4, 1))
+  p = plan_lib.plan(config, accelerator="v5e")
+  exp = train.build(config)
+  state = exp.init_state()
+  from benchmarks import common  # pylint: disable=import-outside-toplevel
+  rows = common.synthetic_batch(exp)
+  rows["_skipped"] = np.zeros(len(rows["image"]), np.int32)  # As the trainer adds it.
+  batch = sharding.global_batch(rows, exp.mesh)
+  with jax.set_mesh(exp.mesh):
+    compiled = exp.train_step().lower(state, batch, exp.frozen).compile()
+  mem = compiled.memory_analysis()
+  assert p["temp_bytes"] == mem.temp_size_in_bytes
+  assert p["argument_bytes"] == mem.argument_size_in_bytes
+  assert p["output_bytes"] == mem.output_size_in_bytes
+  assert p["alias_bytes"] == mem.alias_size_in_bytes
+  # Shard bytes from the real arrays on device 0.
+  dev = jax.devices()[0]
+
+  def on_device(tree):
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+               if s.device == dev)
+
+  assert p["params_bytes"] == on_device(state["params"])
+  assert p["opt_state_bytes"] == on_device(state["opt_state"])
+  assert p["num_params"] == sum(x.size for x in jax.tree.leaves(state["params"]))
+  assert p["argument_bytes"] >= p["params_bytes"] + p["opt_state_bytes"]
+  assert p["total_bytes"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                              - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  assert p["fits"] and p["margin_bytes"] == 16 * 2**30 - p["total_bytes"]
+  # FLOPs are per device: at least the forward+backward matmuls of this device's 2 images.
+  assert p["flops_per_device"] > 0
+  assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
+
+
+def test_per_device_memory_is_flat_when_devices_and_batch_grow_together():
+  """Golden: FSDP over n devices, 4 images per device: temporaries and state per device must
+  not grow with n (replicated activations or parameters would)."""
+  plans = {n: plan_lib.plan(_config(4 * n), devices=jax.devices()[:n])
+           for n in (2, 8)}
+  small, large = plans[2], plans[8]
+  assert large["batch_per_device"] == small["batch_per_device"] == 4
+  # Tolerance: 10% for XLA's per-program buffer choices (layouts, fusion of small arrays).
+  assert large["temp_bytes"] <= 1.10 * small["temp_bytes"], plans
+  assert large["params_bytes"] < small["params_bytes"]
+  # Per-device FLOPs stay the step's work on 4 images (within 10%).
+  assert math.isclose(large["flops_per_device"], small["flops_per_device"], rel_tol=0.10)
+
+
+def test_unknown_dataset_needs_num_classes():
+  config = _config(16, recipe="single_label")
+  config.data.name = "tfds:my_dataset"
+  with pytest.raises(ValueError, match="--num_classes"):
+    plan_lib.planning_dataset(config, ("label",))
+  info = plan_lib.planning_dataset(config, ("label",), num_classes=7).info
+  assert info.num_classes == 7 and info.features == {"label": 0}
+
+
+def test_known_class_lists_ship_with_the_package():
+  config = _config(16)
+  config.data.name = "imagenet21k_p"
+  info = plan_lib.planning_dataset(config, ("label",)).info
+  # ImageNet-21K-P (fall11): "12,358,688 images from 11,221 classes" (Ridnik et al., sec. 2.1).
+  assert info.num_classes == 11221 and info.class_names[0] == "n00005787"
+  with pytest.raises(ValueError, match="drop --num_classes"):
+    plan_lib.planning_dataset(config, ("label",), num_classes=1000)
+
+
+def test_bad_mesh_and_accelerator_are_clear_errors():
+  with pytest.raises(ValueError, match="AXIS:SIZE"):
+    plan_lib.parse_mesh("data=2")
+  assert plan_lib.parse_mesh("fsdp:-1") == {"data": 1, "fsdp": -1, "tensor": 1}
+  with pytest.raises(ValueError, match="unknown"):
+    plan_lib.plan(_config(16), accelerator="tpu9")
+
+
+def test_cli_sets_its_device_count_and_prints_one_json_line():
+  args = [sys.executable, "-m", "bigpretrain.plan",
+          f"--config={helpers.ROOT / 'configs' / 'single_label.py'}", "--devices=4",
+          "--mesh=data:1,fsdp:4,tensor:1", "--accelerator=h100", "--json",
+          "--config.batch_size=8", "--config.data.image_size=16",
+          "--config.model.name=vit_demo", f"--config.compilation_cache_dir={helpers.JAX_CACHE}"]
+  env = helpers.env(1)  # The CLI, not XLA_FLAGS, decides the device count.
+  out = subprocess.run(args, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                       timeout=300, check=True)
+  lines = out.stdout.strip().splitlines()
+  assert len(lines) == 1, out.stdout
+  p = json.loads(lines[0])
+  assert p["devices"] == 4 and p["mesh"]["fsdp"] == 4 and p["batch_per_device"] == 2
+  assert p["accelerator"] == "h100" and p["fits"] is True
+  assert np.isclose(p["margin_bytes"], 80 * 2**30 - p["total_bytes"])
