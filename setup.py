@@ -33,7 +33,7 @@ setuptools.setup(
     extras_require={
         # Beam: the data-preparation tests; faiss: the dedup tests; interop: the weight
         # conversion tests.
-        "test": ["pytest>=8.0", "apache-beam>=2.60", "faiss-cpu>=1.8",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "faiss-cpu>=1.8",
                  "bigpretrain[interop]"],
         "beam": ["apache-beam>=2.60"],
         # Nearest-neighbour search of bigpretrain.dedup, one offline step of the

@@ -105,7 +105,6 @@ class _NoFeatures(nnx.Module):
 
 
 datasets.register_source("dedup_test:", _DedupDataset)
-models.register("test_no_features", _NoFeatures)
 
 
 def _checkpoint(workdir, model_name: str) -> str:
@@ -295,9 +294,13 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
     dedup.run(model, POOL, f"{AGAINST},{POOL}", out, top_n=3, **KW)
   with pytest.raises(ValueError, match=r"--max_distance=3.0 must be in \[0, 2\]"):
     dedup.run(model, POOL, AGAINST, out, max_distance=3.0, **KW)
-  no_features = _checkpoint(tmp_path / "nofeat", "test_no_features")
-  with pytest.raises(ValueError, match=r"\(test_no_features\) has no features\(\) method"):
-    dedup.run(no_features, POOL, AGAINST, out, top_n=3, **KW)
+  models.register("test_no_features", _NoFeatures)
+  try:  # Registered only here: every other test may assume all registered models have it.
+    no_features = _checkpoint(tmp_path / "nofeat", "test_no_features")
+    with pytest.raises(ValueError, match=r"\(test_no_features\) has no features\(\) method"):
+      dedup.run(no_features, POOL, AGAINST, out, top_n=3, **KW)
+  finally:
+    models._REGISTRY.pop("test_no_features")  # pylint: disable=protected-access
   # An exclusion list made for another split size is refused by inference.
   bad = tmp_path / "bad.tsv"
   exclusions.write(bad, [(NAME, "unlabeled", NUM_OTHERS + len(PLANTED))])

@@ -211,7 +211,8 @@ def test_swag_finetune_config():
   assert config.mixup.mixup_alpha == 0.1 and config.mixup.cutmix_alpha == 0.0
   assert config.data.eval_resize == "shorter_center_crop"
   assert config.ema.momentum == pytest.approx(1 - 2 / config.total_steps)
-  assert config.model_init == "" and config.model.name == "regnety_400mf"
+  assert config.model_init == "" and config.model.name == "regnety_demo"
+  assert not config.model.zero_init_residual  # As the hashtag model it is compared with.
   few = swag_finetune.get_config("fewshot=0.01,fewshot_seed=2")
   assert few.data.subset_frac == 0.01 and few.data.subset_seed == 2
   assert [swag_finetune.size_of(n) for n in (20_000, 20_001, 500_000, 500_001)] == [
