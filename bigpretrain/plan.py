@@ -248,42 +248,47 @@ def describe(p: dict) -> str:
   return "\n".join(lines)
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
-                                          lock_config=True)
-_DEVICES = flags.DEFINE_integer("devices", None, "Fake CPU devices to plan for.")
-_MESH = flags.DEFINE_string("mesh", "", "data:A,fsdp:B,tensor:C (wins over config.mesh).")
-_ACCELERATOR = flags.DEFINE_enum("accelerator", None, sorted(HBM_BYTES),
-                                 "Accelerator whose memory the plan is checked against.")
-_NUM_CLASSES = flags.DEFINE_integer("num_classes", None, "Classes of a dataset whose class "
-                                    "list does not ship with the package.")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
-flags.mark_flags_as_required(["config", "devices"])
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (no clash with other commands' flags when
+  modules are imported together, e.g. by the tests)."""
+  config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
+                                  lock_config=True)
+  flags.DEFINE_integer("devices", None, "Fake CPU devices to plan for.")
+  flags.DEFINE_string("mesh", "", "data:A,fsdp:B,tensor:C (wins over config.mesh).")
+  flags.DEFINE_enum("accelerator", None, sorted(HBM_BYTES),
+                    "Accelerator whose memory the plan is checked against.")
+  flags.DEFINE_integer("num_classes", None, "Classes of a dataset whose class list does not "
+                       "ship with the package.")
+  flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
+  flags.mark_flags_as_required(["config", "devices"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if _DEVICES.value < 1:
-    raise app.UsageError(f"--devices={_DEVICES.value} must be >= 1.")
+  f = flags.FLAGS
+  if f.devices < 1:
+    raise app.UsageError(f"--devices={f.devices} must be >= 1.")
   # Fake CPU devices; must be set before jax's backend starts (nothing above touched it).
   jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  if jax.device_count() != _DEVICES.value:
+  jax.config.update("jax_num_cpu_devices", f.devices)
+  if jax.device_count() != f.devices:
     raise RuntimeError(f"jax started with {jax.device_count()} devices, not --devices="
-                       f"{_DEVICES.value} (XLA_FLAGS' xla_force_host_platform_device_count?).")
+                       f"{f.devices} (XLA_FLAGS' xla_force_host_platform_device_count?).")
   logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
-  config = _CONFIG.value
+  config = f.config
   try:
-    if _MESH.value:
+    if f.mesh:
       config = config.copy_and_resolve_references()
       with config.unlocked():
-        config.mesh.update(parse_mesh(_MESH.value))
-    p = plan(config, _NUM_CLASSES.value, _ACCELERATOR.value)
+        config.mesh.update(parse_mesh(f.mesh))
+    p = plan(config, f.num_classes, f.accelerator)
   except (ValueError, FileNotFoundError) as e:
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  print(json.dumps(p) if _JSON.value else describe(p), flush=True)
+  print(json.dumps(p) if f.json else describe(p), flush=True)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
