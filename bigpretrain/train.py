@@ -88,7 +88,7 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
 
 def ema_update(ema, weights, momentum: float):
   """momentum * ema + (1 - momentum) * weights on floating-point leaves (as ClassyVision's
-  EMA hook, which SWAG used, averages parameters and BatchNorm buffers); other leaves (e.g.
+  EMA hook averages parameters and BatchNorm buffers); other leaves (e.g.
   integer counters, RNG keys) take the current value."""
 
   def update(e, w):
