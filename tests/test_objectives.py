@@ -77,6 +77,36 @@ def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path):
     assert r["train/kd_loss"] > 0
 
 
+def test_semantic_kd_teacher_logits_in_the_step_are_the_saved_teachers(tmp_path):
+  # The teacher's load path (checkpoint -> student mesh -> frozen input of the jitted step) is
+  # what breaks silently: compare with the teacher rebuilt through the trainer's own restore.
+  import jax
+  from bigpretrain import checkpoint
+  from bigpretrain import sharding
+  from configs import semantic_kd
+  teacher_dir = tmp_path / "teacher"
+  teacher_config = helpers.tiny_config(total_steps=3)
+  train.train_and_evaluate(teacher_config, str(teacher_dir))
+  t_exp = train.build(teacher_config)
+  restored = checkpoint.Checkpointer(str(teacher_dir / "checkpoints"),
+                                     async_save=False).restore(t_exp.init_state())
+  assert restored is not None and restored[1] == 3
+  t_state = restored[0]
+  images = np.random.default_rng(0).random((16, 32, 32, 3), np.float32)
+  teacher = t_exp.model_def.merge(t_state["params"], t_state["extra"])
+  want = np.asarray(teacher(jnp.asarray(images), train=False))
+
+  config = semantic_kd.get_config(f"teacher={teacher_dir}")
+  for key, value in helpers.tiny_config(total_steps=3).items():
+    if key != "objective":
+      config[key] = value
+  exp = train.build(config)
+  batch = sharding.global_batch({"image": images}, exp.mesh)
+  got = jax.jit(exp.objective.teacher_logits)(exp.frozen, batch["image"])
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert np.abs(want).max() > 0.1  # A trained head, not zeros that would match anything.
+
+
 def test_semantic_kd_without_teacher_is_a_clear_error(tmp_path):
   from configs import semantic_kd
   config = semantic_kd.get_config()
