@@ -91,7 +91,7 @@ if [[ -n $repo ]]; then
   steps=()
 else
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  archive=/tmp/bigpretrain_$name.tar.gz
+  archive=${TMPDIR:-/tmp}/bigpretrain_$name.tar.gz
   steps=(
     "$(show git -C "$root" archive --format=tar.gz "--output=$archive" HEAD)"
     "$(show "${tpu[@]}" scp "$archive" "$name:bigpretrain.tar.gz" "${where[@]}" --worker=all)"
