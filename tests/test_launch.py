@@ -294,3 +294,26 @@ def test_gke_applies_the_printed_manifest(tmp_path):
   assert r.returncode == 0, r.stderr
   assert (tmp_path / "log").read_text() == "kubectl apply -f -\n"
   assert (tmp_path / "log.stdin").read_text() == printed
+
+
+# ---------------------------------------------------------------------------------- local
+
+def test_local_dry_run_prints_the_processes_it_starts(tmp_path):
+  fake_python = tmp_path / "python"
+  fake_python.write_text('#!/usr/bin/env bash\necho "$XLA_FLAGS|$JAX_PLATFORMS|$*" >> "$LOG"\n')
+  fake_python.chmod(0o755)
+  env = {"PYTHON": str(fake_python), "LOG": str(tmp_path / "log"), "BIGPRETRAIN_PORT": "23456",
+         "XLA_FLAGS": ""}
+  cmd = [LAUNCH / "local.sh", "2", "--devices_per_process=4"]
+  r = run([*cmd, "--dry_run", "--", *MAIN], env)
+  assert r.returncode == 0, r.stderr
+  printed = lines(r.stdout)
+  flags = "--xla_force_host_platform_device_count=4 "
+  assert printed == [["env", f"XLA_FLAGS={flags}", "JAX_PLATFORMS=cpu", str(fake_python), "-m",
+                      "bigpretrain.main", *MAIN, "--coordinator_address=127.0.0.1:23456",
+                      "--num_processes=2", f"--process_id={i}"] for i in range(2)]
+  assert not (tmp_path / "log").exists()
+  r = run([*cmd, "--", *MAIN], env)
+  assert r.returncode == 0, r.stderr
+  started = sorted((tmp_path / "log").read_text().splitlines())
+  assert started == [f"{p[1][len('XLA_FLAGS='):]}|cpu|{' '.join(p[4:])}" for p in printed]
