@@ -3,12 +3,15 @@
 Detection order: explicit coordinator (flags, or BIGPRETRAIN_COORDINATOR_ADDRESS /
 BIGPRETRAIN_NUM_PROCESSES / BIGPRETRAIN_PROCESS_ID), then a multi-host TPU slice, then a
 multi-task SLURM job (JAX reads SLURM_* itself). A single process needs no initialisation.
+On GPUs, the XLA/CUDA settings of gpu_flags are applied first, before the backend starts.
 """
 import os
 
 from absl import flags
 from absl import logging
 import jax
+
+from bigpretrain import gpu_flags
 
 
 def _env_int(name: str) -> int | None:
@@ -38,6 +41,9 @@ def detect() -> tuple[str, dict]:
 def maybe_initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> str:
   """Initialises jax.distributed when running on several processes; returns what was found."""
+  applied = gpu_flags.apply()
+  if applied:
+    logging.info("GPU settings added (user-set values kept): %s", applied)
   if coordinator_address:
     kind, kwargs = "explicit", {"coordinator_address": coordinator_address,
                                 "num_processes": num_processes, "process_id": process_id}

@@ -1,0 +1,95 @@
+"""XLA and CUDA settings for (multi-host) GPU training, applied only when JAX will run on GPUs.
+
+The one place for the flags the field uses on H100 clusters: JAX's GPU performance tips,
+NVIDIA's JAX-Toolbox, MaxText's H100 (A3) runs. `distributed.maybe_initialize` calls `apply()`
+before the backend starts, so every entry point and launcher gets them. A flag already in
+XLA_FLAGS or a variable already in the environment is the user's choice and wins.
+
+Not set here, on purpose:
+- NCCL network settings (NCCL_SOCKET_IFNAME, NCCL_IB_*, the GPUDirect-TCPX/TCPXO or EFA plugin
+  variables): they depend on the cluster's fabric and come with its image or module.
+- NCCL_NVLS_ENABLE: left to NCCL's default (NVLink SHARP on NVSwitch H100 nodes); JAX-Toolbox
+  images set it to 0 for a while and have since dropped that.
+- Pipelined collectives and while-loop double buffering: they act on scanned layer loops, and
+  the models here unroll their blocks.
+"""
+import importlib.util
+import os
+from typing import MutableMapping
+
+# (flag, value, why). All exist in current XLA; tests/test_gpu_flags.py has XLA parse them.
+XLA_FLAGS = (
+    # Schedule the asynchronous collectives (FSDP all-gathers / reduce-scatters, gradient
+    # all-reduces) to overlap with compute instead of running them where they are issued.
+    ("--xla_gpu_enable_latency_hiding_scheduler", "true"),
+    # Matmuls through cuBLAS(Lt) instead of Triton GEMM fusions: faster for the large dense
+    # layers of these models (MaxText's and JAX-Toolbox's H100 setting).
+    ("--xla_gpu_enable_triton_gemm", "false"),
+    # Collectives on the highest-priority CUDA stream, so compute kernels do not delay them.
+    ("--xla_gpu_enable_highest_priority_async_stream", "true"),
+    # Combine small collectives into few large ones (fewer NCCL launches, better bandwidth);
+    # thresholds of MaxText's H100 runs: 128 MiB all-reduce, 1 GiB all-gather, 32 MiB
+    # reduce-scatter.
+    ("--xla_gpu_all_reduce_combine_threshold_bytes", "134217728"),
+    ("--xla_gpu_all_gather_combine_threshold_bytes", "1073741824"),
+    ("--xla_gpu_reduce_scatter_combine_threshold_bytes", "33554432"),
+    # Let the combiners merge collectives over differently shaped parameters (FSDP shards
+    # every kernel along its own dimension).
+    ("--xla_gpu_enable_all_gather_combine_by_dim", "false"),
+    ("--xla_gpu_enable_reduce_scatter_combine_by_dim", "false"),
+    # No CUDA graphs (command buffers), as in MaxText's GPU runs: a training step of large
+    # kernels is not launch-bound, and graphs keep extra device memory.
+    ("--xla_gpu_enable_command_buffer", ""),
+)
+
+ENV = (
+    # Share of GPU memory JAX preallocates (default 0.75); 0.9 leaves room for cuDNN/cuBLAS
+    # workspaces and NCCL buffers (JAX-Toolbox's and MaxText's value range).
+    ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"),
+    # One hardware work queue: kernels reach the GPU in XLA's scheduled order, which the
+    # latency-hiding scheduler relies on (Hopper; JAX-Toolbox advises against it on Blackwell,
+    # where setting the variable yourself wins).
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+)
+
+_CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
+def target_platform(environ: MutableMapping[str, str] | None = None) -> str:
+  """'gpu' when JAX will start on NVIDIA GPUs, else 'other', without starting a backend.
+
+  JAX_PLATFORMS decides when set (its first entry); otherwise a CUDA plugin must be installed
+  and an NVIDIA device visible."""
+  environ = os.environ if environ is None else environ
+  platforms = environ.get("JAX_PLATFORMS", "").strip()
+  if platforms:
+    return "gpu" if platforms.split(",")[0].strip().lower() in ("cuda", "gpu") else "other"
+  has_plugin = any(importlib.util.find_spec(name) for name in _CUDA_PLUGINS)
+  return "gpu" if has_plugin and os.path.exists("/dev/nvidiactl") else "other"
+
+
+def _flag_names(xla_flags: str) -> set[str]:
+  return {token.split("=", 1)[0] for token in xla_flags.split() if token.startswith("--")}
+
+
+def apply(environ: MutableMapping[str, str] | None = None, platform: str | None = None) -> dict:
+  """Adds the GPU settings the environment lacks; returns {name: value} of what it set.
+
+  A no-op unless the platform (given, or `target_platform`) is 'gpu'. Must run before JAX
+  starts its backend: XLA reads XLA_FLAGS once, when the first client is created."""
+  environ = os.environ if environ is None else environ
+  platform = target_platform(environ) if platform is None else platform
+  if platform != "gpu":
+    return {}
+  applied = {}
+  user_flags = environ.get("XLA_FLAGS", "")
+  present = _flag_names(user_flags)
+  added = [f"{name}={value}" for name, value in XLA_FLAGS if name not in present]
+  if added:
+    environ["XLA_FLAGS"] = " ".join([user_flags] + added).strip()
+    applied["XLA_FLAGS"] = " ".join(added)
+  for name, value in ENV:
+    if name not in environ:
+      environ[name] = value
+      applied[name] = value
+  return applied
