@@ -1,4 +1,5 @@
 """Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
+import logging as std_logging
 import os
 import sys
 import tempfile
@@ -21,6 +22,9 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  # JAX probes every platform it knows and logs each one missing ("Unable to initialize
+  # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
   from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel

@@ -5,7 +5,7 @@ Demo:        python -m bigpretrain.main --config=configs/single_label.py --workd
 Paper scale: python -m bigpretrain.main \
                --config=configs/single_label.py:dataset=imagenet21k_p,data_dir=/data/tfds,model=vit_b16
 Paper number: none for ViT-B/16, the default. Table 2 reports the baselines for TResNet-M
-only (not in the model registry): single-label pretraining fine-tunes to 81.1% on
+only (`:model=tresnet_m`): single-label pretraining fine-tunes to 81.1% on
 ImageNet-1K, vs 81.4% with semantic softmax. Hardware, schedule (140 epochs, or 80 with
 init=) and augmentation as in configs/semantic_softmax.py, as the authors'
 train_single_label.py runs them.
