@@ -1,7 +1,8 @@
-"""Input-pipeline throughput against a plain decode loop: one JSON line.
+"""Input-pipeline throughput against a plain decode loop or a timm DataLoader: one JSON line.
 
   python benchmarks/input_pipeline.py [--workers=2] [--batch_size=32] [--batches=60] \
-      [--source_size=400x300] [--augment='inception_crop|flip|randaugment(2, 9)']
+      [--source_size=400x300] [--augment='inception_crop|flip|randaugment(2, 9)'] \
+      [--peer [--rounds=3] | --stages]
 
 Source: --records synthetic photo-like JPEGs (--source_size, default 400 x 300 like an average
 ImageNet photo; quality 90: colour fields with the 1/f amplitude spectrum of natural images
@@ -22,9 +23,31 @@ input_pipeline/augment.py); the decode loop always decodes in full, as a plain l
 `ratio` = pipeline records/s / decode-loop records/s. `images_per_sec` and `step_time_ms` are
 the pipeline's (per batch); `peak_rss_mb` is this process, `peak_rss_workers_mb` the largest
 worker.
+
+--peer (needs torch and timm) replaces the decode loop with the tool users would otherwise
+pick: a torch DataLoader with --workers worker processes over the same records, timm's train
+transforms (create_transform(is_training=True, auto_augment='rand-m9-n2',
+interpolation='bilinear', use_prefetcher=True): RandomResizedCrop 224, flip, RandAugment(2, 9)
+with timm's op set and magnitudes, colour jitter off as timm turns it off under RandAugment;
+PIL decode of the whole JPEG) and uint8 batches from timm's fast_collate. The two run
+alternately, --rounds times each, each timed over --batches batches after --warmup;
+`peer_ratio` is the median of the per-round ratios (the machine may be shared: alternation
+exposes both to the same load); `*_cpu_ms_per_record` is the CPU time (user + system, main
+process and workers) each spent per record, which other load changes less than rates.
+
+--stages times, in one process and without workers, each stage of --augment per record (in
+microseconds, mean over --records records): decode (the JPEG decode the crop asks for), crop
+and resize (inception_crop less its decode), randaugment, flip, the rest of the op chain
+(header read, conversion to an array) and batching (stacking a batch), in CPU time of the
+thread (time.thread_time: what each costs the worker, less sensitive to other load on the
+machine than wall time). The stages are found by
+wrapping the module functions by name, so the same command times an older checkout of
+input_pipeline put first on PYTHONPATH.
 """
+import importlib
 import io
 import json
+import math
 import os
 import resource
 import sys
@@ -42,6 +65,7 @@ from array_record.python import array_record_module
 import grain
 import numpy as np
 from PIL import Image, ImageDraw
+import psutil
 
 from input_pipeline import pipeline  # pylint: disable=g-import-not-at-top
 
@@ -55,6 +79,9 @@ _AUGMENT = flags.DEFINE_string("augment", "inception_crop|flip|randaugment(2, 9)
                                "data.train_augment.")
 _DECODE_SECONDS = flags.DEFINE_float("decode_seconds", 3.0, "Minimum decode-loop time.")
 _SOURCE_SIZE = flags.DEFINE_string("source_size", "400x300", "WIDTHxHEIGHT of the JPEGs.")
+_PEER = flags.DEFINE_bool("peer", False, "Compare with a torch DataLoader + timm transforms.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "--peer: alternating rounds of each.")
+_STAGES = flags.DEFINE_bool("stages", False, "Per-record CPU cost of each stage instead.")
 
 QUALITY = 90
 
@@ -128,8 +155,14 @@ def decode_loop(source, min_seconds: float) -> float:
       return done / elapsed
 
 
-def pipeline_rate(source) -> tuple[float, float]:
-  """(records/s, seconds per batch) of the train pipeline."""
+def _cpu_seconds() -> float:
+  """User + system CPU seconds of this process and its live children (the workers)."""
+  proc = psutil.Process()
+  return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+
+def pipeline_rate(source) -> tuple[float, float, float]:
+  """(records/s, seconds per batch, CPU ms per record) of the train pipeline."""
   cfg = pipeline.data_defaults()
   cfg.image_size = _SIZE.value
   cfg.train_augment = _AUGMENT.value
@@ -139,33 +172,172 @@ def pipeline_rate(source) -> tuple[float, float]:
   try:
     for _ in range(_WARMUP.value):
       next(it)
-    t0 = time.perf_counter()
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
     for _ in range(_BATCHES.value):
       batch = next(it)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     assert batch["image"].shape == (_BATCH.value, _SIZE.value, _SIZE.value, 3)
   finally:
     if hasattr(it, "close"):
       it.close()
-  return _BATCHES.value * _BATCH.value / elapsed, elapsed / _BATCHES.value
+  n = _BATCHES.value * _BATCH.value
+  return n / elapsed, elapsed / _BATCHES.value, 1e3 * cpu / n
+
+
+class _PeerRecords:
+  """The records as a torch map-style dataset: PIL image (decoded in full) -> timm transform;
+  index i reads record i % len(source), so one pass covers every timed batch."""
+
+  def __init__(self, source, transform, length: int):
+    self._source, self._transform, self._length = source, transform, length
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __getitem__(self, i: int):
+    record = self._source[i % len(self._source)]
+    image = Image.open(io.BytesIO(record["image"])).convert("RGB")
+    return self._transform(image), record["label"]
+
+
+def peer_rate(source, seed: int) -> tuple[float, float, float]:
+  """(records/s, seconds per batch, CPU ms per record) of a torch DataLoader with timm's train transforms."""
+  import timm.data  # pylint: disable=g-import-not-at-top
+  import timm.data.loader  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  if _AUGMENT.value != "inception_crop|flip|randaugment(2, 9)":
+    raise ValueError("--peer runs timm's 'inception crop, flip, rand-m9-n2' only; leave "
+                     f"--augment at its default (got {_AUGMENT.value!r})")
+  transform = timm.data.create_transform(
+      _SIZE.value, is_training=True, auto_augment="rand-m9-n2", interpolation="bilinear",
+      use_prefetcher=True)  # use_prefetcher: uint8 CHW arrays, no normalisation.
+  total = (_WARMUP.value + _BATCHES.value + 2) * _BATCH.value
+  loader = torch.utils.data.DataLoader(
+      _PeerRecords(source, transform, total), batch_size=_BATCH.value, shuffle=True,
+      num_workers=_WORKERS.value, collate_fn=timm.data.loader.fast_collate, drop_last=True,
+      prefetch_factor=2 if _WORKERS.value else None,
+      generator=torch.Generator().manual_seed(seed))
+  it = iter(loader)
+  for _ in range(_WARMUP.value):
+    next(it)
+  cpu0, t0 = _cpu_seconds(), time.perf_counter()
+  for _ in range(_BATCHES.value):
+    images, _ = next(it)
+  elapsed, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+  assert images.dtype == torch.uint8 and images.shape == (
+      _BATCH.value, 3, _SIZE.value, _SIZE.value), (images.dtype, images.shape)
+  del it
+  n = _BATCHES.value * _BATCH.value
+  return n / elapsed, elapsed / _BATCHES.value, 1e3 * cpu / n
+
+
+class _StageTimer:
+  """Wraps module functions by name and adds up the time spent inside each stage (a stage's
+  function called from inside the same stage is not counted twice)."""
+
+  def __init__(self):
+    self.seconds = {}
+    self._active = set()
+
+  def wrap(self, module, name: str, stage: str) -> None:
+    fn = getattr(module, name, None)
+    if fn is None:
+      return
+    def timed(*args, **kwargs):
+      if stage in self._active:
+        return fn(*args, **kwargs)
+      self._active.add(stage)
+      t0 = time.thread_time()
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.thread_time() - t0
+        self._active.discard(stage)
+    setattr(module, name, timed)
+
+
+def stage_costs(source) -> dict[str, float]:
+  """CPU microseconds per record of each stage, the least of 3 passes over the records."""
+  from input_pipeline import augment, augment_spec, decoding  # pylint: disable=g-import-not-at-top
+  ops = augment_spec.parse_train_ops(_AUGMENT.value)
+  images = [source[i]["image"] for i in range(len(source))]
+  n = len(images)
+  best = {}
+  for _ in range(3):
+    timer = _StageTimer()
+    for name in ("decode_scaled", "decode_array", "decode"):
+      timer.wrap(decoding, name, "decode")
+    timer.wrap(augment, "inception_crop", "crop_resize")
+    timer.wrap(augment, "rand_augment", "randaugment")
+    timer.wrap(augment, "random_flip", "flip")
+    t0 = time.thread_time()
+    outs = []
+    for i, data in enumerate(images):
+      outs.append(augment_spec.apply_train_ops(decoding.open_image(data), ops,
+                                               np.random.default_rng(i), _SIZE.value))
+    total = time.thread_time() - t0
+    t0 = time.thread_time()
+    for start in range(0, n - _BATCH.value + 1, _BATCH.value):
+      np.stack(outs[start:start + _BATCH.value])
+    batching = (time.thread_time() - t0) / (n // _BATCH.value) / _BATCH.value * n
+    for module in (decoding, augment):  # Undo the wrapping.
+      importlib.reload(module)
+    sec = dict(timer.seconds)
+    sec["crop_resize"] = sec.get("crop_resize", 0.0) - sec.get("decode", 0.0)
+    sec["other"] = total - sum(sec.values())
+    sec["batching"] = batching
+    sec["total"] = total + batching
+    for k, v in sec.items():
+      best[k] = min(best.get(k, math.inf), 1e6 * v / n)
+  return {k: round(v, 1) for k, v in best.items()}
+
+
+def _source_text(source, width: int, height: int) -> str:
+  mean_bytes = float(np.mean([len(source[i]["image"]) for i in range(len(source))]))
+  return (f"array_record: {_RECORDS.value} synthetic {width}x{height} JPEGs "
+          f"(quality {QUALITY}, mean {mean_bytes / 1024:.1f} KiB)")
 
 
 def main(argv):
   del argv
   width, height = (int(v) for v in _SOURCE_SIZE.value.lower().split("x"))
+  common = {"benchmark": "input_pipeline", "augment": _AUGMENT.value,
+            "image_size": _SIZE.value, "workers": _WORKERS.value,
+            "batch_size": _BATCH.value, "cpu_count": os.cpu_count()}
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "jpegs.array_record")
     write_records(path, _RECORDS.value, width, height)
     source = JpegRecords(path)
-    mean_bytes = float(np.mean([len(source[i]["image"]) for i in range(len(source))]))
+    common["source"] = _source_text(source, width, height)
+    if _STAGES.value:
+      print(json.dumps({**common, "mode": "stages", "input_pipeline": os.path.dirname(
+          pipeline.__file__), "us_per_record": stage_costs(source)}))
+      return
+    if _PEER.value:
+      ours, peers = [], []
+      for r in range(_ROUNDS.value):
+        ours.append(pipeline_rate(source))
+        peers.append(peer_rate(source, seed=r))
+      ratios = [o[0] / p[0] for o, p in zip(ours, peers)]
+      pipe_rps, batch_s = float(np.median([o[0] for o in ours])), float(
+          np.median([o[1] for o in ours]))
+      print(json.dumps({
+          **common, "mode": "peer",
+          "pipeline_records_per_sec": [round(o[0], 1) for o in ours],
+          "peer_records_per_sec": [round(p[0], 1) for p in peers],
+          "peer_ratios": [round(x, 3) for x in ratios],
+          "peer_ratio": round(float(np.median(ratios)), 3),
+          "pipeline_cpu_ms_per_record": [round(o[2], 2) for o in ours],
+          "peer_cpu_ms_per_record": [round(p[2], 2) for p in peers],
+          "images_per_sec": round(pipe_rps, 1),
+          "step_time_ms": round(1e3 * batch_s, 2),
+          "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+      }))
+      return
     decode_rps = decode_loop(source, _DECODE_SECONDS.value)
-    pipe_rps, batch_s = pipeline_rate(source)
+    pipe_rps, batch_s, _ = pipeline_rate(source)
   print(json.dumps({
-      "benchmark": "input_pipeline",
-      "source": f"array_record: {_RECORDS.value} synthetic {width}x{height} JPEGs "
-                f"(quality {QUALITY}, mean {mean_bytes / 1024:.1f} KiB)",
-      "augment": _AUGMENT.value, "image_size": _SIZE.value, "workers": _WORKERS.value,
-      "batch_size": _BATCH.value, "cpu_count": os.cpu_count(),
+      **common,
       "pipeline_records_per_sec": round(pipe_rps, 1),
       "decode_loop_records_per_sec": round(decode_rps, 1),
       "ratio": round(pipe_rps / decode_rps, 3),
