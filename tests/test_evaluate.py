@@ -204,20 +204,21 @@ def test_removing_a_resnet_block_keeps_its_relu_and_refuses_projection_blocks():
 
 
 def test_drop_blocks_and_sweep_on_a_run(run):
-  workdir, _ = run
-  cfg = evaluate.read_run_config(workdir)
-  name = f"evalhead:{N}:validation"
-  dropped = evaluate.evaluate(workdir, run_config=cfg, drop_blocks=(1,))[name]
+  workdir, trained = run
+  ev = evaluate.Evaluation(workdir, run_config=evaluate.read_run_config(workdir))
+  test_sets = [ev.test_set(f"evalhead:{N}")]
+  name = test_sets[0].name
+  dropped = ev.run(test_sets, (1,))[name]
   logits, labels = _dataset_logits(workdir, f"evalhead:{N}",
                                    lambda m, x: _vit_without(m, 1, x))
   np.testing.assert_allclose(dropped["top1"], np.mean(np.argmax(logits, -1) == labels))
   top5 = np.mean([y in np.argsort(-row)[:5] for row, y in zip(logits, labels)])
   np.testing.assert_allclose(dropped["top5"], top5)
-  sweep = evaluate.evaluate(workdir, run_config=cfg, drop_blocks="sweep")
+  sweep = ev.sweep(test_sets)  # Reuses the step compiled for block 1.
   assert sweep["num_blocks"] == 4 and sweep["not_removable"] == []
   assert sorted(sweep["drop"]) == ["0", "1", "2", "3"]
   assert sweep["drop"]["1"][name] == dropped
-  assert sweep["full"] == evaluate.evaluate(workdir, run_config=cfg)
+  assert sweep["full"][name]["top1"] == trained["eval/top1"]
   table = evaluate.sweep_table(sweep)
   assert len(table.splitlines()) == 1 + 1 + 4  # Header, the whole model, one row per block.
 
