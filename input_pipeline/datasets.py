@@ -47,6 +47,9 @@ from input_pipeline import subset
 IMAGENET21K_P = "imagenet21k_p"
 FOLDER_BUILDER = "bigpretrain_folder"
 _TEXT_KEYS = ("file_name",)  # tfds Text features: bytes -> str.
+# Features read as 'label' in datasets without one: ReaL (tfds imagenet2012_real) keeps the
+# ImageNet validation label as 'original_label' beside its 'real_label' lists.
+_LABEL_ALIASES = ("original_label",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,7 @@ def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
     elif key in _TEXT_KEYS and isinstance(value, (bytes, np.bytes_)):
       out[key] = bytes(value).decode("utf-8")
     elif isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
-      out[key] = value.item()
+      out["label" if key in _LABEL_ALIASES and "label" not in record else key] = value.item()
     else:
       out[key] = value
   return out
@@ -125,10 +128,11 @@ class Dataset:
   def __init__(self, name: str, builder: tfds.core.DatasetBuilder):
     self.builder = builder
     features = builder.info.features
-    if "image" not in features or "label" not in features:
+    label_key = next((k for k in ("label",) + _LABEL_ALIASES if k in features), None)
+    if "image" not in features or label_key is None:
       raise ValueError(f"Dataset {name!r} needs 'image' and 'label' features; it has "
                        f"{sorted(features.keys())}.")
-    label = features["label"]
+    label = features[label_key]
     names = list(label.names) if hasattr(label, "names") else []
     shape = getattr(features["image"], "shape", (None, None, None))
     size = shape[0] if shape[0] is not None and shape[0] == shape[1] else None
@@ -141,8 +145,8 @@ class Dataset:
         num_examples={s: int(builder.info.splits[s].num_examples) for s in splits},
         image_size=size,
         splits=splits,
-        features={k: _field_size(k, f, max_lengths) for k, f in sorted(features.items())
-                  if k != "image"},
+        features={("label" if k == label_key else k): _field_size(k, f, max_lengths)
+                  for k, f in sorted(features.items()) if k != "image"},
     )
 
   def source(self, split: str) -> RecordSource:
@@ -256,6 +260,11 @@ def _loader(name: str) -> Callable[[str, str], Dataset]:
   if not prefixes:
     raise ValueError(f"Unknown dataset name {name!r}; known: {sorted(_USAGE.values())}.")
   return _SOURCES[max(prefixes, key=len)]
+
+
+def name_prefixes() -> list[str]:
+  """The registered name prefixes ('tfds:', 'folder:', 'demo/', ...)."""
+  return sorted(k for k in _SOURCES if k.endswith((":", "/")))
 
 
 def get_dataset(data_cfg) -> Dataset:

@@ -1,0 +1,383 @@
+r"""Evaluate a trained model on several test sets in one command, whole or with residual
+blocks removed; one JSON line out.
+
+  python -m bigpretrain.evaluate --workdir=DIR [--datasets=NAME[:SPLIT],...] [--json]
+  python -m bigpretrain.evaluate --checkpoint=PATH \
+      --datasets=tfds:imagenet2012,tfds:imagenet_v2,tfds:imagenet2012_real --data_dir=/data/tfds
+  python -m bigpretrain.evaluate --workdir=DIR --drop_blocks=3,7     # that submodel
+  python -m bigpretrain.evaluate --workdir=DIR --drop_blocks=sweep   # each block removed
+
+--workdir is a run folder: its config.json gives the data settings, batch size, mesh and
+sharding rules of the trainer's own eval, so evaluating the run's dataset repeats the
+trainer's final 'eval/...' numbers. --checkpoint is a checkpoint dir or a
+`bigpretrain.convert` output: its meta gives the preprocessing, the rest are defaults.
+Without --datasets the run's dataset and eval split are evaluated. NAME is any data.name
+(demo, tfds:NAME[/CONFIG], folder:NAME, imagenet21k_p, ...), read from --data_dir (default:
+the run's data.dir); SPLIT defaults to the run's eval split for the run's dataset, else
+'validation', else 'test', else the only split.
+
+Per dataset:
+- Same classes as the model (same class names, or a model without names and as many
+  classes): the run's objective's eval metrics (top-k, semantic top-1 on WordNet classes,
+  mAP for multi-label, ...), as the trainer's classification evaluator computes them.
+- Other classes: top-k over the dataset's classes, each class scored by the model's answer
+  (objective.answer: softmax, or the hierarchical probability of semantic models) of its
+  class, or the max over its classes when --class_map gives several (ObjectNet's 113 classes
+  each map to one or more ImageNet classes; we score a class by its best ImageNet class, the
+  usual ObjectNet protocol). The map is found by name when every dataset class is a model
+  class (a 21K model on ImageNet-1K wnids); otherwise --class_map=FILE is needed, a JSON
+  object {dataset class name: model class name or list of names}.
+- ReaL labels (datasets with a 'real_label' list per image, e.g. tfds:imagenet2012_real, whose
+  'original_label' is the label): also 'real_top1', Beyer et al. 2020 ("Are we done with
+  ImageNet?"): the top-1 class is one of the image's real labels; images with no real label
+  are left out (their count is 'num_real_examples').
+
+--drop_blocks removes residual blocks (cosub supplement D.2; see models/submodel.py);
+'sweep' evaluates the whole model, then each removable block removed alone, and prints a
+table and one JSON line {"num_blocks", "full": {dataset: metrics}, "drop": {block: {dataset:
+metrics}}, "not_removable": [blocks]}.
+"""
+import dataclasses
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from bigpretrain import objectives
+from bigpretrain import preprocess
+from bigpretrain import sharding
+from bigpretrain.evaluators import classification
+from bigpretrain.models import pretrained
+from bigpretrain.models import submodel
+from bigpretrain.objectives import base
+from input_pipeline import datasets
+from input_pipeline import pipeline
+
+REAL_LABEL = "real_label"
+
+
+def real_accuracy(scores, real_labels, mask):
+  """ReaL top-1 (Beyer et al. 2020) summed over the batch: (hits, images with a real label).
+
+  scores [B, C]; real_labels int [B, K], each row the image's set of real labels padded with
+  -1; mask [B] (0 = padding row). An image counts when its set is not empty, and is a hit
+  when the argmax of its scores is in its set.
+  """
+  pred = jnp.argmax(scores, axis=-1)
+  valid = jnp.any(real_labels >= 0, axis=-1) * mask
+  hit = jnp.any(real_labels == pred[:, None], axis=-1) * valid
+  return jnp.sum(hit), jnp.sum(valid)
+
+
+def parse_datasets(text: str) -> list[tuple[str, str]]:
+  """'demo:validation,tfds:imagenet_v2' -> [('demo', 'validation'), ('tfds:imagenet_v2', '')].
+
+  The text after the last ':' is a split unless that ':' ends a name prefix ('tfds:')."""
+  prefixes = tuple(p for p in datasets.name_prefixes() if p.endswith(":"))
+  out = []
+  for spec in (s.strip() for s in text.split(",")):
+    if not spec:
+      continue
+    name, sep, split = spec.rpartition(":")
+    if not sep or (name + ":") in prefixes:
+      name, split = spec, ""
+    if not name:
+      raise ValueError(f"Bad dataset {spec!r} in --datasets={text!r}: use NAME[:SPLIT].")
+    out.append((name, split))
+  return out
+
+
+def parse_drop_blocks(text: str):
+  """'' -> (), '3,7' -> (3, 7), 'sweep' -> 'sweep'."""
+  text = text.strip()
+  if text == "sweep":
+    return "sweep"
+  try:
+    return tuple(int(t) for t in text.split(",") if t.strip())
+  except ValueError:
+    raise ValueError(f"--drop_blocks={text!r}: give block indices like 3,7 or 'sweep'.") from None
+
+
+def load_class_map(path: str) -> dict[str, list[str]]:
+  """{dataset class: [model classes]} from a JSON object whose values are names or lists."""
+  with open(path) as f:
+    raw = json.load(f)
+  if not isinstance(raw, dict):
+    raise ValueError(f"--class_map={path}: expected a JSON object {{dataset class: model "
+                     "class or [model classes]}}.")
+  out = {}
+  for k, v in raw.items():
+    names = [v] if isinstance(v, str) else v
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+      raise ValueError(f"--class_map={path}: entry {k!r} must map to a class name or a "
+                       f"non-empty list of names, got {v!r}.")
+    out[str(k)] = names
+  return out
+
+
+def class_columns(model_names, dataset_names, dataset: str, class_map=None) -> np.ndarray:
+  """int32 [D, M]: the model classes scoring each dataset class (rows padded by repeating
+  their first entry, which leaves the max unchanged)."""
+  index = {n: i for i, n in enumerate(model_names)}
+  if class_map is None:
+    missing = [n for n in dataset_names if n not in index]
+    if missing or not dataset_names:
+      raise ValueError(
+          f"Dataset {dataset!r} has other classes than the model ({len(model_names)} classes) "
+          f"and {len(missing) or 'all its'} of its {len(dataset_names)} class names are not "
+          f"model classes (e.g. {missing[:3]}); give --class_map=FILE, a JSON object "
+          "{dataset class: model class or [model classes]} (for ObjectNet, built from its "
+          "mappings/objectnet_to_imagenet_1k.json).")
+    rows = [[index[n]] for n in dataset_names]
+  else:
+    class_map = {k: [v] if isinstance(v, str) else list(v) for k, v in class_map.items()}
+    unmapped = [n for n in dataset_names if n not in class_map]
+    if unmapped:
+      raise ValueError(f"--class_map has no entry for {len(unmapped)} classes of dataset "
+                       f"{dataset!r}, e.g. {unmapped[:3]}.")
+    unknown = sorted({m for n in dataset_names for m in class_map[n] if m not in index})
+    if unknown:
+      raise ValueError(f"--class_map names {len(unknown)} classes the model does not have, "
+                       f"e.g. {unknown[:3]}.")
+    rows = [[index[m] for m in class_map[n]] for n in dataset_names]
+  width = max(len(r) for r in rows)
+  return np.array([r + r[:1] * (width - len(r)) for r in rows], np.int32)
+
+
+def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk,
+                     columns: np.ndarray, real: bool):
+  """Like classification.make_eval_step, for a dataset whose classes are `columns` of the
+  model's: top-k of the mapped answer and, with `real`, ReaL top-1."""
+  columns = np.asarray(columns)
+
+  def eval_step(params, extra, batch):
+    images = preprocess.normalize(batch["image"], normalize)
+    logits = model_def.merge(params, extra)(images, train=False)
+    scores = jnp.max(objective.answer(logits)[:, columns], axis=-1)
+    mask = base.eval_mask(batch, logits.shape[0])
+    out = base.topk_metrics(scores, batch["label"], mask, topk)
+    if real:
+      out["real_top1"] = real_accuracy(scores, batch[REAL_LABEL], mask)
+    return out
+
+  return jax.jit(eval_step,
+                 in_shardings=(shardings["params"], shardings["extra"],
+                               sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def read_run_config(workdir: str) -> dict:
+  """The run's config.json (written by the trainer) as a dict."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist: --workdir needs a run folder; pass a "
+                            "checkpoint dir or a `bigpretrain.convert` output as --checkpoint.")
+  with open(path) as f:
+    return json.load(f)
+
+
+@dataclasses.dataclass
+class TestSet:
+  """One dataset split to evaluate, and how the model's classes map onto its labels."""
+  name: str  # 'NAME:SPLIT', the key of its results.
+  dataset: datasets.Dataset
+  split: str
+  data_cfg: dict
+  fields: dict
+  objective: object  # Scores the model's classes (its answer), or the run's eval metrics.
+  columns: np.ndarray | None  # None: the model's own classes (objective.eval_metrics).
+  real: bool
+
+
+class Evaluation:
+  """A loaded model on a mesh, and the test sets to run it on."""
+
+  def __init__(self, path: str, *, run_config: dict | None = None, batch_size: int = 0,
+               topk=(1, 5)):
+    run_config = run_config or {}
+    self.run_data = dict(run_config.get("data", {}))
+    mesh_cfg = run_config.get("mesh", dict(data=-1, fsdp=1, tensor=1))
+    rules = tuple(tuple(r) for r in run_config.get("sharding_rules", ()))
+    self.mesh = sharding.make_mesh(mesh_cfg)
+    self.batch_size = batch_size or run_config.get("batch_size", 0) or 8 * self.mesh.size
+    sharding.check_batch_size(self.batch_size, self.mesh)
+    self.topk = tuple(topk)
+    self.loaded = pretrained.load(path, mesh=self.mesh, rules=rules)
+    self.meta = self.loaded.meta
+    self._steps = {}
+
+  def test_set(self, name: str, split: str = "", *, data_dir: str | None = None,
+               class_map: dict | None = None) -> TestSet:
+    """Looks up dataset `name` (a data.name) and checks it against the model."""
+    meta = self.meta
+    own = name == meta["dataset"]
+    data_cfg = {**meta["data"], **self.run_data, "name": name}
+    if data_dir is not None:
+      data_cfg["dir"] = data_dir
+    dataset = datasets.get_dataset(data_cfg)
+    info = dataset.info
+    if not split:
+      defaults = ([data_cfg.get("eval_split", "validation")] if own else []) + [
+          "validation", "test"]
+      split = next((s for s in defaults if s in info.splits),
+                   info.splits[0] if len(info.splits) == 1 else "")
+      if not split:
+        raise ValueError(f"Dataset {name!r} has splits {list(info.splits)}: name one, "
+                         f"e.g. --datasets={name}:{info.splits[0]}.")
+    if split not in info.splits:
+      raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {list(info.splits)}.")
+    model_names = list(meta["class_names"])
+    real = REAL_LABEL in info.features
+    same = info.num_classes == meta["num_classes"] and (
+        info.class_names == model_names or not model_names)
+    if same and class_map is None and not real:
+      objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]), info)
+      missing = objectives.missing_fields(objective, info)
+      if missing:
+        raise ValueError(f"Dataset {name!r} lacks the fields {missing} that objective "
+                         f"{meta['objective']['name']!r} reads.")
+      return TestSet(f"{name}:{split}", dataset, split, data_cfg,
+                     objectives.batch_fields(objective, info), objective, None, False)
+    if same and class_map is None:
+      columns = np.arange(info.num_classes, dtype=np.int32)[:, None]
+    else:
+      if not model_names:
+        raise ValueError(f"The model has no class names, so its {meta['num_classes']} classes "
+                         f"cannot be matched with the {info.num_classes} of dataset {name!r}.")
+      columns = class_columns(model_names, info.class_names, name, class_map)
+    model_info = datasets.DatasetInfo(meta["dataset"], meta["num_classes"], model_names, {},
+                                      None, ())
+    objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]),
+                                         model_info)
+    fields = {"label": 0}
+    if real:  # A set of distinct classes has at most num_classes entries.
+      fields[REAL_LABEL] = info.num_classes
+    return TestSet(f"{name}:{split}", dataset, split, data_cfg, fields, objective, columns,
+                   real)
+
+  def _step(self, ts: TestSet, drop: tuple[int, ...]):
+    key = (ts.name, drop)
+    if key not in self._steps:
+      model_def = self.loaded.model_def
+      if drop:
+        submodel.check(self.loaded.module(), drop)
+        model_def = submodel.WithoutBlocks(model_def, drop)
+      normalize = self.meta["data"]["normalize"]
+      if ts.columns is None:
+        step = classification.make_eval_step(model_def, ts.objective, self.loaded.shardings,
+                                             self.mesh, normalize, self.topk)
+      else:
+        step = make_mapped_step(model_def, ts.objective, self.loaded.shardings, self.mesh,
+                                normalize, self.topk, ts.columns, ts.real)
+      self._steps[key] = step
+    return self._steps[key]
+
+  def run(self, test_sets, drop=()) -> dict:
+    """{test set name: metrics} with the blocks `drop` removed."""
+    drop = tuple(sorted({int(i) for i in drop}))
+    if drop:  # Bad indices fail before any data is read.
+      submodel.check(self.loaded.module(), drop)
+    out = {}
+    with jax.set_mesh(self.mesh):
+      for ts in test_sets:
+        totals, skipped, _ = classification.evaluate(
+            self._step(ts, drop), self.loaded.variables, ts.dataset, ts.data_cfg, self.mesh,
+            split=ts.split, batch_size=self.batch_size, fields=ts.fields)
+        results = classification.ratios(totals)
+        results.update(ts.objective.finalize_eval(totals))
+        results["skipped_records"] = skipped
+        if "top1" in totals:
+          results["num_examples"] = float(totals["top1"][1])
+        if "real_top1" in totals:
+          results["num_real_examples"] = float(totals["real_top1"][1])
+        out[ts.name] = results
+    return out
+
+  def sweep(self, test_sets) -> dict:
+    """The whole model, then each removable block removed alone (see the module docstring)."""
+    ok = submodel.removable(self.loaded.module())
+    return {"num_blocks": len(ok), "full": self.run(test_sets),
+            "drop": {str(i): self.run(test_sets, (i,)) for i, r in enumerate(ok) if r},
+            "not_removable": [i for i, r in enumerate(ok) if not r]}
+
+
+def evaluate(path: str, specs=(), *, run_config: dict | None = None, data_dir: str | None = None,
+             class_map: dict | None = None, drop_blocks=(), batch_size: int = 0, topk=(1, 5)):
+  """Evaluates the model at `path` on the (name, split) `specs` (default: its own dataset);
+  `drop_blocks` is a tuple of block indices or 'sweep'."""
+  ev = Evaluation(path, run_config=run_config, batch_size=batch_size, topk=topk)
+  specs = list(specs) or [(ev.meta["dataset"], "")]
+  test_sets = [ev.test_set(n, s, data_dir=data_dir, class_map=class_map) for n, s in specs]
+  names = [ts.name for ts in test_sets]
+  if len(set(names)) != len(names):
+    raise ValueError(f"--datasets lists a dataset twice: {names}.")
+  if drop_blocks == "sweep":
+    return ev.sweep(test_sets)
+  return ev.run(test_sets, drop_blocks)
+
+
+def sweep_table(result: dict, metric: str = "top1") -> str:
+  """The sweep as text: one row per removed block, `metric` per dataset and its change."""
+  names = list(result["full"])
+  lines = ["block  " + "  ".join(f"{n} {metric} (change)" for n in names)]
+  def row(label, metrics):
+    cells = []
+    for n in names:
+      v, full = metrics[n].get(metric, float("nan")), result["full"][n].get(metric, float("nan"))
+      cells.append(f"{100 * v:6.2f}% ({100 * (v - full):+6.2f})")
+    return f"{label:<6} " + "  ".join(cells)
+  lines.append(row("none", result["full"]))
+  for block, metrics in result["drop"].items():
+    lines.append(row(block, metrics))
+  if result["not_removable"]:
+    lines.append(f"not removable (projection shortcut): {result['not_removable']}")
+  return "\n".join(lines)
+
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (no clash with other commands' flags)."""
+  flags.DEFINE_string("workdir", None, "A bigpretrain run folder (uses its config.json).")
+  flags.DEFINE_string("checkpoint", None, "A checkpoint dir or a bigpretrain.convert output.")
+  flags.DEFINE_string("datasets", "", "NAME[:SPLIT],... (default: the run's dataset).")
+  flags.DEFINE_string("data_dir", None, "Where the datasets are prepared (default: the run's "
+                      "data.dir).")
+  flags.DEFINE_string("class_map", None, "JSON {dataset class: model class(es)} for a dataset "
+                      "with other classes than the model.")
+  flags.DEFINE_string("drop_blocks", "", "Residual blocks to remove, e.g. 3,7; or 'sweep'.")
+  flags.DEFINE_integer("batch_size", 0, "Global eval batch (default: the run's batch size, or "
+                       "8 per device).")
+  flags.DEFINE_bool("json", False, "Print only the JSON line.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  if bool(f.workdir) == bool(f.checkpoint):
+    raise app.UsageError("Give exactly one of --workdir and --checkpoint.")
+  try:
+    run_config = read_run_config(f.workdir) if f.workdir else None
+    result = evaluate(
+        f.workdir or f.checkpoint, parse_datasets(f.datasets), run_config=run_config,
+        data_dir=f.data_dir, class_map=load_class_map(f.class_map) if f.class_map else None,
+        drop_blocks=parse_drop_blocks(f.drop_blocks), batch_size=f.batch_size)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(1)
+  if not f.json:
+    if "full" in result:
+      print(sweep_table(result), flush=True)
+    elif f.drop_blocks:
+      print(f"Blocks removed: {f.drop_blocks}", flush=True)
+  print(json.dumps(result, sort_keys=True), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
