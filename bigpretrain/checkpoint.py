@@ -2,9 +2,13 @@
 
 Items: 'params' ({'params', 'extra'}: the raw weights training resumes from), 'ema' (the
 same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 'opt_state',
-'skipped_records'}), 'data' (the grain iterator, one file per process) and 'meta'
-(JSON: the model config, class names, dataset and input settings, so that a checkpoint path
-alone rebuilds the model; see `run_meta`). A checkpoint that fails to restore is moved aside
+'skipped_records'}), 'data' (the grain iterator, one file per process), 'data_position'
+(JSON: the process count, data.num_workers and the stream_position.Position the train
+stream started from) and 'meta' (JSON: the model config, class names, dataset and input
+settings, so that a checkpoint path alone rebuilds the model; see `run_meta`). Arrays are
+restored onto the current mesh's shardings, whatever mesh saved them; the train stream
+resumes from grain's own state on the same topology and from the global stream position on
+another (see _data_plan). A checkpoint that fails to restore is moved aside
 to `<dir>_corrupt/` and the previous one used. Consumers of the weights (model_init, teachers,
 load_pretrained) read the 'ema' item when there is one: the weights the run evaluated.
 """
@@ -18,6 +22,8 @@ from absl import logging
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+from input_pipeline import stream_position
 
 
 def _target(x):
@@ -108,12 +114,19 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, data_iter=None) -> None:
+    """`data_iter`: a grain iterator, or a stream_position.TrainStream (also saves its
+    position and topology, so that it can resume on another one)."""
     items = {
         "params": ocp.args.StandardSave({"params": state["params"], "extra": state["extra"]}),
         "train": ocp.args.StandardSave(_train_item(state)),
     }
     if "ema" in state:
       items["ema"] = ocp.args.StandardSave(state["ema"])
+    if isinstance(data_iter, stream_position.TrainStream):
+      items["data_position"] = ocp.args.JsonSave({
+          "process_count": jax.process_count(), "num_workers": data_iter.num_workers,
+          **data_iter.position.to_json()})
+      data_iter = data_iter.iterator
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     if self.meta is not None:
@@ -124,10 +137,22 @@ class Checkpointer:
     """Restores the newest readable checkpoint into `state`'s structure and shardings.
 
     A state with 'ema' gets it back only from a checkpoint that has one (saved with EMA on);
-    otherwise the result has no 'ema' and the caller starts the average anew.
+    otherwise the result has no 'ema' and the caller starts the average anew. `data_iter`:
+    a grain iterator (restored in place; same topology only) or a
+    stream_position.TrainStream (restarted where the checkpoint's stream stood, on any
+    topology).
     """
     _quiet_closed_loop_callbacks()
     for step in sorted(self.manager.all_steps(), reverse=True):
+      grain_iter = data_iter
+      if isinstance(data_iter, stream_position.TrainStream):
+        try:
+          position, same_topology = self._data_plan(step, data_iter)
+        except Exception as e:  # pylint: disable=broad-except
+          self._unreadable(step, e)
+          continue
+        data_iter.restart(position)  # Outside the try: a refusal here is the caller's error.
+        grain_iter = data_iter.iterator if same_topology else None
       items = {
           "params": ocp.args.StandardRestore(
               _abstract({"params": state["params"], "extra": state["extra"]})),
@@ -136,24 +161,63 @@ class Checkpointer:
       }
       if "ema" in state and _has_item(self.directory, step, "ema"):
         items["ema"] = ocp.args.StandardRestore(_abstract(state["ema"]))
-      if data_iter is not None:
-        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+      if grain_iter is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(grain_iter)
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
-        logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
-                     type(e).__name__, e)
-        print(f"WARNING: checkpoint step {step} in {self.directory} is unreadable "
-              f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to the "
-              "previous checkpoint.", flush=True)
-        self._move_aside(step)
+        self._unreadable(step, e)
         continue
       restored = {**out["params"], **out["train"]}
       if "ema" in items:
         restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
       return restored, step
+    if isinstance(data_iter, stream_position.TrainStream):
+      data_iter.restart(stream_position.Position())
     return None
+
+  def _data_plan(self, step: int, stream: stream_position.TrainStream
+                 ) -> tuple[stream_position.Position, bool]:
+    """(the Position to restart `stream` from, whether grain's saved state restores onto
+    it). grain's state is per process and per worker and cannot be re-split: with another
+    process count or data.num_workers the stream continues from the global position."""
+    data = os.path.join(self.directory, str(step), "data")
+    counts = {int(m.group(1)) for m in (re.fullmatch(r"process_\d+-of-(\d+)\.json", f)
+                                        for f in os.listdir(data)) if m}
+    if len(counts) != 1:
+      raise ValueError(f"{data} holds grain states of process counts {sorted(counts)}")
+    saved_processes = counts.pop()
+    if _has_item(self.directory, step, "data_position"):
+      saved = self.manager.restore(step, args=ocp.args.Composite(
+          data_position=ocp.args.JsonRestore()))["data_position"]
+      previous = stream_position.Position.from_json(saved)
+      saved_workers = int(saved["num_workers"])
+    else:  # Written before positions were saved: the stream started at the beginning.
+      previous = stream_position.Position()
+      saved_workers = stream_position.num_workers_of(
+          stream_position.read_states(data, saved_processes)[0])
+    now = (jax.process_count(), stream.num_workers)
+    if (saved_processes, saved_workers) == now:
+      return previous, True
+    position = stream_position.continue_from(
+        stream_position.read_states(data, saved_processes), previous)
+    message = (f"Data stream: checkpoint step {step} was written by {saved_processes} "
+               f"processes x {saved_workers} grain workers, this run has {now[0]} x {now[1]}; "
+               "grain's per-process iterator state cannot be re-split, so the stream continues "
+               f"from global record position {position.start} (skipping "
+               f"{len(position.consumed)} records already read after it).")
+    logging.warning(message)
+    print(message, flush=True)
+    return position, False
+
+  def _unreadable(self, step: int, e: Exception) -> None:
+    logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
+                 type(e).__name__, e)
+    print(f"WARNING: checkpoint step {step} in {self.directory} is unreadable "
+          f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to the "
+          "previous checkpoint.", flush=True)
+    self._move_aside(step)
 
   def _move_aside(self, step: int) -> None:
     """Keeps a corrupt checkpoint for inspection, out of the manager's way."""

@@ -6,7 +6,9 @@ compilation, naming the offending key, and locks the config.
 """
 from collections.abc import Iterable, Mapping
 import difflib
+import json
 import math
+import os
 from typing import Any
 
 import ml_collections
@@ -43,6 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
   # '' = '<cache>/jax' (see compilation_cache_dir()); 'none' disables the persistent cache.
   c.compilation_cache_dir = ''
   c.resume = ''  # Checkpoint dir to resume from when the workdir has none.
+  # Resuming with another run length, batch size, lr or lr schedule than the checkpoint's run
+  # (SCHEDULE_KEYS) is refused unless this is True.
+  c.allow_schedule_change = False
   c.model_init = ''  # Checkpoint to load params from (a teacher, an ImageNet-1K init).
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
@@ -182,6 +187,9 @@ def _check_values(config: Mapping[str, Any]) -> None:
   if config.compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f'config.compute_dtype={config.compute_dtype!r} must be one of '
                      f'{COMPUTE_DTYPES}.')
+  if not isinstance(config.allow_schedule_change, bool):
+    raise ValueError(f'config.allow_schedule_change={config.allow_schedule_change!r} must be a '
+                     'bool.')
   for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip',
               'model_init_head'):
     if not isinstance(config[key], str):
@@ -270,6 +278,65 @@ def describe_duration(config: Mapping[str, Any], num_train_examples: int | None 
     epochs = steps * config['batch_size'] / num_train_examples
     text += f' = {epochs:.3g} epochs of {num_train_examples} examples'
   return text
+
+
+# Keys that define the step count and the learning-rate schedule ('optim.schedule' is every
+# key of that section: its name, warmup, decay shape).
+SCHEDULE_KEYS = ('total_steps', 'num_epochs', 'num_examples', 'batch_size', 'optim.lr',
+                 'optim.schedule')
+
+
+def _flat(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  if not hasattr(tree, 'keys'):
+    return {prefix: tree}
+  out = {}
+  for k in tree.keys():
+    out.update(_flat(tree[k], f'{prefix}.{k}'))
+  return out
+
+
+def _lookup(tree: Mapping[str, Any], dotted: str):
+  for part in dotted.split('.'):
+    if not hasattr(tree, 'keys') or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def schedule_changes(saved: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+  """'key: old -> new' for each SCHEDULE_KEYS value that differs between a run's saved
+  config (its workdir's config.json, as a dict) and `config`; keys the saved one lacks are
+  not compared."""
+  changes = []
+  for key in SCHEDULE_KEYS:
+    old, new = _lookup(saved, key), _lookup(config, key)
+    if old is None:
+      continue
+    old_flat, new_flat = _flat(old, key), _flat(new, key)
+    for name in sorted(old_flat):
+      if name in new_flat and old_flat[name] != new_flat[name]:
+        changes.append(f'{name}: {old_flat[name]!r} -> {new_flat[name]!r}')
+  return changes
+
+
+def check_schedule_unchanged(config: Mapping[str, Any], saved_config_path: str) -> None:
+  """Raises ValueError naming the keys when resuming `config` would change the schedule of
+  the run whose config was saved at `saved_config_path`, unless
+  config.allow_schedule_change. A missing file is not checked."""
+  if config['allow_schedule_change']:
+    return
+  try:
+    with open(saved_config_path) as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    return
+  changes = schedule_changes(saved, config)
+  if changes:
+    raise ValueError(
+        f'Resuming the run in {os.path.dirname(saved_config_path)} with another schedule: '
+        f'{"; ".join(changes)}. The checkpoint\'s step, optimizer state and data position '
+        'belong to the saved schedule; set --config.allow_schedule_change=True to resume '
+        'with the new values anyway, or use a new --workdir.')
 
 
 def compilation_cache_dir(config: Mapping[str, Any]) -> str | None:

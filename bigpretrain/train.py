@@ -29,6 +29,7 @@ from bigpretrain import preprocess
 from bigpretrain import sharding
 from input_pipeline import datasets
 from input_pipeline import pipeline
+from input_pipeline import stream_position
 
 
 class Preemption:
@@ -301,16 +302,18 @@ def build(config, devices=None, dataset=None) -> Experiment:
                     tx, schedule, total_steps, frozen, frozen_shardings)
 
 
-def make_train_iterator(exp: Experiment):
+def make_train_iterator(exp: Experiment, position: stream_position.Position | None = None):
   """This host's train batches: data.train_split of the dataset, mixed with data.mix if set;
-  only the fields the objective reads."""
+  only the fields the objective reads; from `position` of the global stream (default: its
+  beginning)."""
   config = exp.config
   sources, weights = datasets.train_sources(config.data, exp.dataset)
   if len(sources) > 1:
     logging.info("Mixing train sources %s with weights %s", sources, weights)
   return pipeline.mixed_train_iterator(
       sources, weights, config.data, global_batch_size=config.batch_size, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count(), fields=exp.fields)
+      process_index=jax.process_index(), process_count=jax.process_count(), fields=exp.fields,
+      position=position)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -320,12 +323,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
   is_main = jax.process_index() == 0
   evaluators = evaluators_lib.build(config, exp)
   state = exp.init_state()
-  train_iter = make_train_iterator(exp)
+  # Rebuilt by the restore at the checkpoint's stream position (on any topology).
+  num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
+  train_iter = stream_position.TrainStream(lambda pos: make_train_iterator(exp, pos),
+                                           num_workers)
 
   meta = ckpt_lib.run_meta(config, exp.model_def.config(), dataset.info.class_names,
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
+  if checkpointer.latest_step() is not None:  # Resuming: the schedule must be the same.
+    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
   restored = checkpointer.restore(state, train_iter)
   if restored is None and config.resume:
     with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False)

@@ -29,7 +29,9 @@ that handler), save it next to the train state in one CheckpointManager:
       data=grain.checkpoint.CheckpointRestore(it)))  # restores `it` in place.
 
 The handler writes one `process_<i>-of-<n>.json` per host (jax.process_index/count), so a
-restore needs the same host count.
+restore needs the same host count and workers per host. On another topology the trainer
+continues the global stream instead from a `stream_position.Position` (the `position`
+argument of the train iterators); see input_pipeline/stream_position.py.
 """
 import dataclasses
 import functools
@@ -45,6 +47,7 @@ import numpy as np
 from input_pipeline import augment
 from input_pipeline import augment_spec
 from input_pipeline import decoding
+from input_pipeline import stream_position
 
 # A corrupt record travels to the skip step as {_CORRUPT: source_index}.
 _CORRUPT = "_corrupt_index"
@@ -393,10 +396,12 @@ def _host_sampler(source, seed: int, process_index: int, process_count: int):
 
 def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batch_size: int,
                    seed: int, process_index: int, process_count: int,
-                   fields: Mapping[str, int],
-                   host_stream: bool = False) -> grain.DatasetIterator:
-  """Repeated augmentation, decode + augment, host slice (unless the stream is already this
-  host's, `host_stream`), skip corrupt, batch, workers."""
+                   fields: Mapping[str, int], host_stream: bool = False,
+                   position: stream_position.Position | None = None
+                   ) -> grain.DatasetIterator:
+  """Repeated augmentation, decode + augment, [the rest of the global stream after
+  `position`,] host slice (unless the stream is already this host's, `host_stream`), skip
+  corrupt, batch, workers."""
   per_host = _per_host_batch(global_batch_size, process_index, process_count)
   k = settings.repeated_augment
   if per_host % k:
@@ -404,11 +409,19 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
                      f"{per_host} (global_batch_size={global_batch_size}, "
                      f"process_count={process_count})")
   records = per_host // k  # Distinct records per host batch.
+  position = position or stream_position.Position()
+  if host_stream and not position.at_start:
+    raise ValueError(
+        "this train source draws its own per-host sample stream (index_sampler), which has "
+        "no global order to continue on another topology; resume with the process count and "
+        "data.num_workers the checkpoint was written with")
   if host_stream:
     ds = stream.random_map(_TrainDecode(settings, fields),
                            seed=_derived_seed(seed, 2, process_index))
   else:
     ds = stream.random_map(_TrainDecode(settings, fields), seed=_derived_seed(seed, 2))
+    if not position.at_start:
+      ds = stream_position.ContinuedStream(ds, position)
     ds = ds[process_index::process_count]
   read = _read_options(settings.prefetch * records, settings)
   it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
@@ -419,7 +432,9 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
 
 def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
                    process_index: int, process_count: int,
-                   fields: Mapping[str, int] = DEFAULT_FIELDS) -> grain.DatasetIterator:
+                   fields: Mapping[str, int] = DEFAULT_FIELDS,
+                   position: stream_position.Position | None = None
+                   ) -> grain.DatasetIterator:
   """Infinite, shuffled, augmented, checkpointable iterator over this host's batches.
 
   Batches: 'image' uint8 [b, S, S, 3], the `fields` (name -> 0 for a scalar, int32 [b]; or
@@ -437,16 +452,21 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
   when the host has at least k). An epoch of len(source) rows thus shows len(source) / k
   distinct records; a full pass over the data takes k epochs (timm's RASampler instead
   shows a random n / k subset each epoch).
+
+  `position` (default: the beginning) continues the global stream after the records a run
+  on another topology already read (see stream_position.py).
   """
   return mixed_train_iterator([source], [1.0], data_cfg, global_batch_size=global_batch_size,
                               seed=seed, process_index=process_index,
-                              process_count=process_count, fields=fields)
+                              process_count=process_count, fields=fields, position=position)
 
 
 def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, *,
                          global_batch_size: int, seed: int, process_index: int,
                          process_count: int,
-                         fields: Mapping[str, int] = DEFAULT_FIELDS) -> grain.DatasetIterator:
+                         fields: Mapping[str, int] = DEFAULT_FIELDS,
+                         position: stream_position.Position | None = None
+                         ) -> grain.DatasetIterator:
   """Like train_iterator, over a weighted mix of one or more sources (one: train_iterator).
 
   Each source is shuffled (its own seed from `seed`) and repeated on its own, then
@@ -472,7 +492,7 @@ def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, 
   batches = functools.partial(_train_batches, settings=settings,
                               global_batch_size=global_batch_size, seed=int(seed),
                               process_index=process_index, process_count=process_count,
-                              fields=fields)
+                              fields=fields, position=position)
   samplers = [_host_sampler(src, int(seed), process_index, process_count) for src in sources]
   if any(s is not None for s in samplers):
     if len(sources) > 1:
