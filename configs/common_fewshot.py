@@ -3,7 +3,7 @@
 (bigpretrain/evaluators/fewshot.py), logged as 'fewshot/<dataset>_<k>shot' every
 eval_every_steps. It tells early whether pretraining helps transfer.
 
-On the demo it probes demo validation from draws of demo train (1/5/10/25 shots, 3 seeds),
+On the demo it probes demo validation from draws of demo train (1/5/10/25 shots, 3 seeds; every_steps -1 = eval_every_steps),
 the pool cut to the first DEMO_POOL train records (stored shuffled) so that a probe costs a
 few seconds. At paper scale the entry has no datasets (it logs nothing) until prepared
 downstream sets are named, e.g. in a config
@@ -25,5 +25,6 @@ def add(config: ml_collections.ConfigDict, demo: bool) -> ml_collections.ConfigD
   else:
     datasets, pool = {}, 0
   config.evals.fewshot = ml_collections.ConfigDict(dict(
-      type="fewshot", datasets=datasets, shots=(1, 5, 10, 25), seeds=3, train_records=pool))
+      type="fewshot", every_steps=-1, datasets=datasets, shots=(1, 5, 10, 25), seeds=3,
+      train_records=pool))
   return config
