@@ -114,38 +114,59 @@ def _transfer(arg, workdir, **overrides):
   return config, results, rows
 
 
+def _features(checkpoint, data_cfg, source):
+  """Features and labels of `source`, computed apart from bigpretrain.fewshot: the loaded
+  model's features() on the eval pipeline's images, one device."""
+  import jax
+  from bigpretrain import preprocess
+  from bigpretrain.models import pretrained
+  from input_pipeline import pipeline
+  model = pretrained.load(checkpoint).module()
+  forward = jax.jit(lambda images: model.features(images, train=False))
+  out, labels = [], []
+  for b in pipeline.eval_iterator(source, data_cfg, global_batch_size=256, process_index=0,
+                                  process_count=1, fields={"label": 0}):
+    keep = b["mask"] > 0
+    images = preprocess.normalize(b["image"], data_cfg.normalize)
+    out.append(np.asarray(forward(images))[keep])
+    labels.append(b["label"][keep])
+  return np.concatenate(out), np.concatenate(labels)
+
+
 def test_fewshot_evaluator_equals_numpy_on_the_same_features(tiny_checkpoint, tmp_path):
+  from bigpretrain import infer
   config, results, rows = _transfer(f"mode=fewshot,init={tiny_checkpoint}", tmp_path)
   assert config.total_steps == 0 and rows[-1]["step"] == 0
   keys = {f"fewshot/demo_coarse_{k}shot" for k in (1, 5, 10, 25)}
   assert keys <= set(rows[-1]) and keys <= set(results)
-  # Independently: the checkpoint's model, its features of the whole splits, numpy ridge.
-  from bigpretrain.models import pretrained
-  from bigpretrain import preprocess
-  import jax
-  model = pretrained.load(tiny_checkpoint).module()
   ds = datasets.get_dataset({"name": "demo_coarse"})
-  from input_pipeline import pipeline
-  def feats(split):
-    out, ys = [], []
-    for b in pipeline.eval_iterator(ds.source(split), config.data, global_batch_size=500,
-                                    process_index=0, process_count=1, fields={"label": 0}):
-      m = b["mask"] > 0
-      img = preprocess.normalize(b["image"], config.data.normalize)
-      out.append(np.asarray(jax.jit(lambda i: model.features(i))(img))[m])
-      ys.append(b["label"][m])
-    return np.concatenate(out), np.concatenate(ys)
-  x, y = feats("train")
-  xt, yt = feats("validation")
+  train_source = ds.source("train")
+  y = np.array([train_source[i]["label"] for i in range(len(train_source))])
+  xt, yt = _features(tiny_checkpoint, config.data, ds.source("validation"))
   for k in (1, 25):
-    want = np.mean([fewshot.ridge_accuracy(x[i], y[i], xt, yt, 16) for i in
-                    (fewshot.kshot_draw(y, 16, k, s) for s in range(3))])
-    assert results[f"fewshot/demo_coarse_{k}shot"] == pytest.approx(want, abs=1e-3)
+    accs = []
+    for seed in range(3):
+      rng = np.random.default_rng(seed)  # big_vision's draw, written out.
+      idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k] for c in range(16)])
+      x, yk = _features(tiny_checkpoint, config.data, infer.SubsetSource(train_source, idx))
+      np.testing.assert_array_equal(yk, y[idx])
+      w, mean, std = _lstsq_ridge(x, yk, 16, 2.0 ** 10)
+      xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+      accs.append(np.mean(np.argmax(xb @ w, 1) == yt))
+    assert results[f"fewshot/demo_coarse_{k}shot"] == pytest.approx(np.mean(accs), abs=2e-3)
 
 
 def test_linear_and_finetune_modes_run_on_the_demo(tiny_checkpoint, tmp_path):
-  _, results, rows = _transfer(f"mode=linear,init={tiny_checkpoint}", tmp_path / "lin")
-  assert 0.0 <= results["linear/top1"] <= 1.0 and results["linear/num_train"] == 20000
+  config, results, rows = _transfer(f"mode=linear,init={tiny_checkpoint}", tmp_path / "lin",
+                                    **{"evals.linear.train_records": 400})
+  assert rows[-1]["step"] == 0 and results["linear/num_train"] == 400
+  ds = datasets.get_dataset({"name": "demo_coarse"})
+  from bigpretrain import infer
+  x, y = _features(tiny_checkpoint, config.data, infer.RangeSource(ds.source("train"), 0, 400))
+  xt, yt = _features(tiny_checkpoint, config.data, ds.source("validation"))
+  w, mean, std = _lstsq_ridge(x, y, 16, 2.0 ** 10)
+  xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+  assert results["linear/top1"] == pytest.approx(np.mean(np.argmax(xb @ w, 1) == yt), abs=2e-3)
   config, results, rows = _transfer(f"mode=finetune,init={tiny_checkpoint},steps=2",
                                     tmp_path / "ft", **{"evals.fewshot.datasets": {}})
   assert config.model_init_skip == "^params/head/" and config.ema.momentum == 0.995

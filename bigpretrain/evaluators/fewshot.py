@@ -72,7 +72,7 @@ class FewShot(base.Evaluator):
       if not isinstance(spec, (tuple, list)) or len(spec) != 3:
         raise ValueError(f"{where}.datasets.{label}={spec!r} must be (dataset name, train "
                          "split, test split).")
-      probe = _Probe(f"{where}.datasets.{label}", *spec[:1], data_dir, spec[1], spec[2],
+      probe = _Probe(f"{where}.datasets.{label}", spec[0], data_dir, spec[1], spec[2],
                      train_records)
       try:  # Fails early when a class has fewer records than the largest k.
         probe.drawn = fewshot.drawn_indices(probe.y_pool, probe.num_classes, self.shots,
@@ -104,10 +104,10 @@ class FewShot(base.Evaluator):
 
 class Linear(base.Evaluator):
   """The ridge classifier on the features of a whole train split (a linear probe in closed
-  form), scored on `split`. Settings: train_split (config.data.train_split), l2_reg.
-  Logs '<name>/top1' and '<name>/num_train'. Keeps the train features in host memory
-  (N x D float32)."""
-  KEYS = ("train_split", "l2_reg")
+  form), scored on `split`. Settings: train_split (config.data.train_split), l2_reg,
+  train_records (0: the whole split; N: its first N records). Logs '<name>/top1' and
+  '<name>/num_train'. Keeps the train features in host memory (N x D float32)."""
+  KEYS = ("train_split", "l2_reg", "train_records")
 
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
@@ -116,9 +116,11 @@ class Linear(base.Evaluator):
     if not self.l2 > 0:
       raise ValueError(f"{where}.l2_reg={self.l2} must be > 0.")
     train_split = cfg.get("train_split", "") or exp.config.data.train_split
+    train_records = cfg.get("train_records", 0)
+    _ints(train_records, f"{where}.train_records", 0)
     info = self.dataset.info
     self.probe = _Probe(where, info.name, cfg.get("data_dir", "") or exp.config.data.dir,
-                        train_split, self.split, 0)
+                        train_split, self.split, train_records)
     self.exp = exp
     fewshot.check_model(exp.model_def, where)
     self.step = fewshot.make_features_step(exp.model_def, exp.shardings, exp.mesh,
