@@ -34,7 +34,8 @@ Modes:
   written to metrics.jsonl.
 - fewshot: k-shot ridge regression on frozen features (big_vision's few-shot evaluator), 1,
   5, 10 and 25 shots per class drawn from the train split, mean over 3 seeds, scored on the
-  eval split; total_steps=0, rows 'fewshot/<dataset>_<k>shot'.
+  eval split; total_steps=0, rows 'fewshot/<dataset>_<k>shot'. Regulariser: big_vision's
+  2^10, or configs/common_fewshot.DEMO_L2_REG on the demo's datasets (why: see there).
 
 Demo (after a demo pretraining, e.g. configs/semantic_softmax.py into /tmp/ss_demo):
   for m in finetune linear fewshot; do python -m bigpretrain.main \
@@ -53,6 +54,7 @@ import ml_collections
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import fewshot
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
 from configs import swag_finetune
@@ -135,7 +137,8 @@ def _frozen(arg, mode: str) -> ml_collections.ConfigDict:
     probe = dict(type="linear")
   else:
     label = arg.dataset.replace(":", "_").replace("/", "_")
-    probe = dict(type="fewshot", shots=(1, 5, 10, 25), seeds=3,
+    l2 = common_fewshot.DEMO_L2_REG if is_demo(arg.dataset) else fewshot.L2_REG
+    probe = dict(type="fewshot", shots=(1, 5, 10, 25), seeds=3, l2_reg=l2,
                  datasets={label: (arg.dataset, config.data.train_split,
                                    config.data.eval_split)})
   config.evals = ml_collections.ConfigDict({mode: probe})

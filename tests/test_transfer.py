@@ -136,6 +136,7 @@ def _features(checkpoint, data_cfg, source):
 def test_fewshot_evaluator_equals_numpy_on_the_same_features(tiny_checkpoint, tmp_path):
   from bigpretrain import infer
   config, results, rows = _transfer(f"mode=fewshot,init={tiny_checkpoint}", tmp_path)
+  assert config.evals.fewshot.l2_reg == 1.0  # The demo's value (configs/common_fewshot.py).
   assert config.total_steps == 0 and rows[-1]["step"] == 0
   keys = {f"fewshot/demo_coarse_{k}shot" for k in (1, 5, 10, 25)}
   assert keys <= set(rows[-1]) and keys <= set(results)
@@ -150,7 +151,7 @@ def test_fewshot_evaluator_equals_numpy_on_the_same_features(tiny_checkpoint, tm
       idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k] for c in range(16)])
       x, yk = _features(tiny_checkpoint, config.data, infer.SubsetSource(train_source, idx))
       np.testing.assert_array_equal(yk, y[idx])
-      w, mean, std = _lstsq_ridge(x, yk, 16, 2.0 ** 10)
+      w, mean, std = _lstsq_ridge(x, yk, 16, config.evals.fewshot.l2_reg)
       xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
       accs.append(np.mean(np.argmax(xb @ w, 1) == yt))
     assert results[f"fewshot/demo_coarse_{k}shot"] == pytest.approx(np.mean(accs), abs=2e-3)
