@@ -32,7 +32,8 @@ def base_config() -> ml_collections.ConfigDict:
   """Every key the trainer reads, with its default."""
   c = ml_collections.ConfigDict()
   c.seed = 0
-  # Duration: total_steps > 0 wins, else num_epochs > 0, else num_examples > 0.
+  # Duration: total_steps > 0 wins, else num_epochs > 0, else num_examples > 0. total_steps
+  # = 0 trains nothing: the evaluators run once on the initial (model_init) weights.
   c.total_steps = -1
   c.num_epochs = -1.0
   c.num_examples = -1
@@ -181,7 +182,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
       raise ValueError(f'config.{key}={config[key]} must be >= 0.')
   if config.keep_ckpts < 1:
     raise ValueError(f'config.keep_ckpts={config.keep_ckpts} must be >= 1.')
-  if not (config.total_steps > 0 or config.num_epochs > 0 or config.num_examples > 0):
+  if not (config.total_steps >= 0 or config.num_epochs > 0 or config.num_examples > 0):
     raise ValueError('config.total_steps, config.num_epochs and config.num_examples are all '
                      '<= 0: set one of them to give the run a duration.')
   if config.compute_dtype not in COMPUTE_DTYPES:
@@ -248,6 +249,8 @@ def resolve_total_steps(config: Mapping[str, Any], num_train_examples: int | Non
   Also checks that the optimizer's warmup fits in the run.
   """
   bs = config['batch_size']
+  if config['total_steps'] == 0:
+    return 0  # Evaluation only.
   if config['total_steps'] > 0:
     steps = int(config['total_steps'])
   elif config['num_epochs'] > 0:
@@ -267,7 +270,7 @@ def resolve_total_steps(config: Mapping[str, Any], num_train_examples: int | Non
 def describe_duration(config: Mapping[str, Any], num_train_examples: int | None = None) -> str:
   """One line for the log: the resolved steps, where they came from, and epochs seen."""
   steps = resolve_total_steps(config, num_train_examples)
-  if config['total_steps'] > 0:
+  if config['total_steps'] >= 0:
     source = 'config.total_steps'
   elif config['num_epochs'] > 0:
     source = f'config.num_epochs={config["num_epochs"]}'

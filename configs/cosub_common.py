@@ -3,6 +3,7 @@ supplement's Table A.1, the sqrt lr rule, deit's schedule ends and the base DeiT
 import ml_collections
 
 from bigpretrain import config_lib
+from configs import common_fewshot
 from input_pipeline import pipeline
 
 # Supplement Table A.1, by ViT size: tau for ImageNet-1k training, tau for ImageNet-21k
@@ -94,7 +95,7 @@ def base(arg: ml_collections.ConfigDict, *, tau: float, train_augment: str,
     config.log_every_steps = 100
     config.eval_every_steps = 5_000
     config.ckpt_every_steps = 2_500
-  return config
+  return common_fewshot.add(config, demo)
 
 
 def parse(arg, **extra):

@@ -47,6 +47,7 @@ Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model (registry name
 init (checkpoint -> config.model_init), epochs (paper scale, -1: 80 with init, else 140).
 """
 from bigpretrain import config_lib
+from configs import common_fewshot
 from input_pipeline import pipeline
 
 EPOCHS_FROM_INIT = 80.0  # Section 3.1, from an ImageNet-1K initialisation.
@@ -107,4 +108,4 @@ def get_config(arg=None):
     config.log_every_steps = 100
     config.eval_every_steps = 10_000
     config.ckpt_every_steps = 5_000
-  return config
+  return common_fewshot.add(config, demo=arg.dataset == "demo")

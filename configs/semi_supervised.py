@@ -54,6 +54,7 @@ balanced_with_tags; unbalanced needs --config.selection.zipf_total or class_size
 import ml_collections
 
 from bigpretrain import config_lib
+from configs import common_fewshot
 from input_pipeline import pipeline
 
 PAPER_BATCH = 1536  # 64 GPUs x 24 images (section 4.1).
@@ -163,6 +164,7 @@ def get_config(arg=None):
     c.finetune.num_epochs = FINETUNE_EPOCHS
     warmup = round(WARMUP_EPOCHS * IMAGENET_TRAIN / batch)
   for stage in (c.teacher, c.student, c.finetune):
+    common_fewshot.add(stage, demo)
     if demo:
       stage.log_every_steps, stage.eval_every_steps, stage.ckpt_every_steps = 25, 0, 50
     else:

@@ -17,6 +17,7 @@ V100 32GB GPUs over 16 nodes (section 3.2); `samples=` sets another count.
 import ml_collections
 
 from bigpretrain import config_lib
+from configs import common_fewshot
 from input_pipeline import pipeline
 
 PAPER_SAMPLES = 10_000_000_000  # Section 3.2: "2 epochs of IG-3.6B (10 billion samples)".
@@ -76,4 +77,4 @@ def base(arg: ml_collections.ConfigDict, *, model: str, demo_model: str, paper_b
   if arg.samples > 0:
     config.total_steps = -1
     config.num_examples = arg.samples
-  return config
+  return common_fewshot.add(config, demo)

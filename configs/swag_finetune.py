@@ -52,6 +52,7 @@ config.batch_size), size (auto | small | medium | large).
 """
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from configs import common_fewshot
 from input_pipeline import datasets
 from input_pipeline import pipeline
 
@@ -145,4 +146,4 @@ def get_config(arg=None):
   batch = config.get_ref("batch_size")
   config.optim.lr = (lr_at_batch if lr_batch is None
                      else lr_at_batch * batch.to_float() / float(lr_batch))
-  return config
+  return common_fewshot.add(config, demo)

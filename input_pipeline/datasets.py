@@ -5,6 +5,8 @@
   'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
                          into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
                          the share of truncated train labels (percent, default 20).
+  'demo_coarse'          the demo's images labelled at a coarser WordNet level (16 classes),
+                         the demo's downstream task (demo_coarse.py).
   'tfds:NAME[/CONFIG]'   any tfds dataset already prepared as ArrayRecord in data.dir (or the
                          default cache), e.g. by `tfds build NAME --data_dir=DIR
                          --file_format=array_record` or the project's Beam preparation jobs.
@@ -180,6 +182,12 @@ def _demo(name: str, data_dir: str) -> Dataset:
   return Dataset(name, demo.prepare(data_dir or None, truncation=truncation))
 
 
+def _demo_coarse(name: str, data_dir: str):
+  # Imported on use: demo_coarse imports this module.
+  from input_pipeline import demo_coarse  # pylint: disable=import-outside-toplevel
+  return demo_coarse.load(name, data_dir)
+
+
 def _tfds(name: str, data_dir: str) -> Dataset:
   """'tfds:NAME[/CONFIG]' -> a dataset already prepared in data_dir."""
   tfds_name = name[len("tfds:"):]
@@ -275,6 +283,7 @@ def get_dataset(data_cfg) -> Dataset:
 
 register_source("demo", _demo)
 register_source("demo/", _demo, "demo/truncPERCENT")
+register_source("demo_coarse", _demo_coarse)
 register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
 register_source(IMAGENET21K_P, _imagenet21k_p)
 register_source("folder:", _folder, "folder:NAME")

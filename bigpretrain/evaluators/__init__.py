@@ -5,6 +5,7 @@ is a module that calls `register(type, cls)`; the trainer does not change.
 """
 from bigpretrain.evaluators import base
 from bigpretrain.evaluators import classification
+from bigpretrain.evaluators import fewshot
 
 _REGISTRY: dict[str, type] = {}
 
@@ -35,3 +36,5 @@ def build(config, exp) -> list[base.Evaluator]:
 
 
 register("classification", classification.Classification)
+register("fewshot", fewshot.FewShot)
+register("linear", fewshot.Linear)

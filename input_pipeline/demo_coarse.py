@@ -1,0 +1,87 @@
+"""`demo_coarse`: the demo's images relabelled one level up the WordNet tree, the demo's
+second (downstream) task for transfer experiments (configs/transfer.py).
+
+Each image's label is its true class's ancestor at level COARSE_LEVEL (the class itself when
+it sits at or above that level): 4 roots + 12 level-1 classes = 16 coarse classes, named by
+their wnids. A pretraining on `demo` learned the fine classes; this task asks for a
+different, coarser partition of the same visual world (background hue and shape, input_
+pipeline/demo.py), so frozen features, a linear probe and fine-tuning all have to carry the
+transfer. Labels come from 'true_label' (exact), as a curated downstream dataset's are.
+Splits: 'train' and 'validation' of the demo (same images, same truncation setting).
+"""
+import functools
+
+import numpy as np
+
+from bigpretrain.semantic import tree as tree_lib
+
+COARSE_LEVEL = 1  # Levels 0..COARSE_LEVEL are kept as classes.
+SPLITS = ("train", "validation")
+
+
+def coarse_map(wnids: list[str], level: int = COARSE_LEVEL) -> tuple[np.ndarray, list[str]]:
+  """(fine class -> coarse class id [C], coarse wnids): a class's ancestor at `level`, or
+  itself when its depth is <= level; coarse classes in fine-class order."""
+  tree = tree_lib.SemanticTree.from_wnids(wnids)
+  target = np.zeros(tree.num_classes, np.int64)
+  for c in range(tree.num_classes):
+    node = c
+    while tree.class_depth[node] > level:
+      node = int(tree.parent[node])
+    target[c] = node
+  kept = sorted(set(target.tolist()))
+  index = {c: i for i, c in enumerate(kept)}
+  return np.array([index[t] for t in target], np.int64), [wnids[c] for c in kept]
+
+
+class CoarseSource:
+  """A demo split's records with 'label' = the coarse class of 'true_label'."""
+
+  def __init__(self, source, mapping: np.ndarray):
+    self._source, self._map = source, mapping
+    self.split = getattr(source, "split", None)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def _relabel(self, record: dict) -> dict:
+    return {**record, "label": int(self._map[record["true_label"]])}
+
+  def __getitem__(self, index: int) -> dict:
+    return self._relabel(self._source[index])
+
+  def __getitems__(self, indices) -> list[dict]:
+    return [self._relabel(r) for r in self._source.__getitems__(indices)]
+
+  def __repr__(self) -> str:
+    return f"CoarseSource({self._source!r})"
+
+
+class CoarseDemo:
+  """The dataset (info + source(split)) over a demo dataset (datasets.Dataset)."""
+
+  def __init__(self, name: str, fine):
+    from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+    self._fine = fine
+    self.mapping, names = coarse_map(fine.info.class_names)
+    info = fine.info
+    self.info = datasets.DatasetInfo(
+        name=name, num_classes=len(names), class_names=names,
+        num_examples={s: info.num_examples[s] for s in SPLITS}, image_size=info.image_size,
+        splits=SPLITS, features={k: v for k, v in info.features.items() if k != "hashtags"})
+
+  def source(self, split: str) -> CoarseSource:
+    if split not in SPLITS:
+      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
+                       f"splits: {list(SPLITS)}.")
+    return CoarseSource(self._fine.source(split), self.mapping)
+
+
+@functools.cache
+def _load(name: str, data_dir: str) -> CoarseDemo:
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  return CoarseDemo(name, datasets.get_dataset({"name": "demo", "dir": data_dir}))
+
+
+def load(name: str, data_dir: str) -> CoarseDemo:
+  return _load(name, data_dir)
