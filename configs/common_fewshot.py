@@ -3,9 +3,10 @@
 (bigpretrain/evaluators/fewshot.py), logged as 'fewshot/<dataset>_<k>shot' every
 eval_every_steps. It tells early whether pretraining helps transfer.
 
-On the demo it probes demo validation from draws of demo train (1/5/10/25 shots, 3 seeds; every_steps -1 = eval_every_steps),
-the pool cut to the first DEMO_POOL train records (stored shuffled) so that a probe costs a
-few seconds. At paper scale the entry has no datasets (it logs nothing) until prepared
+On the demo it probes demo validation from draws of demo train (1/5/10/25 shots, 3 seeds;
+every_steps -1 = eval_every_steps), the pool cut to the first DEMO_POOL train records (stored
+shuffled) so that a probe costs a few seconds; `--config.evals.fewshot.shots='()'` turns it
+off. At paper scale the entry has no datasets (it logs nothing) until prepared
 downstream sets are named, e.g. in a config
   config.evals.fewshot.datasets = {'cifar100': ('tfds:cifar100', 'train', 'test'),
                                    'pets': ('tfds:oxford_iiit_pet', 'train', 'test')}

@@ -5,7 +5,8 @@ classifier on a whole train split). The math is in bigpretrain/fewshot.py.
   config.evals.fewshot = dict(type='fewshot', datasets={'demo': ('demo', 'train',
       'validation')}, shots=(1, 5, 10, 25), seeds=3)
 logs 'fewshot/<label>_<k>shot': the test-split accuracy of the k-shot classifier, mean over
-the seeds. Only the drawn train records and the test split go through the model.
+the seeds. Only the drawn train records and the test split go through the model. Empty
+datasets or shots (`--config.evals.fewshot.shots='()'`) turn it off.
 """
 import jax
 import numpy as np
@@ -58,8 +59,6 @@ class FewShot(base.Evaluator):
     self.seeds = cfg.get("seeds", fewshot.DEFAULT_SEEDS)
     self.l2 = float(cfg.get("l2_reg", fewshot.L2_REG))
     train_records = cfg.get("train_records", 0)
-    if not self.shots:
-      raise ValueError(f"{where}.shots is empty.")
     for k in self.shots:
       _ints(k, f"{where}.shots entry", 1)
     _ints(self.seeds, f"{where}.seeds", 1)
@@ -68,7 +67,9 @@ class FewShot(base.Evaluator):
       raise ValueError(f"{where}.l2_reg={self.l2} must be > 0.")
     data_dir = cfg.get("data_dir", "") or exp.config.data.dir
     self.probes = {}
-    for label, spec in sorted(dict(cfg.get("datasets", {})).items()):
+    # No shots (--config.evals.fewshot.shots='()') or no datasets: the probe is off.
+    probed = dict(cfg.get("datasets", {})) if self.shots else {}
+    for label, spec in sorted(probed.items()):
       if not isinstance(spec, (tuple, list)) or len(spec) != 3:
         raise ValueError(f"{where}.datasets.{label}={spec!r} must be (dataset name, train "
                          "split, test split).")
