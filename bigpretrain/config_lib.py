@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from bigpretrain import cache
+from bigpretrain import goodput
 from bigpretrain import mixup
 from bigpretrain import optim
 from bigpretrain.sharding import MESH_AXES
@@ -76,6 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
   # every evaluator (the 'eval/...' rows) evaluates the EMA weights, checkpoints hold them
   # beside the raw ones, and model_init / load_pretrained read the EMA weights.
   c.ema = ml_collections.ConfigDict(dict(momentum=0.0))
+  # 'START,COUNT': a JAX profiler trace of steps START..START+COUNT-1 into
+  # workdir/profile/process_<i> (TensorBoard's profile tab); '' = off.
+  c.profile_steps = ''
   return c
 
 
@@ -209,6 +213,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
   if not _is_number(momentum) or not 0 <= momentum < 1:
     raise ValueError(f'config.ema.momentum={momentum!r} must be a number in [0, 1) (0 = off; '
                      'a "decay" of 1e-4 is momentum 0.9999).')
+  goodput.parse_profile_steps(config.profile_steps)
   if not isinstance(config.data.dir, str):
     raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
   sizes = [config.mesh[a] for a in MESH_AXES]

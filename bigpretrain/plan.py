@@ -32,6 +32,7 @@ import jax
 from ml_collections import config_flags
 import numpy as np
 
+from bigpretrain import goodput
 from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train
@@ -178,8 +179,6 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     raise ValueError(f"--accelerator={accelerator!r} is unknown; known: {sorted(HBM_BYTES)}.")
   exp, state, compiled = compile_step(config, num_classes, devices)
   mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out = {
       "config": config.objective.name, "model": config.model.name,
       "devices": exp.mesh.size, "mesh": dict(exp.mesh.shape),
@@ -197,7 +196,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "alias_bytes": int(mem.alias_size_in_bytes),
       "temp_bytes": int(mem.temp_size_in_bytes),
       "generated_code_bytes": int(mem.generated_code_size_in_bytes),
-      "flops_per_device": float(cost.get("flops", 0.0)),
+      "flops_per_device": goodput.compiled_flops(compiled),
       "collectives": collectives(compiled.as_text()),
   }
   # Live at the peak: the inputs, the outputs not written in place of a donated input, and

@@ -21,6 +21,7 @@ import optax
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain import evaluators as evaluators_lib
+from bigpretrain import goodput as goodput_lib
 from bigpretrain import metrics as metrics_lib
 from bigpretrain import models
 from bigpretrain import objectives
@@ -171,7 +172,7 @@ class _Pending:
   """Per-step device metrics awaiting the next log step (no host sync in between)."""
 
   def __init__(self):
-    self.rows, self.start_time, self.images = [], time.perf_counter(), 0
+    self.rows, self.images = [], 0
 
   def add(self, step, metrics, images):
     self.rows.append((step, metrics))
@@ -186,16 +187,18 @@ class _Pending:
             f"Non-finite loss ({loss}) at step {step}: stopping the run. Lower the learning "
             "rate, enable grad clipping, or resume from an earlier checkpoint.")
 
-  def flush(self):
-    """Host values averaged over the interval; raises on the first non-finite loss."""
-    self.check()
-    rows = jax.device_get(self.rows)
-    elapsed = time.perf_counter() - self.start_time
+  def flush(self, timer: goodput_lib.IntervalTimer):
+    """Host values averaged over the interval; raises on the first non-finite loss. Waits for
+    the interval's steps (counted as `timer.blocked`: processes wait for each other here)."""
+    with timer.blocked():
+      self.check()
+      rows = jax.device_get(self.rows)
     # Running counters ('data/...') report their latest value; the rest, the interval mean.
     out = {k: float(rows[-1][1][k] if k.startswith("data/") else np.mean([m[k] for _, m in rows]))
            for k in rows[-1][1]}
-    out["train/images_per_sec"] = self.images / max(elapsed, 1e-9)
-    self.rows, self.start_time, self.images = [], time.perf_counter(), 0
+    # Over the interval's own time (timer: compile, evals and checkpoints excluded).
+    out["train/images_per_sec"] = self.images / max(timer.wall_s, 1e-9)
+    self.rows, self.images = [], 0
     return out
 
 
@@ -383,35 +386,66 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return results
 
   pending = _Pending()
+  perf = goodput_lib.Goodput(config.compute_dtype)
+  timer = perf.timer
+  profiler = goodput_lib.Profiler(
+      config.profile_steps, os.path.join(workdir, "profile", f"process_{jax.process_index()}"),
+      total_steps)
+  input_delay = goodput_lib.input_delay()
+  compile_s = None  # Logged once, in the first row.
   bar = metrics_lib.progress_bar(total_steps, start, enabled=is_main)
   results = {}
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with Preemption() as preemption, jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
-      batch = next(train_iter)
+      with timer.excluded():
+        profiler.before_step(step)
+      with timer.data_wait():
+        batch = next(train_iter)
+        if input_delay:
+          time.sleep(input_delay)
       # Per-host count of corrupt records, put in row 0 so the step sums it over all hosts.
       skipped = np.zeros(len(batch["image"]), np.int32)
       skipped[0] = batch.pop("_skipped", 0)
       batch["_skipped"] = skipped
-      state, step_metrics = step_fn(state, sharding.global_batch(batch, mesh), exp.frozen)
+      batch = sharding.global_batch(batch, mesh)
+      if step == start + 1:  # Compile ahead (the call below reuses it) for the step's FLOPs.
+        with timer.excluded():
+          t0 = time.perf_counter()
+          perf.set_compiled(step_fn.lower(state, batch, exp.frozen).compile())
+          compile_s = time.perf_counter() - t0
+      state, step_metrics = step_fn(state, batch, exp.frozen)
       pending.add(step, step_metrics, config.batch_size)
+      timer.steps += 1
       bar.update(1)
-      stop = preemption.agreed()
+      with timer.blocked():
+        stop = preemption.agreed()
+      with timer.excluded():
+        profiler.after_step(step, step_metrics)
       if _every(step, config.log_every_steps, total_steps) or stop:
-        row = pending.flush()
+        row = pending.flush(timer)
+        row.update(perf.metrics())
+        if compile_s is not None:
+          row["perf/compile_s"], compile_s = compile_s, None
         writer.write(step, row)
         bar.set_postfix(loss=f"{row['train/loss']:.4f}",
                         img_s=f"{row['train/images_per_sec']:.0f}")
       if stop:
+        profiler.close()
         checkpointer.save(step, state, train_iter)
         checkpointer.wait()
         print(f"Preempted: saved checkpoint at step {step}; exiting.", flush=True)
         writer.close()
         return {}
-      results.update(run_evals(step, state))
-      if _every(step, config.ckpt_every_steps, total_steps):
-        pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
-        checkpointer.save(step, state, train_iter)
+      save = _every(step, config.ckpt_every_steps, total_steps)
+      if save or any(_every(step, ev.every_steps, total_steps) for ev in evaluators):
+        with timer.blocked():  # The steps so far belong to the interval, not to the evals.
+          jax.block_until_ready(step_metrics)
+        with timer.excluded():
+          results.update(run_evals(step, state))
+          if save:
+            pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
+            checkpointer.save(step, state, train_iter)
   bar.close()
   checkpointer.wait()
   checkpointer.close()
