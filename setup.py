@@ -34,7 +34,9 @@ setuptools.setup(
         # Beam: the data-preparation tests; faiss: the dedup tests; interop: the weight
         # conversion tests.
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "faiss-cpu>=1.8",
-                 "bigpretrain[interop]"],
+                 "bigpretrain[interop]", "bigpretrain[bench]"],
+        # benchmarks/: CPU time of the input pipeline's worker processes.
+        "bench": ["psutil>=5.9"],
         "beam": ["apache-beam>=2.60"],
         # Nearest-neighbour search of bigpretrain.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
