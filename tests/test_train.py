@@ -60,7 +60,7 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
   n = exp.dataset.info.num_examples["validation"]
   assert n % 48 != 0
   state = exp.init_state()
-  [evaluator] = evaluators.build(config, exp)
+  [evaluator] = [e for e in evaluators.build(config, exp) if e.name == "eval"]
   results = evaluator.run(state)
   assert results["eval/num_examples"] == n
   assert 0.0 <= results["eval/top1"] <= results["eval/top5"] <= 1.0
