@@ -87,7 +87,6 @@ def _in21k(demo: bool) -> ml_collections.ConfigDict:
   if demo:
     config.batch_size, config.total_steps = DEMO_BATCH, DEMO_STEPS
     config.optim.lr = DEMO_LR
-    config.optim.schedule.warmup_frac = IN21K["warmup_epochs"] / IN21K["epochs"]
     config.log_every_steps, config.eval_every_steps = 25, 100
     config.ckpt_every_steps = DEMO_STEPS
   else:
