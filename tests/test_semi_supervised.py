@@ -137,6 +137,7 @@ def _tiny_config(**overrides):
     stage.compilation_cache_dir = helpers.JAX_CACHE
     stage.optim = c.teacher.optim  # One train step to compile for every stage.
     stage.optim.schedule.warmup_steps = 1
+    stage.evals.fewshot.shots = ()  # The demo's few-shot probe off, as helpers.tiny_config.
   c.baseline.total_steps = -1
   return helpers.set_overrides(c, overrides)
 
