@@ -61,3 +61,31 @@ def popen_main(args, num_devices=1) -> subprocess.Popen:
   return subprocess.Popen([sys.executable, "-m", "bigpretrain.main"] + args,
                           env=env(num_devices), cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
+
+
+def random_checkpoint(folder, noise: float = 0.0, **overrides) -> str:
+  """A single_label demo checkpoint (tiny_config + `overrides`) at step 1 with its initial
+  weights, plus `noise` x N(0, 1) on every parameter (no zero head, no near-ties); no
+  training. Returns `folder`."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  config = tiny_config("single_label", **overrides)
+  setup = train.build_model(config)
+  params, extra = setup.model_def.create(jax.random.key(0))
+  if noise:
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.tree.unflatten(treedef, [p + noise * jax.random.normal(k, p.shape, p.dtype)
+                                          for p, k in zip(leaves, keys)])
+  info = setup.dataset.info
+  meta = checkpoint.run_meta(config, setup.model_def.config(), info.class_names,
+                             info.num_classes)
+  ckpt = checkpoint.Checkpointer(str(pathlib.Path(folder) / "checkpoints"), async_save=False,
+                                 meta=meta)
+  zero = jnp.zeros((), jnp.int32)
+  ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
+                "skipped_records": zero})
+  ckpt.close()
+  return str(folder)

@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import faiss
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -28,11 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain import checkpoint
 from bigpretrain import dedup
 from bigpretrain import infer
 from bigpretrain import models
-from bigpretrain import train
 from bigpretrain.semantic import tree as tree_lib
 from input_pipeline import augment_spec
 from input_pipeline import datasets
@@ -109,19 +106,8 @@ datasets.register_source("dedup_test:", _DedupDataset)
 
 def _checkpoint(workdir, model_name: str) -> str:
   """A demo checkpoint of `model_name` at IMAGE_SIZE with its random initial weights."""
-  config = helpers.tiny_config("single_label", **{"model.name": model_name,
-                                                 "data.image_size": IMAGE_SIZE})
-  setup = train.build_model(config)
-  params, extra = setup.model_def.create(jax.random.key(0))
-  info = setup.dataset.info
-  meta = checkpoint.run_meta(config, setup.model_def.config(), info.class_names,
-                             info.num_classes)
-  ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"), async_save=False, meta=meta)
-  zero = jnp.zeros((), jnp.int32)
-  ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
-                "skipped_records": zero})
-  ckpt.close()
-  return str(workdir)
+  return helpers.random_checkpoint(workdir, **{"model.name": model_name,
+                                               "data.image_size": IMAGE_SIZE})
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,13 @@ import dataclasses
 import json
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain import checkpoint
 from bigpretrain import infer
 from bigpretrain import models
-from bigpretrain import train
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
@@ -46,23 +42,7 @@ datasets.register_source("demo_head:", _HeadDataset)
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
   """A demo ViT checkpoint with random (not zero) weights in every layer, head included."""
-  workdir = tmp_path_factory.mktemp("teacher")
-  config = helpers.tiny_config("single_label")
-  setup = train.build_model(config)
-  params, extra = setup.model_def.create(jax.random.key(0))
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
-                                        for p, k in zip(leaves, keys)])
-  info = setup.dataset.info
-  meta = checkpoint.run_meta(config, setup.model_def.config(), info.class_names,
-                             info.num_classes)
-  ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"), async_save=False, meta=meta)
-  zero = jnp.zeros((), jnp.int32)
-  ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
-                "skipped_records": zero})
-  ckpt.close()
-  return str(workdir)
+  return helpers.random_checkpoint(tmp_path_factory.mktemp("teacher"), noise=0.3)
 
 
 @pytest.fixture(scope="module")

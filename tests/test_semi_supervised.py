@@ -253,24 +253,7 @@ def test_bad_input_gets_clear_errors(tmp_path):
 
 def _teacher(folder) -> str:
   """A random-weight demo teacher checkpoint (inference needs no training)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  config = helpers.tiny_config("single_label")
-  setup = train.build_model(config)
-  params, extra = setup.model_def.create(jax.random.key(0))
-  leaves, treedef = jax.tree.flatten(params)  # Random weights everywhere: no near-ties.
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
-                                        for p, k in zip(leaves, keys)])
-  info = setup.dataset.info
-  meta = checkpoint.run_meta(config, setup.model_def.config(), info.class_names,
-                             info.num_classes)
-  ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False, meta=meta)
-  zero = jnp.zeros((), jnp.int32)
-  ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
-                "skipped_records": zero})
-  ckpt.close()
-  return str(folder)
+  return helpers.random_checkpoint(folder, noise=0.3)
 
 
 def _table(folder) -> pa.Table:
