@@ -8,7 +8,7 @@ Demo:        python -m bigpretrain.main --config=configs/multi_label.py --workdi
 Paper scale: python -m bigpretrain.main \
                --config=configs/multi_label.py:dataset=imagenet21k_p,data_dir=/data/tfds,model=vit_b16
 Paper number: none for ViT-B/16, the default. Table 2 reports the baselines for TResNet-M
-only (not in the model registry): multi-label pretraining fine-tunes to 81.0% on ImageNet-1K,
+only (`:model=tresnet_m`): multi-label pretraining fine-tunes to 81.0% on ImageNet-1K,
 vs 81.1% single-label and 81.4% semantic softmax. Hardware, schedule and augmentation as
 configs/semantic_softmax.py.
 

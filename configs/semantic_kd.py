@@ -15,7 +15,7 @@ trained with semantic softmax on ImageNet-21K-P):
   python -m bigpretrain.main --config=configs/semantic_kd.py:dataset=imagenet21k_p,data_dir=/data/tfds,model=vit_b16,teacher=/runs/teacher \
     --workdir=/runs/kd_vit_b16
 Paper number: none for ViT-B/16, the default. Table 2 reports KD for a TResNet-M student only
-(not in the model registry): 82.2% on ImageNet-1K after semantic softmax + KD pretraining,
+(`:model=tresnet_m`): 82.2% on ImageNet-1K after semantic softmax + KD pretraining,
 vs 81.4% without KD.
 
 Args: those of configs/semantic_softmax.py, plus teacher (a run's workdir or checkpoints/

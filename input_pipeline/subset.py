@@ -77,8 +77,8 @@ class SubsetSource:
     return f"SubsetSource({self._source!r}, len={len(self)})"
 
 
-def _labels(source) -> np.ndarray:
-  """The 'label' of every record of `source`, read in chunks."""
+def labels(source) -> np.ndarray:
+  """int64 [len(source)]: the 'label' of every record of `source`, read in chunks."""
   out = []
   for start in range(0, len(source), 1024):
     ids = list(range(start, min(start + 1024, len(source))))
@@ -93,9 +93,9 @@ def _labels(source) -> np.ndarray:
   return np.asarray(out, np.int64)
 
 
-# (dataset, dir, split, size, frac, seed) -> kept indices: build() and the train iterator
-# share one read of the labels.
-_DRAWS: dict[tuple, np.ndarray] = {}
+# (dataset, dir, split, size) -> labels: draws of other shares or seeds, and build() and the
+# train iterator, share one read of the records.
+_LABELS: dict[tuple, np.ndarray] = {}
 
 
 def apply(source, data_cfg, dataset_name: str):
@@ -112,7 +112,7 @@ def apply(source, data_cfg, dataset_name: str):
     raise ValueError(f"data.subset_frac={frac} cannot be applied to {dataset_name!r}: its train "
                      "split has its own index sampler (e.g. hashtag resampling).")
   key = (dataset_name, str(data_cfg.get("dir", "")), getattr(source, "split", None),
-         len(source), float(frac), seed)
-  if key not in _DRAWS:
-    _DRAWS[key] = per_class_draw(_labels(source), float(frac), seed)
-  return SubsetSource(source, _DRAWS[key])
+         len(source))
+  if key not in _LABELS:
+    _LABELS[key] = labels(source)
+  return SubsetSource(source, per_class_draw(_LABELS[key], float(frac), seed))

@@ -89,8 +89,8 @@ def test_demo_labelled_draw_counts_and_determinism():
   full = datasets.get_dataset({"name": "demo"})
   cfg = {"name": "demo", "subset_frac": 0.1, "subset_seed": 7}
   d = datasets.train_sources(cfg, full)[0][0]
-  labels = np.array([r["label"] for r in (full.source("train")[i] for i in range(len(
-      full.source("train"))))])
+  labels = np.array([r["label"] for r in full.source("train").__getitems__(
+      list(range(full.info.num_examples["train"])))])
   n = np.bincount(labels, minlength=full.info.num_classes)
   want = np.where(n > 0, np.maximum(np.floor(0.1 * n + 0.5), 1), 0)  # Per class, by hand.
   np.testing.assert_array_equal(np.bincount(labels[d.indices], minlength=len(n)), want)

@@ -18,10 +18,6 @@ from input_pipeline import datasets
 from input_pipeline import subset
 
 
-def _labels(source) -> np.ndarray:
-  return subset._labels(source)  # pylint: disable=protected-access
-
-
 def _ints(value, what: str, minimum: int) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"{what}={value!r} must be an int >= {minimum}.")
@@ -43,7 +39,7 @@ class _Probe:
     if train_records:  # tfds stores records shuffled: a prefix is a random sample.
       pool = infer.RangeSource(pool, 0, min(train_records, len(pool)))
     self.pool, self.test = pool, self.dataset.source(test_split)
-    self.y_pool, self.y_test = _labels(self.pool), _labels(self.test)
+    self.y_pool, self.y_test = subset.labels(self.pool), subset.labels(self.test)
 
 
 class FewShot(base.Evaluator):
