@@ -60,8 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model_init_head = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
   # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
+  # FSDP shards transformer weights on 'embed' and convolution kernels on their input
+  # channels ('conv_in'), tensor parallelism the other axis of each.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
-                      ('classes', 'tensor'), ('conv_out', 'tensor'))
+                      ('classes', 'tensor'), ('conv_in', 'fsdp'), ('conv_out', 'tensor'))
   c.model = ml_collections.ConfigDict(dict(name='vit_demo'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))

@@ -130,7 +130,7 @@ def test_resnext_grouped_widths_follow_torchvision():
   assert big.blocks[0].conv2.kernel.shape == (3, 3, 48, 1536)
   assert big.blocks[-1].conv2.kernel.shape == (3, 3, 384, 12288)
   names = _logical_names(model)
-  assert names["blocks/0/conv2/kernel"] == (None, None, None, "conv_out")  # grouped
+  assert names["blocks/0/conv2/kernel"] == (None, None, "conv_in", "conv_out")  # grouped
   assert names["blocks/0/conv1/kernel"] == (None, None, "conv_in", "conv_out")
 
 

@@ -78,18 +78,27 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
   assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
 
 
-def test_per_device_memory_is_flat_when_devices_and_batch_grow_together():
-  """Golden: FSDP over n devices, 4 images per device: temporaries and state per device must
-  not grow with n (replicated activations or parameters would)."""
-  plans = {n: plan_lib.plan(_config(4 * n), devices=jax.devices()[:n])
-           for n in (2, 8)}
+@pytest.mark.parametrize("model,size", [("vit_demo", 16), ("regnety_demo", 32)])
+def test_per_device_memory_is_flat_when_devices_and_batch_grow_together(model, size):
+  """Golden: FSDP over n devices, 4 images per device: temporaries per device must not grow
+  with n (replicated activations would), and parameters must shard (ViT on 'embed', convnets
+  on their kernels' input channels)."""
+  def config(n):
+    c = _config(4 * n)
+    c.model, c.data.image_size = dict(name=model), size
+    return c
+  plans = {n: plan_lib.plan(config(n), devices=jax.devices()[:n]) for n in (2, 8)}
   small, large = plans[2], plans[8]
   assert large["batch_per_device"] == small["batch_per_device"] == 4
   # Tolerance: 10% for XLA's per-program buffer choices (layouts, fusion of small arrays).
   assert large["temp_bytes"] <= 1.10 * small["temp_bytes"], plans
-  assert large["params_bytes"] < small["params_bytes"]
-  # Per-device FLOPs stay the step's work on 4 images (within 10%).
-  assert math.isclose(large["flops_per_device"], small["flops_per_device"], rel_tol=0.10)
+  # 4x the shards: at most half the bytes (norms, biases and odd widths stay replicated).
+  assert large["params_bytes"] < 0.5 * small["params_bytes"], plans
+  # Per-device FLOPs stay the step's work on 4 images (within 10%). Not for the convnet: XLA's
+  # CPU cost analysis of its partitioned step grows ~1.45x from 2 to 8 devices with or
+  # without the FSDP rules and batch constraints (a compiler figure, left as is).
+  if model == "vit_demo":
+    assert math.isclose(large["flops_per_device"], small["flops_per_device"], rel_tol=0.10)
 
 
 def test_unknown_dataset_needs_num_classes():

@@ -152,9 +152,10 @@ class RegNet(nnx.Module):
     """Globally average-pooled final features [B, num_features] in float32 (head input)."""
     del rng  # nothing stochastic
     x = self.stem_bn(self.stem_conv(images.astype(self.dtype)), use_running_average=not train)
-    x = jax.nn.relu(x)
+    # Activations stay split by rows under FSDP (see layers.constrain_batch).
+    x = layers.constrain_batch(jax.nn.relu(x))
     for block in self.blocks:
-      x = block(x, train=train)
+      x = layers.constrain_batch(block(x, train=train))
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
   def __call__(self, images: jax.Array, *, train: bool = False,

@@ -23,14 +23,14 @@ from flax import nnx
 from bigpretrain.models import layers
 
 _CONV_NAMES = (None, None, "conv_in", "conv_out")
-# A grouped conv's input dim is per group: only its output dim is sharded.
-_GROUPED_NAMES = (None, None, None, "conv_out")
 
 
 def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs, names=None):
   """Bias-free conv with symmetric k // 2 padding, He-normal (fan_out) init."""
   if names is None:
-    names = _CONV_NAMES if groups == 1 else _GROUPED_NAMES
+    # Grouped kernels too: their per-group input dim splits over FSDP like any other (the
+    # kernel is gathered whole before the conv).
+    names = _CONV_NAMES
   pad = kernel // 2
   init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
   return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride,
