@@ -6,9 +6,9 @@ record a generator derived from (seed, position) and get reproducible results. P
 accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind.
 
 The train path's costly pixel ops (inception_crop's upscaling resize, flip, every RandAugment
-op) run on arrays with OpenCV and uint8 lookup tables, several times faster than PIL; each
-reproduces the PIL operation it replaces (tests/test_augment.py compares them with PIL, within
-one grey level where only rounding differs). Downscaling resizes stay in PIL: its bilinear
+op) run on arrays with OpenCV and uint8 lookup tables, faster than PIL; each reproduces the
+PIL operation it replaces (tests/test_augment.py compares them with PIL: equal, or within a
+grey level or two where only rounding differs). Downscaling resizes stay in PIL: its bilinear
 filter widens with the scale (antialiasing), which OpenCV's resize does not reproduce. Eval
 resizes and the DeiT-III / ImageNet-21K ops go through PIL (Image, ImageOps, ImageEnhance,
 ImageFilter).
@@ -18,6 +18,7 @@ resizing ops then decode a JPEG at the reduced scale their output allows (see de
 inception_crop picks its box from the header size first, so the scale follows the box. Any
 other op decodes in full. The op-string spec that selects ops by name is augment_spec.py.
 """
+import functools
 import math
 from typing import Callable, Union
 
@@ -195,14 +196,18 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
 
   A crop no larger than the output on both sides is upscaled with OpenCV (the same bilinear
   weights and samples as PIL's, which only antialiases when it downscales); an undecoded
-  input then gives an array. Larger crops are resized by PIL, after a reduced-scale decode where it allows.
+  input then gives an array. Larger crops are resized by PIL, after a reduced-scale decode
+  where it allows.
   """
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
   if ch <= image_size and cw <= image_size:
     # PIL's upscale of a box also weighs the pixels just outside it: keep a 1-pixel margin.
-    t, l = max(top - 1, 0), max(left - 1, 0)
-    region = to_array(image)[t:min(top + ch + 1, h), l:min(left + cw + 1, w)]
+    t, l, b, r = max(top - 1, 0), max(left - 1, 0), min(top + ch + 1, h), min(left + cw + 1, w)
+    if isinstance(image, np.ndarray):
+      region = _check_array(image)[t:b, l:r]
+    else:  # Only the region becomes an array.
+      region = np.asarray(to_pil(image).crop((l, t, r, b)))
     s = image_size
     out = _warp(region, (cw / s, 0, left - l, 0, ch / s, top - t), (s, s))
     return out if decoding.is_undecoded(image) else _like(out, image)
@@ -358,7 +363,15 @@ def _affine(image: np.ndarray, matrix: tuple[float, ...]) -> np.ndarray:
   outside = cv2.warpAffine(np.zeros((h, w), np.uint8), m, (w, h),
                            flags=cv2.WARP_INVERSE_MAP | cv2.INTER_NEAREST,
                            borderMode=cv2.BORDER_CONSTANT, borderValue=1)
-  return cv2.copyTo(np.full_like(image, FILL), outside, out)
+  return cv2.copyTo(_fill_image(h, w), outside, out)
+
+
+@functools.lru_cache(maxsize=8)
+def _fill_image(h: int, w: int) -> np.ndarray:
+  """A read-only [h, w, 3] image of FILL (numpy fills a 3-wide last axis slowly: made once)."""
+  out = np.tile(np.asarray(FILL, np.uint8), (h, w, 1))
+  out.flags.writeable = False
+  return out
 
 
 def _rotate(image: np.ndarray, degrees: float) -> np.ndarray:
