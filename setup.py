@@ -26,6 +26,8 @@ setuptools.setup(
         "numpy>=1.26",
         "scipy>=1.11",  # Already a jax dependency; zero_shot fits Platt scaling with L-BFGS.
         "pillow>=10.0",
+        # The train augmentations' pixel work (warps, filters, lookup tables).
+        "opencv-python-headless>=4.10",
         "tensorboardX>=2.6",
         "tqdm>=4.66",
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.

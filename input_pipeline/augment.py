@@ -2,18 +2,27 @@
 images).
 
 Every random op takes an explicit `np.random.Generator`, so the grain pipeline can hand each
-record a generator derived from (seed, position) and get reproducible results. Pixel work goes
-through PIL (Image, ImageOps, ImageEnhance, ImageFilter); numpy only pads and normalises.
-Public ops accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind.
+record a generator derived from (seed, position) and get reproducible results. Public ops
+accept a uint8 [H, W, 3] array or an RGB PIL image and return the same kind.
+
+The train path's costly pixel ops (inception_crop's upscaling resize, flip, every RandAugment
+op) run on arrays with OpenCV and uint8 lookup tables, faster than PIL; each reproduces the
+PIL operation it replaces (tests/test_augment.py compares them with PIL: equal, or within a
+grey level or two where only rounding differs). Downscaling resizes stay in PIL: its bilinear
+filter widens with the scale (antialiasing), which OpenCV's resize does not reproduce. Eval
+resizes and the DeiT-III / ImageNet-21K ops go through PIL (Image, ImageOps, ImageEnhance,
+ImageFilter).
 
 Ops also accept an image from `decoding.open_image` whose pixels are not decoded yet: the
 resizing ops then decode a JPEG at the reduced scale their output allows (see decoding.py);
 inception_crop picks its box from the header size first, so the scale follows the box. Any
 other op decodes in full. The op-string spec that selects ops by name is augment_spec.py.
 """
+import functools
 import math
 from typing import Callable, Union
 
+import cv2
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter, ImageOps
 
@@ -32,6 +41,18 @@ NORMALIZE_PRESETS = ("0_1", "imagenet", "minus1_1")
 # ImageNet mean in uint8 (as timm does).
 FILL = tuple(round(255 * m) for m in IMAGENET_MEAN)
 
+# Records are processed in parallel by the pipeline's workers and threads; OpenCV's own thread
+# pool would only compete with them for the same cores.
+cv2.setNumThreads(1)
+
+
+def _check_array(image) -> np.ndarray:
+  if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or (
+      image.shape[-1] != 3):
+    raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', None)} "
+                     f"{tuple(getattr(image, 'shape', ()))}")
+  return image
+
 
 def to_pil(image: Img) -> Image.Image:
   """An RGB PIL image of any accepted input (decoding an undecoded one in full)."""
@@ -41,16 +62,22 @@ def to_pil(image: Img) -> Image.Image:
     if image.mode != "RGB":
       raise ValueError(f"expected an RGB PIL image, got mode {image.mode!r}")
     return image
-  if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or (
-      image.shape[-1] != 3):
-    raise ValueError(f"expected a uint8 [H, W, 3] image, got {getattr(image, 'dtype', None)} "
-                     f"{tuple(getattr(image, 'shape', ()))}")
-  return Image.fromarray(image, mode="RGB")
+  return Image.fromarray(_check_array(image), mode="RGB")
 
 
-def _like(out: Image.Image, image: Img) -> Img:
-  """Returns `out` as the kind (array or PIL image) of the op's input `image`."""
-  return np.asarray(out) if isinstance(image, np.ndarray) else out
+def to_array(image: Img) -> np.ndarray:
+  """A uint8 [H, W, 3] array of any accepted input (decoding an undecoded one in full); an
+  array is returned as it is."""
+  if isinstance(image, np.ndarray):
+    return _check_array(image)
+  return np.asarray(to_pil(image))
+
+
+def _like(out: Img, image: Img) -> Img:
+  """Returns `out` (array or PIL image) as the kind of the op's input `image`."""
+  if isinstance(image, np.ndarray):
+    return np.asarray(out)
+  return out if isinstance(out, Image.Image) else Image.fromarray(out, mode="RGB")
 
 
 def _size(image: Img) -> tuple[int, int]:
@@ -69,7 +96,7 @@ def _resize_box(image: Img, size: tuple[int, int],
 def random_flip(image: Img, rng: np.random.Generator) -> Img:
   """Mirrors the image left-right with probability 1/2."""
   if rng.random() < 0.5:
-    return _like(to_pil(image).transpose(Image.Transpose.FLIP_LEFT_RIGHT), image)
+    return _like(cv2.flip(to_array(image), 1), image)
   return image
 
 
@@ -165,9 +192,25 @@ def inception_crop_box(height: int, width: int, rng: np.random.Generator, *,
 def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
                    scale: tuple[float, float] = (0.08, 1.0),
                    ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Img:
-  """RandomResizedCrop: an Inception-style crop resized to image_size x image_size."""
+  """RandomResizedCrop: an Inception-style crop resized to image_size x image_size.
+
+  A crop no larger than the output on both sides is upscaled with OpenCV (the same bilinear
+  weights and samples as PIL's, which only antialiases when it downscales); an undecoded
+  input then gives an array. Larger crops are resized by PIL, after a reduced-scale decode
+  where it allows.
+  """
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
+  if ch <= image_size and cw <= image_size:
+    # PIL's upscale of a box also weighs the pixels just outside it: keep a 1-pixel margin.
+    t, l, b, r = max(top - 1, 0), max(left - 1, 0), min(top + ch + 1, h), min(left + cw + 1, w)
+    if isinstance(image, np.ndarray):
+      region = _check_array(image)[t:b, l:r]
+    else:  # Only the region becomes an array.
+      region = np.asarray(to_pil(image).crop((l, t, r, b)))
+    s = image_size
+    out = _warp(region, (cw / s, 0, left - l, 0, ch / s, top - t), (s, s))
+    return out if decoding.is_undecoded(image) else _like(out, image)
   box = (left, top, left + cw, top + ch)
   if decoding.is_undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
     image, factor = decoding.decode_scaled(image, min(cw, ch) // image_size)
@@ -263,50 +306,181 @@ def three_augment(image: Img, rng: np.random.Generator, jitter: float = 0.3) -> 
 #   pixels >= int(256 f); solarize_add adds int(110 f) to pixels < 128; color, contrast,
 #   brightness, sharpness enhance by 0.1 + 1.8 f; auto_contrast, equalize, invert ignore M.
 # Geometric ops resample bilinearly (timm picks bilinear or bicubic at random) and fill
-# with FILL.
+# with FILL. Each op is the PIL operation named in its docstring, computed on arrays.
+
+_LEVELS = np.arange(256)
+# PIL's ImageFilter.SMOOTH kernel, the blur that ImageEnhance.Sharpness extrapolates from.
+_SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
 
 
 def _signed(value: float, rng: np.random.Generator) -> float:
   return -value if rng.random() < 0.5 else value
 
 
-def _affine(image: Image.Image, matrix: tuple[float, ...]) -> Image.Image:
-  """Output pixel (x, y) samples input (a x + b y + c, d x + e y + f)."""
-  return image.transform(image.size, Image.Transform.AFFINE, matrix, resample=RESAMPLE,
-                         fillcolor=FILL)
+def _lut(image: np.ndarray, lut: np.ndarray) -> np.ndarray:
+  """Maps pixel values through a [256] (all channels) or [256, 3] (per channel) table."""
+  lut = np.clip(lut, 0, 255).astype(np.uint8)
+  return cv2.LUT(image, lut if lut.ndim == 1 else lut.reshape(256, 1, 3))
 
 
-def _solarize_add(image: Image.Image, add: int, threshold: int = 128) -> Image.Image:
-  lut = [min(255, v + add) if v < threshold else v for v in range(256)]
-  return image.point(lut * 3)
+def _blend_lut(degenerate: float, factor: float) -> np.ndarray:
+  """PIL's Image.blend with a constant image: trunc(d + factor (v - d)) in float32, clipped."""
+  d = np.float32(degenerate)
+  return np.trunc(d + np.float32(factor) * (_LEVELS.astype(np.float32) - d))
 
 
-def _enhance(enhancer) -> Callable[[Image.Image, float, np.random.Generator], Image.Image]:
-  return lambda image, f, rng: enhancer(image).enhance(0.1 + 1.8 * f)
+def _blend(degenerate: np.ndarray, image: np.ndarray, factor: float) -> np.ndarray:
+  """PIL's Image.blend(degenerate, image, factor), rounded where PIL truncates (the two
+  differ by at most one level)."""
+  return cv2.addWeighted(image, factor, degenerate, 1.0 - factor, 0.0)
 
 
-RandOp = Callable[[Image.Image, float, np.random.Generator], Image.Image]
+def _warp(image: np.ndarray, matrix: tuple[float, ...], size: tuple[int, int]) -> np.ndarray:
+  """A (width, height) `size` image whose pixel (x, y) samples `image` bilinearly at (a x + b y
+  + c, d x + e y + f) in PIL's coordinates (pixel centres at +0.5), edge pixels repeated
+  outside (PIL's bilinear rule)."""
+  a, b, c, d, e, f = matrix
+  # The same map in OpenCV's coordinates (pixel centres at integers), on the image padded by
+  # its edge pixels, as RGBA: OpenCV's warp is about twice as fast on 4 channels as on 3 and
+  # much faster with a constant border than with a replicated one.
+  m = np.array([[a, b, c + 0.5 * (a + b) + 0.5], [d, e, f + 0.5 * (d + e) + 0.5]])
+  padded = cv2.cvtColor(cv2.copyMakeBorder(image, 1, 1, 1, 1, cv2.BORDER_REPLICATE),
+                        cv2.COLOR_RGB2RGBA)
+  return cv2.cvtColor(cv2.warpAffine(padded, m, size, flags=cv2.WARP_INVERSE_MAP | (
+      cv2.INTER_LINEAR), borderMode=cv2.BORDER_CONSTANT), cv2.COLOR_RGBA2RGB)
 
-# name -> op(image, f = M / 10, rng); only signed ops draw from rng (one draw, the sign).
+
+def _affine(image: np.ndarray, matrix: tuple[float, ...]) -> np.ndarray:
+  """PIL's Image.transform(AFFINE, matrix, BILINEAR, fillcolor=FILL): output pixel (x, y)
+  samples input (a x + b y + c, d x + e y + f) in PIL's coordinates (pixel centres at +0.5);
+  a sample inside the image interpolates with edge pixels repeated, one outside is FILL."""
+  a, b, c, d, e, f = matrix
+  h, w = image.shape[:2]
+  out = _warp(image, matrix, (w, h))
+  # Nearest-neighbour rounding of the sample position in OpenCV's coordinates marks the
+  # samples whose floor in PIL's lies outside the image.
+  m = np.array([[a, b, c + 0.5 * (a + b) - 0.5], [d, e, f + 0.5 * (d + e) - 0.5]])
+  outside = cv2.warpAffine(np.zeros((h, w), np.uint8), m, (w, h),
+                           flags=cv2.WARP_INVERSE_MAP | cv2.INTER_NEAREST,
+                           borderMode=cv2.BORDER_CONSTANT, borderValue=1)
+  return cv2.copyTo(_fill_image(h, w), outside, out)
+
+
+@functools.lru_cache(maxsize=8)
+def _fill_image(h: int, w: int) -> np.ndarray:
+  """A read-only [h, w, 3] image of FILL (numpy fills a 3-wide last axis slowly: made once)."""
+  out = np.tile(np.asarray(FILL, np.uint8), (h, w, 1))
+  out.flags.writeable = False
+  return out
+
+
+def _rotate(image: np.ndarray, degrees: float) -> np.ndarray:
+  """PIL's Image.rotate(degrees, BILINEAR, fillcolor=FILL): counter-clockwise about the
+  centre (w / 2, h / 2), with PIL's matrix (entries rounded to 15 decimals)."""
+  h, w = image.shape[:2]
+  angle = -math.radians(degrees)
+  cos, sin = round(math.cos(angle), 15), round(math.sin(angle), 15)
+  cx, cy = w / 2, h / 2
+  return _affine(image, (cos, sin, cos * -cx + sin * -cy + cx,
+                         -sin, cos, -sin * -cx + cos * -cy + cy))
+
+
+def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
+  """ImageEnhance.Sharpness: blend from PIL's SMOOTH filter, which leaves the 1-pixel frame
+  of the image as it is."""
+  smooth = cv2.filter2D(image, -1, _SMOOTH, borderType=cv2.BORDER_REPLICATE)
+  smooth[[0, -1]] = image[[0, -1]]
+  smooth[:, [0, -1]] = image[:, [0, -1]]
+  return _blend(smooth, image, factor)
+
+
+def _gray(image: np.ndarray) -> np.ndarray:
+  """ITU-R 601 luma [H, W] (PIL's 'L', up to one level of rounding)."""
+  return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
+
+
+def _color(image: np.ndarray, factor: float) -> np.ndarray:
+  """ImageEnhance.Color: blend from the grey image."""
+  return _blend(cv2.cvtColor(_gray(image), cv2.COLOR_GRAY2RGB), image, factor)
+
+
+def _contrast(image: np.ndarray, factor: float) -> np.ndarray:
+  """ImageEnhance.Contrast: blend from the mean grey level (rounded)."""
+  mean = int(cv2.mean(_gray(image))[0] + 0.5)
+  return _lut(image, _blend_lut(mean, factor))
+
+
+def _histograms(image: np.ndarray) -> np.ndarray:
+  """int64 [3, 256] per-channel histograms."""
+  return np.stack([cv2.calcHist([image], [c], None, [256], [0, 256]).reshape(256)
+                   for c in range(3)]).astype(np.int64)
+
+
+def _auto_contrast(image: np.ndarray) -> np.ndarray:
+  """ImageOps.autocontrast: each channel's [min, max] stretched to [0, 255] (truncated)."""
+  luts = []
+  for h in _histograms(image):
+    used = np.flatnonzero(h)
+    lo, hi = used[0], used[-1]
+    if hi <= lo:
+      luts.append(_LEVELS)
+    else:
+      scale = 255.0 / (hi - lo)
+      luts.append(np.trunc(_LEVELS * scale - lo * scale))
+  return _lut(image, np.stack(luts, -1))
+
+
+def _equalize(image: np.ndarray) -> np.ndarray:
+  """ImageOps.equalize: each channel through its cumulative histogram, PIL's integer rule
+  (step = (pixels - count of the top value) // 255; value v -> (step // 2 + pixels below v)
+  // step)."""
+  luts = []
+  for h in _histograms(image):
+    used = h[h > 0]
+    step = (used.sum() - used[-1]) // 255 if len(used) > 1 else 0
+    if not step:
+      luts.append(_LEVELS)
+    else:
+      below = np.concatenate([[0], np.cumsum(h)[:-1]])
+      luts.append((step // 2 + below) // step)
+  return _lut(image, np.stack(luts, -1))
+
+
+def _posterize(bits: int) -> np.ndarray:
+  return _LEVELS & ~(2 ** (8 - bits) - 1)
+
+
+def _solarize_add(add: int, threshold: int = 128) -> np.ndarray:
+  return np.where(_LEVELS < threshold, np.minimum(255, _LEVELS + add), _LEVELS)
+
+
+def _enhance_factor(f: float) -> float:
+  return 0.1 + 1.8 * f
+
+
+RandOp = Callable[[np.ndarray, float, np.random.Generator], np.ndarray]
+
+# name -> op(uint8 [H, W, 3] array, f = M / 10, rng); only signed ops draw from rng (one draw,
+# the sign).
 RAND_AUGMENT_OPS: dict[str, RandOp] = {
-    "auto_contrast": lambda image, f, rng: ImageOps.autocontrast(image),
-    "equalize": lambda image, f, rng: ImageOps.equalize(image),
-    "invert": lambda image, f, rng: ImageOps.invert(image),
-    "rotate": lambda image, f, rng: image.rotate(
-        _signed(30 * f, rng), resample=RESAMPLE, fillcolor=FILL),
-    "posterize": lambda image, f, rng: ImageOps.posterize(image, int(4 * f)),
-    "solarize": lambda image, f, rng: ImageOps.solarize(image, int(256 * f)),
-    "solarize_add": lambda image, f, rng: _solarize_add(image, int(110 * f)),
-    "color": _enhance(ImageEnhance.Color),
-    "contrast": _enhance(ImageEnhance.Contrast),
-    "brightness": _enhance(ImageEnhance.Brightness),
-    "sharpness": _enhance(ImageEnhance.Sharpness),
+    "auto_contrast": lambda image, f, rng: _auto_contrast(image),
+    "equalize": lambda image, f, rng: _equalize(image),
+    "invert": lambda image, f, rng: _lut(image, 255 - _LEVELS),
+    "rotate": lambda image, f, rng: _rotate(image, _signed(30 * f, rng)),
+    "posterize": lambda image, f, rng: _lut(image, _posterize(int(4 * f))),
+    "solarize": lambda image, f, rng: _lut(
+        image, np.where(_LEVELS < int(256 * f), _LEVELS, 255 - _LEVELS)),
+    "solarize_add": lambda image, f, rng: _lut(image, _solarize_add(int(110 * f))),
+    "color": lambda image, f, rng: _color(image, _enhance_factor(f)),
+    "contrast": lambda image, f, rng: _contrast(image, _enhance_factor(f)),
+    "brightness": lambda image, f, rng: _lut(image, _blend_lut(0, _enhance_factor(f))),
+    "sharpness": lambda image, f, rng: _sharpness(image, _enhance_factor(f)),
     "shear_x": lambda image, f, rng: _affine(image, (1, _signed(0.3 * f, rng), 0, 0, 1, 0)),
     "shear_y": lambda image, f, rng: _affine(image, (1, 0, 0, _signed(0.3 * f, rng), 1, 0)),
     "translate_x": lambda image, f, rng: _affine(
-        image, (1, 0, _signed(0.45 * f * image.width, rng), 0, 1, 0)),
+        image, (1, 0, _signed(0.45 * f * image.shape[1], rng), 0, 1, 0)),
     "translate_y": lambda image, f, rng: _affine(
-        image, (1, 0, 0, 0, 1, _signed(0.45 * f * image.height, rng))),
+        image, (1, 0, 0, 0, 1, _signed(0.45 * f * image.shape[0], rng))),
 }
 RAND_AUGMENT_NAMES = tuple(RAND_AUGMENT_OPS)  # Fixed order: index -> op.
 
@@ -320,7 +494,7 @@ def rand_augment(image: Img, rng: np.random.Generator, num_ops: int = 2,
   is num_ops=2, magnitude=9, prob=0.5.
   """
   indices = rng.integers(0, len(RAND_AUGMENT_NAMES), num_ops)
-  out = to_pil(image)
+  out = to_array(image)
   for i in indices:
     if rng.random() < prob:
       out = RAND_AUGMENT_OPS[RAND_AUGMENT_NAMES[i]](out, magnitude / 10, rng)

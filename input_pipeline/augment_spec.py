@@ -171,9 +171,9 @@ def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
 
   `image` may be a decoding.open_image result: the first op decodes it (see decoding.py).
   """
-  out = image if decoding.is_undecoded(image) else augment.to_pil(image)
-  for op in ops:
-    out = _build(op)(out, rng, image_size)
-  return np.asarray(augment.to_pil(out))
+  out = image if decoding.is_undecoded(image) else augment.to_array(image)
+  for op in ops:  # Arrays between ops: the array-based ops then convert nothing.
+    out = augment.to_array(_build(op)(out, rng, image_size))
+  return np.ascontiguousarray(out)
 
 
