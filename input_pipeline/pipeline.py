@@ -426,8 +426,9 @@ def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batc
   read = _read_options(settings.prefetch * records, settings)
   it_ds = _SkipCorruptIterDataset(ds.to_iter_dataset(read), _MAX_CONSECUTIVE_CORRUPT)
   it_ds = it_ds.batch(records, drop_remainder=True)
-  it_ds = it_ds.map(_FinishTrainBatch())
-  return iter(_maybe_mp_prefetch(it_ds, settings))
+  # Batching last in the workers lets grain write batches into shared memory (no pickled
+  # copy per batch); the cheap finish runs in this process.
+  return iter(_maybe_mp_prefetch(it_ds, settings).map(_FinishTrainBatch()))
 
 
 def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
