@@ -1,7 +1,6 @@
 """Tests for input_pipeline/augment.py: crops, flips, resizes, the papers' augmentations,
 op-string parsing and normalisation."""
 import io
-import math
 
 import jax.numpy as jnp
 import numpy as np

@@ -8,7 +8,6 @@ logs 'fewshot/<label>_<k>shot': the test-split accuracy of the k-shot classifier
 the seeds. Only the drawn train records and the test split go through the model. Empty
 datasets or shots (`--config.evals.fewshot.shots='()'`) turn it off.
 """
-import jax
 import numpy as np
 
 from bigpretrain import fewshot

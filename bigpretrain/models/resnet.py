@@ -22,15 +22,14 @@ from flax import nnx
 
 from bigpretrain.models import layers
 
+# Grouped kernels too: their per-group input dim splits over FSDP like any other (the kernel
+# is gathered whole before the conv).
 _CONV_NAMES = (None, None, "conv_in", "conv_out")
 
 
-def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs, names=None):
+def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs,
+         names=_CONV_NAMES):
   """Bias-free conv with symmetric k // 2 padding, He-normal (fan_out) init."""
-  if names is None:
-    # Grouped kernels too: their per-group input dim splits over FSDP like any other (the
-    # kernel is gathered whole before the conv).
-    names = _CONV_NAMES
   pad = kernel // 2
   init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
   return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride,
