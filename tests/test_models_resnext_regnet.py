@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from bigpretrain import models
+from bigpretrain.models import layers
 from bigpretrain.models import regnet
 from bigpretrain.models import resnet
 
@@ -339,6 +340,37 @@ def test_regnet_batch_norm_statistics_are_global_under_a_sharded_batch():
   np.testing.assert_allclose(model.stem_bn.mean[...],
                              0.9 * before + 0.1 * conv_out.mean(axis=(0, 1, 2)),
                              rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_convolution_computes_only_each_devices_rows():
+  """layers.batch_local_conv (grouped convs): under an 8-device batch split, value and
+  kernel gradient equal the unsharded convolution's, and each device does an eighth of the
+  work (XLA's own partitioning of grouped convs convolves the global batch everywhere)."""
+  rs = np.random.RandomState(0)
+  x = rs.randn(16, 6, 6, 64).astype(np.float32)
+  k = rs.randn(3, 3, 32, 64).astype(np.float32) / 16
+  dims = ("NHWC", "HWIO", "NHWC")
+
+  def loss(conv, x, k):
+    y = conv(x, k, (1, 1), "SAME", dimension_numbers=dims, feature_group_count=2)
+    return jnp.sum(y * jnp.cos(y))
+
+  def compiled(conv, *args):
+    return jax.jit(jax.value_and_grad(functools.partial(loss, conv), argnums=1)).lower(
+        *args).compile()
+
+  want_value, want_grad = jax.value_and_grad(
+      functools.partial(loss, jax.lax.conv_general_dilated), argnums=1)(x, k)
+  one_device_flops = compiled(jax.lax.conv_general_dilated, x, k).cost_analysis()["flops"]
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, jax.sharding.PartitionSpec(("data", "fsdp")))
+    ks = jax.device_put(k, jax.sharding.PartitionSpec(None, None, "fsdp"))
+    step = compiled(layers.batch_local_conv, xs, ks)
+    value, grad = step(xs, ks)
+  np.testing.assert_allclose(value, want_value, rtol=1e-4)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-3)
+  assert step.cost_analysis()["flops"] < 1.25 * one_device_flops / 8
 
 
 def test_regnet_bad_parameters_are_named():

@@ -108,15 +108,23 @@ def esd_effective_rate(rate: float, rows: int) -> float:
 
 def _constrain_to_shards(x: jax.Array) -> jax.Array:
   """Pins axis 0 of `x` (one entry per data shard) to the batch mesh axes, when on Auto axes."""
+  axes = _auto_batch_axes(x.shape[0])
+  # Explicit axes carry the sharding in the type; the reshape keeps it.
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes)) if axes else x
+
+
+def _auto_batch_axes(rows: int) -> tuple[str, ...]:
+  """The current mesh's batch axes when they are all Auto and split `rows`, else ()."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return x
+    return ()
   axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names)
   types = dict(zip(mesh.axis_names, mesh.axis_types))
-  auto = all(types[a] == jax.sharding.AxisType.Auto for a in axes)
-  if not axes or not auto:
-    return x  # Explicit axes carry the sharding in the type; the reshape keeps it.
-  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
+  if not axes or not all(types[a] == jax.sharding.AxisType.Auto for a in axes):
+    return ()
+  if rows % math.prod(mesh.shape[a] for a in axes):
+    return ()  # Rows that do not split over the mesh (e.g. a single eval image): as they come.
+  return axes
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -129,17 +137,29 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   made per-device temporaries depend on the device count). The constraint keeps activations
   split by rows and weights all-gathered, as FSDP intends (MaxText constrains alike).
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  axes = _auto_batch_axes(x.shape[0])
+  if not axes:
     return x
-  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names)
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if not axes or not all(types[a] == jax.sharding.AxisType.Auto for a in axes):
-    return x
-  if x.shape[0] % math.prod(mesh.shape[a] for a in axes):
-    return x  # Rows that do not split over the mesh (e.g. a single eval image): as they come.
   rest = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes, *rest))
+
+
+def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+  """`jax.lax.conv_general_dilated` (batch on lhs axis 0) computed on each device's own rows.
+
+  XLA's SPMD partitioner all-gathers the batch-split input of a grouped convolution
+  (feature_group_count > 1) and convolves the global batch on every device. Under a mesh with
+  Auto batch axes this runs the convolution in `jax.shard_map` instead: each device convolves
+  its rows with the whole kernel (all-gathered, as FSDP intends) and the kernel's gradient is
+  summed over the batch axes. Pass it as nnx.Conv's `conv_general_dilated`.
+  """
+  conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
+  axes = _auto_batch_axes(lhs.shape[0])
+  if not axes:
+    return conv(lhs, rhs)
+  rows = jax.sharding.PartitionSpec(axes)
+  return jax.shard_map(conv, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
+                       axis_names=set(axes))(lhs, rhs)
 
 
 def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: float,

@@ -29,13 +29,16 @@ _CONV_NAMES = (None, None, "conv_in", "conv_out")
 
 def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs,
          names=_CONV_NAMES):
-  """Bias-free conv with symmetric k // 2 padding, He-normal (fan_out) init."""
+  """Bias-free conv with symmetric k // 2 padding, He-normal (fan_out) init; grouped ones
+  run per batch shard (layers.batch_local_conv)."""
   pad = kernel // 2
   init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
   return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride,
                   padding=((pad, pad), (pad, pad)), feature_group_count=groups,
                   use_bias=False, kernel_init=layers.partitioned(init, names), dtype=dtype,
-                  param_dtype=param_dtype, rngs=rngs)
+                  param_dtype=param_dtype, rngs=rngs,
+                  conv_general_dilated=(layers.batch_local_conv if groups > 1
+                                        else jax.lax.conv_general_dilated))
 
 
 def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
