@@ -373,6 +373,30 @@ def test_grouped_convolution_computes_only_each_devices_rows():
   assert step.cost_analysis()["flops"] < 1.25 * one_device_flops / 8
 
 
+def test_grouped_convolution_sums_bfloat16_kernel_gradients_in_float32():
+  """As nnx.Conv calls it in bfloat16 (kernel cast first): the cross-device sum of the kernel
+  gradient is float32 (XLA:CPU aborted compiling a bfloat16 one) and matches one device's."""
+  rs = np.random.RandomState(1)
+  x = jnp.asarray(rs.randn(16, 6, 6, 64), jnp.bfloat16)
+  k = rs.randn(3, 3, 32, 64).astype(np.float32) / 16
+
+  def loss(conv, k, x):
+    y = conv(x, k.astype(jnp.bfloat16), (1, 1), "SAME",
+             dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  want = jax.grad(functools.partial(loss, jax.lax.conv_general_dilated))(k, x)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, jax.sharding.PartitionSpec("fsdp"))
+    step = jax.jit(jax.grad(functools.partial(loss, layers.batch_local_conv)))
+    compiled = step.lower(k, xs).compile()
+    grad = compiled(k, xs)
+  sums = [line for line in compiled.as_text().splitlines() if "all-reduce(" in line]
+  assert sums and not any("bf16" in line for line in sums), sums
+  np.testing.assert_allclose(grad, want, rtol=0.05, atol=0.05 * float(np.abs(want).max()))
+
+
 def test_regnet_bad_parameters_are_named():
   with pytest.raises(ValueError, match="w_0 a positive multiple of 8"):
     regnet.regnet_stages(4, 12, 8.0, 2.0, 8)

@@ -151,15 +151,21 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   (feature_group_count > 1) and convolves the global batch on every device. Under a mesh with
   Auto batch axes this runs the convolution in `jax.shard_map` instead: each device convolves
   its rows with the whole kernel (all-gathered, as FSDP intends) and the kernel's gradient is
-  summed over the batch axes. Pass it as nnx.Conv's `conv_general_dilated`.
+  summed over the batch axes, in float32 (a bfloat16 sum loses precision, and XLA:CPU aborts
+  compiling one). Pass it as nnx.Conv's `conv_general_dilated`.
   """
   conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
   if not axes:
     return conv(lhs, rhs)
+
+  def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.
+    return conv(x, jax.lax.pcast(k, axes, to="varying").astype(rhs.dtype))
+
   rows = jax.sharding.PartitionSpec(axes)
-  return jax.shard_map(conv, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
-                       axis_names=set(axes))(lhs, rhs)
+  return jax.shard_map(local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
+                       axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype,
+                                                                               jnp.float32)))
 
 
 def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: float,
