@@ -156,7 +156,8 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   """
   conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
-  if not axes:
+  mesh = jax.sharding.get_abstract_mesh()
+  if math.prod(mesh.shape[a] for a in axes) == 1:  # No axes, or one device's batch.
     return conv(lhs, rhs)
 
   def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.
