@@ -152,12 +152,12 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   Auto batch axes this runs the convolution in `jax.shard_map` instead: each device convolves
   its rows with the whole kernel (all-gathered, as FSDP intends) and the kernel's gradient is
   summed over the batch axes, in float32 (a bfloat16 sum loses precision, and XLA:CPU aborts
-  compiling one). Pass it as nnx.Conv's `conv_general_dilated`.
+  compiling one). Ungrouped convolutions, which XLA partitions by rows itself, and batches
+  that are not split run as they are. Pass it as nnx.Conv's `conv_general_dilated`.
   """
   conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
-  mesh = jax.sharding.get_abstract_mesh()
-  if math.prod(mesh.shape[a] for a in axes) == 1:  # No axes, or one device's batch.
+  if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
     return conv(lhs, rhs)
 
   def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.

@@ -46,8 +46,7 @@ class _Ops:
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride,
                     padding=((pad, pad), (pad, pad)), feature_group_count=groups,
                     use_bias=bias, kernel_init=layers.partitioned(init, names),
-                    conv_general_dilated=(layers.batch_local_conv if groups > 1
-                                          else jax.lax.conv_general_dilated), **self.kw)
+                    conv_general_dilated=layers.batch_local_conv, **self.kw)
 
   def bn(self, ch):
     return nnx.BatchNorm(ch, momentum=0.9, epsilon=1e-5, **self.kw)

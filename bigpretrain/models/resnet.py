@@ -37,8 +37,7 @@ def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs,
                   padding=((pad, pad), (pad, pad)), feature_group_count=groups,
                   use_bias=False, kernel_init=layers.partitioned(init, names), dtype=dtype,
                   param_dtype=param_dtype, rngs=rngs,
-                  conv_general_dilated=(layers.batch_local_conv if groups > 1
-                                        else jax.lax.conv_general_dilated))
+                  conv_general_dilated=layers.batch_local_conv)
 
 
 def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
