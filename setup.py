@@ -40,10 +40,10 @@ setuptools.setup(
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],
         "beam": ["apache-beam>=2.60"],
-        # Nearest-neighbour search of bigpretrain.dedup, one offline step of the
+        # Nearest-neighbour search of bigpretrain.tools.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
         "dedup": ["faiss-cpu>=1.8"],
-        # bigpretrain.convert: timm / torchvision weights. torch and torchvision are pinned
+        # bigpretrain.tools.convert: timm / torchvision weights. torch and torchvision are pinned
         # as a matching CPU pair: an unpinned torch resolves to a multi-GB CUDA build.
         # safetensors reads and writes .safetensors through numpy, without torch.
         "interop": ["torch==2.14.1", "torchvision==0.29.1", "timm>=1.0", "safetensors>=0.4"],

@@ -4,7 +4,7 @@
       [--batch_size=256] [--steps=10]
 
 Both on the same fixed synthetic batch, the model, mesh and shardings of the config's --stage
-section (a trainer config; the default is the demo teacher): `infer` is bigpretrain.infer's
+section (a trainer config; the default is the demo teacher): `infer` is bigpretrain.tools.infer's
 jitted step (eval-mode forward, softmax, top-P, replicated top-P rows back), `forward` is the
 train step's loss without its gradient (train-mode forward: BatchNorm batch statistics,
 dropout) and `train` the whole train step. Inference should cost about one train forward
@@ -31,7 +31,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from benchmarks import common
-from bigpretrain import infer
+from bigpretrain import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
 
@@ -72,7 +72,7 @@ def measure(config, stage: str, batch_size: int, steps: int) -> dict:
   batch_infer = sharding.global_batch(host_infer, exp.mesh)
   params, extra = state["params"], state["extra"]
 
-  infer_step = infer.make_step(exp.model_def, exp.shardings, exp.mesh, section.data.normalize,
+  infer_step = pool_predictions.make_step(exp.model_def, exp.shardings, exp.mesh, section.data.normalize,
                                config.infer.top_p, logits=False)
   rng = jax.random.key(0)
 

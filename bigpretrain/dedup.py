@@ -1,9 +1,5 @@
 """Deduplication of an unlabelled pool against evaluation sets: an exclusion list and a report.
 
-  python -m bigpretrain.dedup --workdir=MODEL --pool=NAME:SPLIT --against=NAME:SPLIT[,...] \
-      (--top_n=N | --max_distance=D) --out=DIR [--data_dir=...] [--batch_size=256] \
-      [--ivf_threshold=1000000] [--nlist=0] [--nprobe=64] [--seed=0] [--fsdp=1]
-
 Yalniz et al. 2019, supplement section 5: the 512-d pool5 features of an ImageNet-trained
 ResNet-18, L2-normalised; the Euclidean distance between every ImageNet validation image and
 every YFCC-100M image, searched with Faiss over an index of the 100M pool; all pairs sorted
@@ -27,13 +23,13 @@ paper's 100M 512-d pool; at that scale run on parts of the pool and merge, since
 closest are among each part's N closest).
 
 Output in DIR: exclusions.tsv (input_pipeline/exclusions.py), the removed pool records, for
-`bigpretrain.infer --exclude` and `input_pipeline.prepare selection --exclude`; dedup.json
+`bigpretrain.tools.infer --exclude` and `input_pipeline.prepare selection --exclude`; dedup.json
 (written last; a finished DIR with the same flags is reused, with others it is an error): the
 parameters, the sets and their sizes, the index, and the removed pairs sorted by distance
 (pool record, its closest evaluation record, distance), plus `first_kept` (--top_n: the
 closest pool image not removed, the margin to review).
 
-Hosts: as bigpretrain.infer, every process runs the command and computes its slice of each
+Hosts: as bigpretrain.tools.infer, every process runs the command and computes its slice of each
 batch; process 0 builds the index and writes DIR.
 """
 import json
@@ -41,8 +37,6 @@ import math
 import sys
 import uuid
 
-from absl import app
-from absl import flags
 from absl import logging
 from etils import epath
 import jax
@@ -52,12 +46,12 @@ import tqdm
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import distributed
-from bigpretrain import infer
+from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline import exclusions
+from input_pipeline import subset
 
 REPORT_FILE = "dedup.json"
 EXCLUSIONS_FILE = "exclusions.tsv"
@@ -92,13 +86,13 @@ def default_nlist(num_pool: int) -> int:
 
 
 def make_features_step(model_def, shardings, mesh, normalize: str):
-  """infer.make_forward with the model's L2-normalised pooled features: {'features'}."""
+  """inference.make_forward with the model's L2-normalised pooled features: {'features'}."""
 
   def outputs(module, images):
     f = module.features(images, train=False).astype(jnp.float32)
     return {"features": f / jnp.maximum(jnp.linalg.norm(f, axis=-1, keepdims=True), 1e-12)}
 
-  return infer.make_forward(model_def, shardings, mesh, normalize, outputs)
+  return inference.make_forward(model_def, shardings, mesh, normalize, outputs)
 
 
 def _faiss():
@@ -144,7 +138,7 @@ def closest_pool_images(index, queries: np.ndarray, *, top_n: int | None = None,
   return best
 
 
-def _check_args(top_n, max_distance, batch_size, nprobe, nlist, ivf_threshold) -> None:
+def check_args(top_n, max_distance, batch_size, nprobe, nlist, ivf_threshold) -> None:
   if (top_n is None) == (max_distance is None):
     raise ValueError("Give exactly one of --top_n (remove the N closest pool images) and "
                      f"--max_distance (remove those within D); got top_n={top_n}, "
@@ -178,7 +172,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
         progress: bool = True) -> dict:
   """Deduplicates `pool` ('NAME:SPLIT') against `against` ('NAME:SPLIT[,...]') with the
   model in `workdir`; writes exclusions.tsv and dedup.json into `out`, returns the report."""
-  _check_args(top_n, max_distance, batch_size, nprobe, nlist, ivf_threshold)
+  check_args(top_n, max_distance, batch_size, nprobe, nlist, ivf_threshold)
   pools = parse_sets(pool, "pool")
   if len(pools) != 1:
     raise ValueError(f"--pool={pool!r}: one NAME:SPLIT.")
@@ -222,7 +216,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
     parts, positions = [], []
     with tqdm.tqdm(total=len(source), unit="img", unit_scale=True, file=sys.stdout,
                    disable=not (progress and is_main), desc=desc) as bar:
-      for rows, skipped_rows in infer.forward_rows(step, loaded.variables, source, data_cfg,
+      for rows, skipped_rows in inference.forward_rows(step, loaded.variables, source, data_cfg,
                                                    batch_size=batch_size, mesh=mesh):
         parts.append(rows["features"])
         positions.append(rows["index"])
@@ -248,7 +242,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
   if use_ivf:
     sample = np.sort(np.random.default_rng(seed).choice(
         num_pool, min(num_pool, TRAIN_POINTS_PER_LIST * lists), replace=False))
-    train, _ = features(infer.SubsetSource(pool_source, sample), desc + " (k-means sample)")
+    train, _ = features(subset.SubsetSource(pool_source, sample), desc + " (k-means sample)")
     if is_main:
       quantizer = faiss.IndexFlatIP(train.shape[1])
       index = faiss.IndexIVFFlat(quantizer, train.shape[1], lists, faiss.METRIC_INNER_PRODUCT)
@@ -256,7 +250,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
       index.nprobe = nprobe
   with tqdm.tqdm(total=num_pool, unit="img", unit_scale=True, file=sys.stdout,
                  disable=not (progress and is_main), desc=desc) as bar:
-    for rows, skipped_rows in infer.forward_rows(step, loaded.variables, pool_source,
+    for rows, skipped_rows in inference.forward_rows(step, loaded.variables, pool_source,
                                                  data_cfg, batch_size=batch_size, mesh=mesh):
       bar.update(len(rows["index"]) + skipped_rows)
       if is_main and len(rows["index"]):
@@ -324,51 +318,3 @@ def summary(report: dict, out: str) -> str:
   lines.append(f"  exclusion list: {epath.Path(out) / EXCLUSIONS_FILE}; pairs: "
                f"{epath.Path(out) / REPORT_FILE}")
   return "\n".join(lines)
-
-
-def define_flags() -> None:
-  """The command's flags; defined only when it runs (see bigpretrain.infer)."""
-  flags.DEFINE_string("workdir", None, "The feature model: a run folder or checkpoint dir.")
-  flags.DEFINE_string("pool", None, "The unlabelled pool, NAME:SPLIT (e.g. demo:unlabeled).")
-  flags.DEFINE_string("against", None, "Evaluation sets, NAME:SPLIT[,NAME:SPLIT...].")
-  flags.DEFINE_string("out", None, "Output folder: exclusions.tsv and dedup.json.")
-  flags.DEFINE_integer("top_n", None, "Remove the N pool images closest to an evaluation "
-                       "image (the paper: 5000).")
-  flags.DEFINE_float("max_distance", None, "Remove the pool images within this Euclidean "
-                     "distance (of unit vectors) of an evaluation image.")
-  flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
-  flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
-  flags.DEFINE_integer("ivf_threshold", DEFAULT_IVF_THRESHOLD,
-                       "Pools larger than this get an IVF index instead of the exact one.")
-  flags.DEFINE_integer("nlist", 0, "IVF lists (0: 4 sqrt(pool size)).")
-  flags.DEFINE_integer("nprobe", DEFAULT_NPROBE, "IVF lists searched per query.")
-  flags.DEFINE_integer("seed", 0, "Seed of the IVF k-means training sample.")
-  flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
-  flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  distributed.define_flags()
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  f = flags.FLAGS
-  for name in ("workdir", "pool", "against", "out"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
-  try:
-    _check_args(f.top_n, f.max_distance, f.batch_size, f.nprobe, f.nlist, f.ivf_threshold)
-    distributed.initialize_from_flags()
-    report = run(f.workdir, f.pool, f.against, f.out, top_n=f.top_n,
-                 max_distance=f.max_distance, data_dir=f.data_dir, batch_size=f.batch_size,
-                 ivf_threshold=f.ivf_threshold, nlist=f.nlist, nprobe=f.nprobe, seed=f.seed,
-                 fsdp=f.fsdp, num_workers=f.num_workers)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"ERROR: {e}", file=sys.stderr)
-    sys.exit(1)
-  if jax.process_index() == 0:
-    print(summary(report, f.out))
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

@@ -1,16 +1,10 @@
 r"""Evaluate a trained model on several test sets in one command, whole or with residual
 blocks removed; one JSON line out.
 
-  python -m bigpretrain.evaluate --workdir=DIR [--datasets=NAME[:SPLIT],...] [--json]
-  python -m bigpretrain.evaluate --checkpoint=PATH \
-      --datasets=tfds:imagenet2012,tfds:imagenet_v2,tfds:imagenet2012_real --data_dir=/data/tfds
-  python -m bigpretrain.evaluate --workdir=DIR --drop_blocks=3,7     # that submodel
-  python -m bigpretrain.evaluate --workdir=DIR --drop_blocks=sweep   # each block removed
-
 --workdir is a run folder: its config.json gives the data settings, batch size, mesh and
 sharding rules of the trainer's own eval, so evaluating the run's dataset repeats the
 trainer's final 'eval/...' numbers. --checkpoint is a checkpoint dir or a
-`bigpretrain.convert` output: its meta gives the preprocessing, the rest are defaults.
+`bigpretrain.tools.convert` output: its meta gives the preprocessing, the rest are defaults.
 Without --datasets the run's dataset and eval split are evaluated. NAME is any data.name
 (demo, tfds:NAME[/CONFIG], folder:NAME, imagenet21k_p, ...), read from --data_dir (default:
 the run's data.dir); SPLIT defaults to the run's eval split for the run's dataset, else
@@ -40,10 +34,7 @@ metrics}}, "not_removable": [blocks]}.
 import dataclasses
 import json
 import os
-import sys
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -57,7 +48,6 @@ from bigpretrain.models import pretrained
 from bigpretrain.models import submodel
 from bigpretrain.objectives import base
 from input_pipeline import datasets
-from input_pipeline import pipeline
 
 REAL_LABEL = "real_label"
 
@@ -177,7 +167,7 @@ def read_run_config(workdir: str) -> dict:
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist: --workdir needs a run folder; pass a "
-                            "checkpoint dir or a `bigpretrain.convert` output as --checkpoint.")
+                            "checkpoint dir or a `bigpretrain.tools.convert` output as --checkpoint.")
   with open(path) as f:
     return json.load(f)
 
@@ -338,46 +328,3 @@ def sweep_table(result: dict, metric: str = "top1") -> str:
   if result["not_removable"]:
     lines.append(f"not removable (projection shortcut): {result['not_removable']}")
   return "\n".join(lines)
-
-
-def define_flags() -> None:
-  """The command's flags, defined only when it runs (no clash with other commands' flags)."""
-  flags.DEFINE_string("workdir", None, "A bigpretrain run folder (uses its config.json).")
-  flags.DEFINE_string("checkpoint", None, "A checkpoint dir or a bigpretrain.convert output.")
-  flags.DEFINE_string("datasets", "", "NAME[:SPLIT],... (default: the run's dataset).")
-  flags.DEFINE_string("data_dir", None, "Where the datasets are prepared (default: the run's "
-                      "data.dir).")
-  flags.DEFINE_string("class_map", None, "JSON {dataset class: model class(es)} for a dataset "
-                      "with other classes than the model.")
-  flags.DEFINE_string("drop_blocks", "", "Residual blocks to remove, e.g. 3,7; or 'sweep'.")
-  flags.DEFINE_integer("batch_size", 0, "Global eval batch (default: the run's batch size, or "
-                       "8 per device).")
-  flags.DEFINE_bool("json", False, "Print only the JSON line.")
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  if bool(f.workdir) == bool(f.checkpoint):
-    raise app.UsageError("Give exactly one of --workdir and --checkpoint.")
-  try:
-    run_config = read_run_config(f.workdir) if f.workdir else None
-    result = evaluate(
-        f.workdir or f.checkpoint, parse_datasets(f.datasets), run_config=run_config,
-        data_dir=f.data_dir, class_map=load_class_map(f.class_map) if f.class_map else None,
-        drop_blocks=parse_drop_blocks(f.drop_blocks), batch_size=f.batch_size)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"ERROR: {e}", file=sys.stderr)
-    sys.exit(1)
-  if not f.json:
-    if "full" in result:
-      print(sweep_table(result), flush=True)
-    elif f.drop_blocks:
-      print(f"Blocks removed: {f.drop_blocks}", flush=True)
-  print(json.dumps(result, sort_keys=True), flush=True)
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

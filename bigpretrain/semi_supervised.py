@@ -1,8 +1,6 @@
 """The semi-supervised stage runner (Yalniz et al. 2019, section 3.1): teacher -> inference over
 the unlabelled pool -> top-K selection -> student pretraining -> fine-tuning.
 
-  python -m bigpretrain.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
-
 Each stage writes its own folder under DIR/round<r>/ (teacher, predictions/<split>, pool,
 selection, student, finetune) and, last, its completion marker; DIR/baseline holds the
 supervised baseline and DIR/results.json the numbers. Re-running the command skips finished
@@ -12,8 +10,8 @@ writes its index files, then selection.json). With `rounds` > 1 the fine-tuned s
 round r is round r + 1's teacher (supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
-(train.train_and_evaluate), of bigpretrain.infer.run and of the Beam selection job
-(input_pipeline.selection.prepare): one jax.distributed initialisation serves every stage on a
+(train.train_and_evaluate), of pool_predictions.run and of the Beam selection job
+(input_pipeline.selection_job.prepare): one jax.distributed initialisation serves every stage on a
 multi-host run, and JAX starts and compiles from the persistent cache once, not per stage.
 Stages share no state but the files: each gets a fresh copy of its config section, read
 nowhere else, and the trainer restores its signal handler and mesh context when it returns.
@@ -25,18 +23,12 @@ that D-hat is keyed by the records' own (dataset, split, index) and reads them t
 plain dataset.
 """
 import json
-import os
-import sys
-import time
 import uuid
 
-from absl import app
-from absl import flags
 from absl import logging
 from etils import epath
 import jax
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,8 +36,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import distributed
-from bigpretrain import infer
+from bigpretrain import pool_predictions
 from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import selection_formats
@@ -60,7 +51,7 @@ class Interrupted(Exception):
   """A training stage stopped before its last step (SIGTERM): re-run to resume."""
 
 
-def _is_main() -> bool:
+def is_main() -> bool:
   return jax.process_index() == 0
 
 
@@ -71,7 +62,7 @@ def _read_done(folder: epath.Path) -> dict | None:
 
 def _write_json(path: epath.Path, payload) -> None:
   """Writes `path` whole or not at all (temporary name, then rename), on process 0."""
-  if not _is_main():
+  if not is_main():
     return
   tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
   tmp.write_text(json.dumps(payload, indent=1, default=float))
@@ -80,7 +71,7 @@ def _write_json(path: epath.Path, payload) -> None:
 
 def _say(text: str) -> None:
   logging.info("%s", text)
-  if _is_main():
+  if is_main():
     print(text, flush=True)
 
 
@@ -153,15 +144,15 @@ def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
 
 
 def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
-  """The teacher's top-P predictions over one split (bigpretrain.infer; resumes by shard)."""
+  """The teacher's top-P predictions over one split (bigpretrain.tools.infer; resumes by shard)."""
   if (folder / selection_formats.INFO_FILE).exists():
     _say(f"[infer {split}] done already in {folder}: skipped")
     return
   _say(f"[infer {split}] teacher {teacher} -> {folder}")
   c = config.infer
-  infer.run(teacher, config.data.name, split, str(folder), data_dir=config.data.dir,
+  pool_predictions.run(teacher, config.data.name, split, str(folder), data_dir=config.data.dir,
             top_p=c.top_p, batch_size=c.batch_size, logits=c.logits, shard_size=c.shard_size,
-            fsdp=c.fsdp, num_workers=c.num_workers, progress=_is_main())
+            fsdp=c.fsdp, num_workers=c.num_workers, progress=is_main())
 
 
 def _link_or_filter(src: str, dst: epath.Path, exclude: np.ndarray | None) -> int:
@@ -184,7 +175,7 @@ def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
   if (folder / selection_formats.INFO_FILE).exists():
     _say(f"[pool] done already in {folder}: skipped")
     return
-  if not _is_main():
+  if not is_main():
     return
   folder.mkdir(parents=True, exist_ok=True)
   infos = {s: json.loads((d / selection_formats.INFO_FILE).read_text())
@@ -238,7 +229,7 @@ def run(config, workdir: str) -> dict:
   """Runs (or completes) every stage of `config` in `workdir`; returns results.json's content.
   Raises Interrupted when a training stage was stopped by SIGTERM."""
   root = epath.Path(workdir)
-  if _is_main():
+  if is_main():
     root.mkdir(parents=True, exist_ok=True)
   if not isinstance(config.rounds, int) or config.rounds < 1:
     raise ValueError(f"config.rounds={config.rounds!r} must be an int >= 1.")
@@ -268,10 +259,10 @@ def run(config, workdir: str) -> dict:
     _sync("pool")
     pool_stage(preds, exclude, class_names, rdir / "pool")
     _sync("selection")
-    if _is_main():  # One Beam job; --config.selection.beam_runner spreads it.
+    if is_main():  # One Beam job; --config.selection.beam_runner spreads it.
       sel = selection_stage(config, rdir / "pool", class_names, rdir / "selection")
     _sync("student")
-    if not _is_main():
+    if not is_main():
       sel = json.loads((rdir / "selection" / selection_formats.SELECTION_FILE).read_text())
     student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
                     "subset_frac": 1.0}
@@ -318,39 +309,3 @@ def summary(results: dict) -> str:
   if "baseline" in results:
     lines.append(f"supervised baseline (D alone):   top-1 {top1(results['baseline'])}")
   return "\n".join(lines)
-
-
-def define_flags():
-  """The command's flags (defined only when it runs; see bigpretrain/infer.py)."""
-  config_flags.DEFINE_config_file("config", None, "configs/semi_supervised.py[:args].",
-                                  lock_config=True)
-  flags.DEFINE_string("workdir", None, "Folder of all stages (created; resumed if started).")
-  distributed.define_flags()
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  f = flags.FLAGS
-  if f.config is None or not f.workdir:
-    raise app.UsageError("--config and --workdir are required.")
-  distributed.initialize_from_flags()
-  os.makedirs(f.workdir, exist_ok=True)
-  logging.get_absl_handler().use_absl_log_file("log", f.workdir)
-  started = time.time()
-  try:
-    run(f.config, f.workdir)
-  except Interrupted as e:
-    print(str(e), flush=True)
-    return
-  except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as e:
-    logging.exception("Run failed")
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
-  if _is_main():
-    print(f"All stages done in {time.time() - started:.0f} s.", flush=True)
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

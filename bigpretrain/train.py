@@ -22,7 +22,7 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import goodput as goodput_lib
-from bigpretrain import metrics as metrics_lib
+from bigpretrain import metric_writers
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
@@ -372,7 +372,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+  writer = metric_writers.MetricWriter(workdir, enabled=is_main, resume_step=start)
   step_fn = exp.train_step()
 
   def run_evals(step, state, force=False):
@@ -393,7 +393,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       total_steps)
   input_delay = goodput_lib.input_delay()
   compile_s = None  # Logged once, in the first row.
-  bar = metrics_lib.progress_bar(total_steps, start, enabled=is_main)
+  bar = metric_writers.progress_bar(total_steps, start, enabled=is_main)
   results = {}
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with Preemption() as preemption, jax.set_mesh(mesh):

@@ -8,12 +8,8 @@
 - platt_fit / platt_apply: the transductive Platt scaler p' = softmax(diag(w) p + b) that
   makes the predicted class distribution on the test set uniform (see platt_fit for how).
 
-The command evaluates a hashtag model (a soft_target run) on a WordNet-labelled dataset:
-
-  python -m bigpretrain.zero_shot --workdir=DIR --dataset=NAME [--data_dir=...]
-      [--split=validation] [--aggregation=sum|mean|max_split] [--platt=on|off|both] [--json]
-
-It runs the model in eval mode with its checkpoint's preprocessing over the split, turns the
+`run` evaluates a hashtag model (a soft_target run) on a WordNet-labelled dataset (the
+command: bigpretrain/tools/zero_shot.py). It runs the model in eval mode with its checkpoint's preprocessing over the split, turns the
 hashtag softmax into class scores through the class map (saved as
 DIR/zero_shot/<dataset>-class_map.json), fits Platt scaling on those scores without labels
 and prints top-1 with and without it. Without --aggregation the paper's choice (appendix D)
@@ -23,7 +19,6 @@ from collections.abc import Sequence
 import json
 import os
 import re
-import sys
 
 from absl import logging
 import jax
@@ -394,61 +389,3 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
     w, b = platt_fit(scores)  # Transductive: the test scores, no labels.
     result["top1_platt"] = top1(platt_apply(scores, w, b), rows["label"])
   return result
-
-
-def define_flags() -> None:
-  """The command's flags; defined only when it runs (no duplicate flags next to other CLIs)."""
-  # pylint: disable=import-outside-toplevel
-  from absl import flags
-  from bigpretrain import distributed
-  flags.DEFINE_string("workdir", None, "The hashtag model: a run folder or checkpoint dir.")
-  flags.DEFINE_string("dataset", None, "WordNet-labelled dataset, as config.data.name.")
-  flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
-  flags.DEFINE_string("split", "validation", "The split to evaluate on.")
-  flags.DEFINE_enum("aggregation", "", ("",) + AGGREGATIONS,
-                    "Hashtag -> class aggregation; '' = the paper's per model and Platt mode.")
-  flags.DEFINE_enum("platt", "both", PLATT_MODES, "Top-1 with Platt scaling, without, or both.")
-  flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
-  flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
-  flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  distributed.define_flags()
-
-
-def main(argv):
-  # pylint: disable=import-outside-toplevel
-  from absl import app
-  from absl import flags
-  from bigpretrain import distributed
-  f = flags.FLAGS
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  for name in ("workdir", "dataset"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
-  distributed.initialize_from_flags()
-  try:
-    result = run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
-                 aggregation=f.aggregation, platt=f.platt, batch_size=f.batch_size,
-                 num_workers=f.num_workers)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"ERROR: {e}", file=sys.stderr)
-    sys.exit(1)
-  if jax.process_index() != 0:
-    return
-  if f.json:
-    print(json.dumps(result, sort_keys=True))
-    return
-  print(f"Zero-shot on {f.dataset}:{f.split} ({result['num_examples']} images, "
-        f"{result['num_classes']} classes, {result['num_hashtags']} hashtags; class map in "
-        f"{result['class_map']}):")
-  for key, agg in (("top1_platt", "aggregation_platt"),
-                   ("top1_no_platt", "aggregation_no_platt")):
-    if result[key] is not None:
-      label = "with Platt scaling" if key == "top1_platt" else "without Platt scaling"
-      print(f"  top-1 {label}: {100 * result[key]:.2f}% ({result[agg]} aggregation)")
-
-
-if __name__ == "__main__":
-  from absl import app as _app  # pylint: disable=g-import-not-at-top
-  define_flags()
-  _app.run(main)

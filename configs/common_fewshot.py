@@ -15,7 +15,7 @@ hundreds of thousands of images per probe.
 """
 import ml_collections
 
-from bigpretrain import fewshot
+from bigpretrain import linear_probe
 
 DEMO_POOL = 5000  # 50 records per demo class on average; the 25-shot draw needs 25.
 # The demo's 128-d features: big_vision's 2^10 (for the 768-d and wider features of real
@@ -31,7 +31,7 @@ def add(config: ml_collections.ConfigDict, demo: bool) -> ml_collections.ConfigD
     datasets = {"demo": ("demo", "train", "validation")}
     pool, l2 = DEMO_POOL, DEMO_L2_REG
   else:
-    datasets, pool, l2 = {}, 0, fewshot.L2_REG
+    datasets, pool, l2 = {}, 0, linear_probe.L2_REG
   config.evals.fewshot = ml_collections.ConfigDict(dict(
       type="fewshot", every_steps=-1, datasets=datasets, shots=(1, 5, 10, 25), seeds=3,
       train_records=pool, l2_reg=l2))

@@ -4,7 +4,7 @@ A teacher trained on the labelled set D ranks the unlabelled pool U; per image i
 classes are kept, per class the K best-scored images form D-hat (section 3.2); a student
 pretrains on D-hat, then fine-tunes on D (section 3.1). All stages, in sub-folders of DIR:
 
-  python -m bigpretrain.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
+  python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
 
 Re-running the command skips finished stages and resumes an interrupted one; see
 bigpretrain/semi_supervised.py. The sections `teacher`, `student`, `finetune` and `baseline`

@@ -4,7 +4,7 @@ Pre-Training of Visual Perception Models", CVPR 2022, section 3.2).
 Demo (no arg: `hashtags:demo`, the demo's tags canonicalised through WordNet, head/tail
 resampled; the 6-block regnety_demo on 32x32 images, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/swag_regnety.py --workdir=/tmp/swag_regnety
-  python -m bigpretrain.zero_shot --workdir=/tmp/swag_regnety --dataset=demo
+  python -m bigpretrain.tools.zero_shot --workdir=/tmp/swag_regnety --dataset=demo
 
 Paper scale (a hashtag dataset prepared by `python -m input_pipeline.prepare hashtags`),
 RegNetY-128GF by default:

@@ -4,7 +4,7 @@ of Visual Perception Models", CVPR 2022, section 3.2).
 Demo (no arg: `hashtags:demo`, the demo's tags canonicalised through WordNet, head/tail
 resampled; the 4-block demo ViT on 32x32 images, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/swag_vit.py --workdir=/tmp/swag_vit
-  python -m bigpretrain.zero_shot --workdir=/tmp/swag_vit --dataset=demo --aggregation=max_split
+  python -m bigpretrain.tools.zero_shot --workdir=/tmp/swag_vit --dataset=demo --aggregation=max_split
 
 Paper scale (a hashtag dataset prepared by `python -m input_pipeline.prepare hashtags`),
 ViT-H/14 by default:

@@ -3,7 +3,7 @@ r"""Transfer a pretrained checkpoint to a dataset: fine-tune, linear probe or fe
   python -m bigpretrain.main --config=configs/transfer.py:mode=MODE,init=DIR[,dataset=NAME,...]
 
 `init` is any bigpretrain checkpoint (a run's workdir, its checkpoints/ folder or a
-`bigpretrain.convert` output); the model, its image size and its input normalisation come
+`bigpretrain.tools.convert` output); the model, its image size and its input normalisation come
 from the checkpoint's meta; the class count comes from the dataset, and the classifier head
 always starts fresh (model_init_skip='^params/head/'). `dataset` is any prepared dataset
 name (tfds:NAME, folder:NAME, imagenet21k_p, demo, ...); the default, `demo_coarse`, is the
@@ -27,7 +27,7 @@ Modes:
   - cosub: configs/cosub_finetune_in1k.py's values (Touvron et al. 2023, supplement A.1:
     LAMB, LayerDecay, cosub on); ViT models only.
 - linear: a linear classifier on frozen pooled features (model.features(), eval mode), in
-  closed form: ridge regression on the whole train split (bigpretrain/fewshot.py). Chosen
+  closed form: ridge regression on the whole train split (bigpretrain/linear_probe.py). Chosen
   over SGD on a frozen backbone because it is exact and has no lr/epoch grid, and because
   the eval-mode features keep BatchNorm statistics frozen, which the trainer's train-mode
   forward would update. No training step runs (total_steps=0); the row 'linear/top1' is
@@ -54,7 +54,7 @@ import ml_collections
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import fewshot
+from bigpretrain import linear_probe
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
 from configs import swag_finetune
@@ -136,7 +136,7 @@ def _frozen(arg, mode: str) -> ml_collections.ConfigDict:
     probe = dict(type="linear")
   else:
     label = arg.dataset.replace(":", "_").replace("/", "_")
-    l2 = common_fewshot.DEMO_L2_REG if is_demo(arg.dataset) else fewshot.L2_REG
+    l2 = common_fewshot.DEMO_L2_REG if is_demo(arg.dataset) else linear_probe.L2_REG
     probe = dict(type="fewshot", shots=(1, 5, 10, 25), seeds=3, l2_reg=l2,
                  datasets={label: (arg.dataset, config.data.train_split,
                                    config.data.eval_split)})

@@ -18,7 +18,7 @@ imagenet21k_p: input_pipeline/imagenet21k_p.py (the paper's three steps); folder
 ImageFolder tree, input_pipeline/image_folder.py. Train on the result with
 `--config.data.name=imagenet21k_p` (or `folder:NAME`) and `--config.data.dir=OUT`.
 selection: the semi-supervised recipe's top-K selection of D-hat from teacher predictions, an
-index into the source dataset (input_pipeline/selection.py, which documents both formats).
+index into the source dataset (input_pipeline/selection_job.py, which documents both formats).
 hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manifests
 (input_pipeline/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
@@ -40,7 +40,7 @@ from input_pipeline import hashtag_job
 from input_pipeline import hashtag_source
 from input_pipeline import image_folder
 from input_pipeline import imagenet21k_p
-from input_pipeline import selection
+from input_pipeline import selection_job
 
 
 def _size(text: str) -> int | None:
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
   psel.add_argument("--data_dir", required=True, help="Folder to write D-hat's index into.")
   psel.add_argument("--beam_runner", default=None,
                     help="Beam runner (default: DirectRunner on this machine).")
-  psel.add_argument("--variant", default="balanced_ranked", choices=selection.VARIANTS)
+  psel.add_argument("--variant", default="balanced_ranked", choices=selection_job.VARIANTS)
   psel.add_argument("--k", type=int, default=None,
                     help="Images per class (balanced_ranked, balanced_with_tags).")
   psel.add_argument("--class_sizes", default=None,
@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Text file, one class name a line: the class list the teacher must "
                     "have.")
   psel.add_argument("--exclude", default=None,
-                    help="Exclusion list (bigpretrain.dedup's exclusions.tsv): its images are "
+                    help="Exclusion list (bigpretrain.tools.dedup's exclusions.tsv): its images are "
                     "never selected.")
-  psel.add_argument("--batch_size", type=int, default=selection.BATCH_SIZE,
+  psel.add_argument("--batch_size", type=int, default=selection_job.BATCH_SIZE,
                     help="Prediction rows read per batch.")
 
   ptags = sub.add_parser("hashtags", help="A SWAG hashtag dataset from crawled WebDataset "
@@ -151,12 +151,12 @@ def run_selection(args, beam_options) -> str:
     with open(args.class_sizes, encoding="utf-8") as f:
       class_sizes = json.load(f)
   expected = _read_lines(args.expected_classes) if args.expected_classes else None
-  info = selection.prepare(
+  info = selection_job.prepare(
       args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,
       zipf_total=args.zipf_total, zipf_exponent=args.zipf_exponent, seed=args.seed,
       expected_class_names=expected, beam_runner=args.beam_runner, beam_options=beam_options,
       batch_size=args.batch_size, exclude=args.exclude)
-  return selection.summary(info, args.data_dir)
+  return selection_job.summary(info, args.data_dir)
 
 
 def summary(builder) -> str:

@@ -1,7 +1,7 @@
 """The files of the semi-supervised stages, readable without Apache Beam: prediction shards and
-predictions.json (written by bigpretrain.infer, read by the selection job) and the names of
+predictions.json (written by bigpretrain.tools.infer, read by the selection job) and the names of
 the selection's output files (read by the `selection:DIR` data source). The formats are
-described in input_pipeline/selection.py's docstring.
+described in input_pipeline/selection_job.py's docstring.
 """
 import dataclasses
 import json
@@ -40,7 +40,7 @@ def write_info(pred_dir, *, class_names: Sequence[str], top_p: int, dataset: str
                splits: Sequence[str], num_records: int | None = None,
                scores: str = "softmax", num_excluded: int | None = None) -> None:
   """Writes predictions.json (module docstring) into pred_dir; num_excluded: records left
-  out by an exclusion list (bigpretrain.infer --exclude)."""
+  out by an exclusion list (bigpretrain.tools.infer --exclude)."""
   info = {"class_names": list(class_names), "top_p": int(top_p), "dataset": dataset,
           "splits": sorted(splits), "scores": scores}
   if num_records is not None:
@@ -77,7 +77,7 @@ def load_predictions(pred_dir, expected_class_names: Sequence[str] | None = None
   info_path = root / INFO_FILE
   if not info_path.exists():
     raise FileNotFoundError(f"{info_path} is missing: a predictions folder holds Parquet shards "
-                            f"and {INFO_FILE} (see input_pipeline/selection.py).")
+                            f"and {INFO_FILE} (see input_pipeline/selection_job.py).")
   info = json.loads(info_path.read_text())
   missing = [key for key in ("class_names", "top_p", "dataset", "splits") if key not in info]
   if missing:

@@ -58,6 +58,9 @@ class SubsetSource:
   def __init__(self, source, indices):
     self._source = source
     self._indices = np.asarray(indices, np.int64)
+    if self._indices.ndim != 1 or (self._indices.size and (
+        self._indices.min() < 0 or self._indices.max() >= len(source))):
+      raise ValueError(f"Record indices must be a 1-d array in [0, {len(source)}).")
     self.split = getattr(source, "split", None)
 
   @property
@@ -75,6 +78,16 @@ class SubsetSource:
 
   def __repr__(self) -> str:
     return f"SubsetSource({self._source!r}, len={len(self)})"
+
+
+class RangeSource(SubsetSource):
+  """Records [start, stop) of `source`, renumbered from 0."""
+
+  def __init__(self, source, start: int, stop: int):
+    if not 0 <= start <= stop <= len(source):
+      raise ValueError(f"Bad record range [{start}, {stop}) of a source of {len(source)}.")
+    super().__init__(source, np.arange(start, stop, dtype=np.int64))
+    self.start, self.stop = start, stop
 
 
 def labels(source) -> np.ndarray:

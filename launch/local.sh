@@ -2,8 +2,8 @@
 # Starts N CPU processes on localhost as one multi-controller JAX run (a multi-host rehearsal).
 #   launch/local.sh N [--devices_per_process=D] [--module=M] -- --config=configs/semantic_softmax.py --workdir=DIR ...
 # Each process gets D fake CPU devices (default 1); process 0 hosts the coordinator.
-# --module=M runs `python -m M` instead of bigpretrain.main (e.g. bigpretrain.infer,
-# bigpretrain.semi_supervised): any command that takes the three distributed flags.
+# --module=M runs `python -m M` instead of bigpretrain.main (e.g. bigpretrain.tools.infer,
+# bigpretrain.tools.semi_supervised): any command that takes the three distributed flags.
 # PYTHON selects the interpreter (default python3). --dry_run prints the N commands, runs nothing.
 set -euo pipefail
 n=${1:?usage: launch/local.sh N [--devices_per_process=D] -- MAIN_ARGS...}; shift

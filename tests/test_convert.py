@@ -1,4 +1,4 @@
-"""bigpretrain.convert: timm / torchvision weights give the same logits in bigpretrain, and
+"""bigpretrain.tools.convert: timm / torchvision weights give the same logits in bigpretrain, and
 export gives back the source library's exact state dict.
 
 Models are randomly initialised by timm / torchvision (no downloads) at small input sizes;
@@ -18,6 +18,7 @@ import pytest
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain import convert
+from bigpretrain.tools import convert as convert_tool
 from bigpretrain import models
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
@@ -362,13 +363,13 @@ def test_missing_extra_names_the_pip_command(tmp_path, monkeypatch):
 
 
 def _main(capsys, *args) -> tuple[int, str]:
-  """Runs `python -m bigpretrain.convert ARGS` in this process, on its own flag values:
+  """Runs `python -m bigpretrain.tools.convert ARGS` in this process, on its own flag values:
   (exit code, stdout + stderr)."""
   flag_values = flags.FlagValues()
-  convert.define_flags(flag_values)
+  convert_tool.define_flags(flag_values)
   flag_values(["convert", *args])
   try:
-    convert.run(flag_values)
+    convert_tool.run(flag_values)
     code = 0
   except SystemExit as e:
     code = e.code

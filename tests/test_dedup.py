@@ -1,4 +1,4 @@
-"""Deduplication of a pool against evaluation sets (bigpretrain.dedup) and the exclusion list
+"""Deduplication of a pool against evaluation sets (bigpretrain.tools.dedup) and the exclusion list
 that inference and selection honour.
 
 The data: demo validation images (the evaluation set) and a pool of demo `unlabeled` images
@@ -28,14 +28,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigpretrain import dedup
-from bigpretrain import infer
+from bigpretrain import pool_predictions
 from bigpretrain import models
 from bigpretrain.semantic import tree as tree_lib
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import exclusions
-from input_pipeline import selection
+from input_pipeline import selection_job
 from tests import helpers
 
 NAME = "dedup_test:v1"
@@ -223,7 +223,7 @@ def test_exclusion_list_is_honoured_by_inference_and_selection(model, report, tm
   def indices(table):
     return set(table.column("index").to_pylist())
 
-  info = infer.run(model, NAME, "unlabeled", str(tmp_path / "preds_excl"), top_p=1,
+  info = pool_predictions.run(model, NAME, "unlabeled", str(tmp_path / "preds_excl"), top_p=1,
                    shard_size=40, exclude=str(listed), **KW)
   assert info["num_excluded"] == len(PLANTED)
   assert info["num_records"] == NUM_OTHERS
@@ -234,13 +234,13 @@ def test_exclusion_list_is_honoured_by_inference_and_selection(model, report, tm
   # Selection over predictions of the whole pool: with k = the pool size every image is
   # selected for its top-1 class, unless it is on the list.
   preds = tmp_path / "preds"
-  infer.run(model, NAME, "unlabeled", str(preds), top_p=1, **KW)
+  pool_predictions.run(model, NAME, "unlabeled", str(preds), top_p=1, **KW)
   k = NUM_OTHERS + len(PLANTED)
-  plain = selection.prepare(preds, tmp_path / "all", k=k)
-  _, table = selection.read_index(tmp_path / "all")
+  plain = selection_job.prepare(preds, tmp_path / "all", k=k)
+  _, table = selection_job.read_index(tmp_path / "all")
   assert indices(table) == everyone and plain["report"]["num_excluded"] == 0
-  kept = selection.prepare(preds, tmp_path / "kept", k=k, exclude=str(listed))
-  _, table = selection.read_index(tmp_path / "kept")
+  kept = selection_job.prepare(preds, tmp_path / "kept", k=k, exclude=str(listed))
+  _, table = selection_job.read_index(tmp_path / "kept")
   assert indices(table) == everyone - planted
   assert kept["report"]["num_excluded"] == len(PLANTED)
   assert kept["report"]["num_records"] == k
@@ -292,12 +292,12 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
   exclusions.write(bad, [(NAME, "unlabeled", NUM_OTHERS + len(PLANTED))])
   with pytest.raises(ValueError, match="names record 96 of dedup_test:v1:unlabeled, which has "
                                        "96 records"):
-    infer.run(model, NAME, "unlabeled", str(tmp_path / "p"), exclude=str(bad), **KW)
+    pool_predictions.run(model, NAME, "unlabeled", str(tmp_path / "p"), exclude=str(bad), **KW)
 
 
 def test_command_line_refuses_contradictory_flags(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "bigpretrain.dedup", f"--workdir={tmp_path}", "--pool=demo:unlabeled",
+      [sys.executable, "-m", "bigpretrain.tools.dedup", f"--workdir={tmp_path}", "--pool=demo:unlabeled",
        "--against=demo:validation", "--top_n=5", "--max_distance=0.1", f"--out={tmp_path}"],
       env=helpers.env(), cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1

@@ -1,4 +1,4 @@
-"""`bigpretrain.evaluate`: several test sets in one command, ReaL labels, class maps, and
+"""`bigpretrain.tools.evaluate`: several test sets in one command, ReaL labels, class maps, and
 submodels with residual blocks removed (cosub supplement D.2)."""
 import dataclasses
 import json
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from bigpretrain import evaluate
-from bigpretrain import infer
 from bigpretrain import models
 from bigpretrain import preprocess
 from bigpretrain import train
@@ -20,6 +19,7 @@ from bigpretrain.models import pretrained
 from bigpretrain.models import submodel
 from input_pipeline import datasets
 from input_pipeline import pipeline
+from input_pipeline import subset
 from tests import helpers
 
 N = 40  # Eval images: not a multiple of the batch (16), so the last batch is padded.
@@ -39,7 +39,7 @@ class _Head:
         num_examples={s: min(n, k) for s, k in self.demo.info.num_examples.items()})
 
   def source(self, split):
-    src = infer.RangeSource(self.demo.source(split), 0, self.info.num_examples[split])
+    src = subset.RangeSource(self.demo.source(split), 0, self.info.num_examples[split])
     return _WithReal(src, self.info.num_classes) if self.real else src
 
 
@@ -236,7 +236,7 @@ def test_bad_input_errors_clearly(run, tmp_path):
   with pytest.raises(FileNotFoundError, match="needs a run folder"):
     evaluate.read_run_config(str(tmp_path))
   # The command: one error line, exit status 1.
-  out = subprocess.run([sys.executable, "-m", "bigpretrain.evaluate", f"--workdir={workdir}",
+  out = subprocess.run([sys.executable, "-m", "bigpretrain.tools.evaluate", f"--workdir={workdir}",
                         "--datasets=demo", "--drop_blocks=7"], env=helpers.env(),
                        cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1

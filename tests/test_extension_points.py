@@ -13,7 +13,7 @@ from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain import evaluators
 from bigpretrain import losses
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from bigpretrain import mixup
 from bigpretrain import models
 from bigpretrain import objectives
@@ -148,7 +148,7 @@ def _toy_config(**overrides):
 
 def test_plugins_train_and_evaluate_without_touching_the_trainer(tmp_path):
   results = train.train_and_evaluate(_toy_config(), str(tmp_path))
-  rows = metrics.read_metrics(str(tmp_path))
+  rows = metric_writers.read_metrics(str(tmp_path))
   assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
   assert all(np.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
   # Each evaluator on its own period, under its own name.

@@ -15,7 +15,7 @@ from tensorboardX.proto import event_pb2
 
 from bigpretrain import config_lib
 from bigpretrain import goodput
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from bigpretrain import plan
 from bigpretrain import train
 from tests import helpers
@@ -87,7 +87,7 @@ def _config(**overrides):
 
 
 def _train_rows(workdir) -> list[dict]:
-  return [r for r in metrics.read_metrics(str(workdir)) if "train/loss" in r]
+  return [r for r in metric_writers.read_metrics(str(workdir)) if "train/loss" in r]
 
 
 def _tensorboard_tags(workdir) -> set[str]:

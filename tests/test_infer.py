@@ -1,4 +1,4 @@
-"""Teacher inference (bigpretrain.infer) and the 'selection:DIR' data source on the demo."""
+"""Teacher inference (bigpretrain.tools.infer) and the 'selection:DIR' data source on the demo."""
 import dataclasses
 import json
 import shutil
@@ -8,14 +8,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain import infer
+from bigpretrain import pool_predictions
 from bigpretrain import models
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import pipeline
-from input_pipeline import selection
+from input_pipeline import selection_job
 from input_pipeline import selection_formats
+from input_pipeline import subset
 from tests import helpers
 
 DATA, SPLIT, N = "demo_head:50", "unlabeled", 50
@@ -33,7 +34,7 @@ class _HeadDataset:
         num_examples={s: min(n, k) for s, k in self.demo.info.num_examples.items()})
 
   def source(self, split):
-    return infer.RangeSource(self.demo.source(split), 0, self.info.num_examples[split])
+    return subset.RangeSource(self.demo.source(split), 0, self.info.num_examples[split])
 
 
 datasets.register_source("demo_head:", _HeadDataset)
@@ -48,7 +49,7 @@ def teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def predictions(teacher, tmp_path_factory):
   out = tmp_path_factory.mktemp("preds")
-  info = infer.run(teacher, DATA, SPLIT, str(out), **KW)
+  info = pool_predictions.run(teacher, DATA, SPLIT, str(out), **KW)
   return out, info
 
 
@@ -92,7 +93,7 @@ def test_predictions_are_the_teachers_top_p(teacher, predictions):
 
 
 def test_logits_option_writes_raw_logits(teacher, tmp_path):
-  info = infer.run(teacher, DATA, SPLIT, str(tmp_path), **{**KW, "shard_size": 64},
+  info = pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **{**KW, "shard_size": 64},
                    logits=True)
   assert info["scores"] == "logits"
   logits = _direct_logits(teacher)
@@ -107,7 +108,7 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
                                                           monkeypatch):
   reference, _ = predictions
   written = []
-  real_write = infer._write_shard
+  real_write = pool_predictions._write_shard
 
   def write_then_die(out, name, *args):
     if written:  # Killed while writing the second shard: only its temporary file is left.
@@ -116,16 +117,16 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
     written.append(name)
     real_write(out, name, *args)
 
-  monkeypatch.setattr(infer, "_write_shard", write_then_die)
+  monkeypatch.setattr(pool_predictions, "_write_shard", write_then_die)
   with pytest.raises(KeyboardInterrupt):
-    infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
+    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   assert [p.name for p in tmp_path.glob("*.parquet")] == [f"{SPLIT}-00000-of-00003.parquet"]
   assert not (tmp_path / selection_formats.INFO_FILE).exists()
 
   written.clear()
-  monkeypatch.setattr(infer, "_write_shard",
+  monkeypatch.setattr(pool_predictions, "_write_shard",
                       lambda out, name, *a: (written.append(name), real_write(out, name, *a)))
-  info = infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
+  info = pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   assert written == [f"{SPLIT}-00001-of-00003.parquet", f"{SPLIT}-00002-of-00003.parquet"]
   assert info["num_records"] == N
   for ref in sorted(reference.glob("*.parquet")):
@@ -134,10 +135,10 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
   (tmp_path / f"{SPLIT}-00001-of-00003.parquet").unlink()
   (tmp_path / selection_formats.INFO_FILE).unlink()
   written.clear()
-  infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
+  pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   written_after_loss = list(written)
   written.clear()
-  assert infer.run(teacher, DATA, SPLIT, str(tmp_path), **KW) == info
+  assert pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW) == info
   assert written_after_loss == [f"{SPLIT}-00001-of-00003.parquet"] and written == []
   assert _rows(tmp_path).equals(_rows(reference))
 
@@ -145,7 +146,7 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
 def test_host_slices_cover_each_record_of_a_shard_once():
   """What each of 2 processes reads of shard [20, 40): disjoint halves, together the range
   (the forward pass then gathers their rows; a real 2-process run is not part of this test)."""
-  source = infer.RangeSource(datasets.get_dataset({"name": DATA}).source(SPLIT), 20, 40)
+  source = subset.RangeSource(datasets.get_dataset({"name": DATA}).source(SPLIT), 20, 40)
   seen = []
   for p in range(2):
     for batch in pipeline.eval_iterator(source, {"image_size": 32}, global_batch_size=16,
@@ -157,13 +158,13 @@ def test_host_slices_cover_each_record_of_a_shard_once():
 
 def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="no split 'nope'.*unlabeled"):
-    infer.run(teacher, DATA, "nope", str(tmp_path / "a"), **KW)
+    pool_predictions.run(teacher, DATA, "nope", str(tmp_path / "a"), **KW)
   with pytest.raises(ValueError, match=r"--top_p=0 must be in \[1, "):
-    infer.run(teacher, DATA, SPLIT, str(tmp_path / "b"), **{**KW, "top_p": 0})
+    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "b"), **{**KW, "top_p": 0})
   # A started folder resumes only with the same parameters.
   out, _ = predictions
   with pytest.raises(ValueError, match="other parameters.*top_p"):
-    infer.run(teacher, DATA, SPLIT, str(out), **{**KW, "top_p": 5})
+    pool_predictions.run(teacher, DATA, SPLIT, str(out), **{**KW, "top_p": 5})
   real = datasets.get_dataset
 
   def fewer_classes(cfg):
@@ -174,7 +175,7 @@ def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatc
 
   monkeypatch.setattr(datasets, "get_dataset", fewer_classes)
   with pytest.raises(ValueError, match="predicts .* classes .* the pool must be labelled"):
-    infer.run(teacher, DATA, SPLIT, str(tmp_path / "c"), **KW)
+    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "c"), **KW)
 
 
 # ---------------------------------------------------------------- the selection:DIR source
@@ -183,12 +184,12 @@ def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatc
 @pytest.fixture(scope="module")
 def selected(predictions, tmp_path_factory):
   out = tmp_path_factory.mktemp("dhat")
-  selection.prepare(predictions[0], out, k=2)
+  selection_job.prepare(predictions[0], out, k=2)
   return out
 
 
 def test_selection_source_reads_the_selected_images_and_labels(selected):
-  info, table = selection.read_index(selected)
+  info, table = selection_job.read_index(selected)
   assert len(table) == info["report"]["num_selected"] > 0
   demo = datasets.get_dataset({"name": "demo"})
   dhat = datasets.get_dataset({"name": f"selection:{selected}"})

@@ -77,7 +77,7 @@ def test_tpu_pod_dry_run_prints_each_step():
 def test_tpu_pod_dry_run_clone_and_default_versions():
   base = ["--dry_run", "--name=p", "--zone=z"]
   r = run([LAUNCH / "tpu_pod.sh", *base, "--accelerator_type=v6e-16", "--repo=https://h/r.git",
-           "--branch=dev", "--remote_dir=code", "--module=bigpretrain.infer", "--", *MAIN])
+           "--branch=dev", "--remote_dir=code", "--module=bigpretrain.tools.infer", "--", *MAIN])
   assert r.returncode == 0, r.stderr
   steps = lines(r.stdout)
   assert steps[1][-1] == "--version=v2-alpha-tpuv6e"
@@ -85,7 +85,7 @@ def test_tpu_pod_dry_run_clone_and_default_versions():
   assert steps[2][-1] == ("--command=rm -rf $HOME/code && git clone --depth=1 --branch=dev "
                           "https://h/r.git $HOME/code && python3 -m pip install -q -e "
                           "$HOME/code 'jax[tpu]'")
-  assert "python3 -m bigpretrain.infer --config=" in steps[3][-1]
+  assert "python3 -m bigpretrain.tools.infer --config=" in steps[3][-1]
   for accelerator, version in [("v4-32", "tpu-ubuntu2204-base"),
                                ("v5litepod-64", "v2-alpha-tpuv5-lite")]:
     r = run([LAUNCH / "tpu_pod.sh", *base, f"--accelerator_type={accelerator}", "--", *MAIN])
@@ -148,11 +148,11 @@ def test_slurm_header_one_task_per_gpu_and_term_before_the_limit():
 
 
 def test_slurm_dry_run_prints_srun():
-  r = run(["bash", LAUNCH / "slurm.sbatch", "--dry_run", "--module=bigpretrain.infer", "--",
+  r = run(["bash", LAUNCH / "slurm.sbatch", "--dry_run", "--module=bigpretrain.tools.infer", "--",
            *MAIN], {"PYTHON": "/opt/venv/bin/python"})
   assert r.returncode == 0, r.stderr
   assert lines(r.stdout) == [["srun", "--kill-on-bad-exit=1", "/opt/venv/bin/python", "-m",
-                              "bigpretrain.infer", *MAIN]]
+                              "bigpretrain.tools.infer", *MAIN]]
 
 
 @pytest.mark.parametrize("args, message", [

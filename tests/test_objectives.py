@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from bigpretrain import train
 from bigpretrain.objectives import multi_label
 from input_pipeline import datasets
@@ -69,7 +69,7 @@ def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path):
     if key not in ("objective",):
       config[key] = value
   train.train_and_evaluate(config, str(tmp_path / "student"))
-  rows = [r for r in metrics.read_metrics(str(tmp_path / "student")) if "train/kd_loss" in r]
+  rows = [r for r in metric_writers.read_metrics(str(tmp_path / "student")) if "train/kd_loss" in r]
   assert [r["step"] for r in rows] == [1, 2, 3]
   for r in rows:  # Total = semantic + 1.0 * KD, and KD is a real, positive distance.
     assert r["train/loss"] == pytest.approx(r["train/semantic_loss"] + r["train/kd_loss"],

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from tests import helpers
 
 
 def _losses(workdir) -> dict[int, float]:
-  return {r["step"]: r["train/loss"] for r in metrics.read_metrics(str(workdir))
+  return {r["step"]: r["train/loss"] for r in metric_writers.read_metrics(str(workdir))
           if "train/loss" in r}
 
 

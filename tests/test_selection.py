@@ -1,5 +1,5 @@
 """Tests for the top-K selection rules (bigpretrain/selection) and the Beam selection job
-(input_pipeline/selection.py).
+(input_pipeline/selection_job.py).
 
 The rules are checked against brute-force Python loops on random data with planted score ties;
 the Beam job against topk.select / tags.select_with_tags on the same data, on one and two
@@ -19,7 +19,7 @@ from bigpretrain.selection import tags
 from bigpretrain.selection import topk
 from bigpretrain.semantic import wordnet
 from input_pipeline import prepare
-from input_pipeline import selection
+from input_pipeline import selection_job
 from input_pipeline import selection_formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def test_top_k_pairs_merges_in_any_grouping():
   for a, b in zip(want, merged):
     assert (a == b).all()
   preds = selection_formats.Predictions("p", tuple("abcdef"), 1, "d", ("s",), ("x",), None)
-  fn = selection.TopKCombineFn(k, preds)
+  fn = selection_job.TopKCombineFn(k, preds)
   for c in range(6):
     accs = []
     for p in parts:
@@ -268,11 +268,11 @@ def predictions(tmp_path_factory):
       u_classes, u_scores = all_classes[0], all_scores[0]
       order = np.argsort(all_ids[0])[:40]
       classes[:40], scores[:40] = u_classes[order], u_scores[order]
-      index[:40] = selection.unpack_ids(all_ids[0][order])[1]
+      index[:40] = selection_job.unpack_ids(all_ids[0][order])[1]
     image_tags = _random_tags(rng, n)
     selection_formats.write_predictions(root / f"shard-{shard}.parquet", "demo", split, index, classes,
                                 scores, image_tags)
-    all_ids.append(selection.pack_ids(names.index(split), index))
+    all_ids.append(selection_job.pack_ids(names.index(split), index))
     all_classes.append(classes)
     all_scores.append(scores)
     all_tags.extend(image_tags)
@@ -289,15 +289,15 @@ def _keys(selected: dict) -> dict:
   names = sorted(SPLITS)
   out = {}
   for c, ids in selected.items():
-    rank, index = selection.unpack_ids(np.asarray(ids, np.int64))
+    rank, index = selection_job.unpack_ids(np.asarray(ids, np.int64))
     out[c] = [("demo", names[r], i) for r, i in zip(rank.tolist(), index.tolist())]
   return out
 
 
 def _run(predictions, out, **kwargs):
   kwargs.setdefault("batch_size", 16)  # Many partial top-Ks to merge.
-  info = selection.prepare(predictions["dir"], out, **kwargs)
-  return info, selection.read_index(out)[1]
+  info = selection_job.prepare(predictions["dir"], out, **kwargs)
+  return info, selection_job.read_index(out)[1]
 
 
 @pytest.mark.parametrize("options", [None, TWO_PROCESSES], ids=["1_worker", "2_processes"])
@@ -308,10 +308,10 @@ def test_beam_balanced_equals_select(predictions, tmp_path, options):
                      num_classes=C)
   assert want == _brute_force(predictions["ids"], predictions["classes"], predictions["scores"],
                               lambda c: k, C)
-  assert selection.selected_ids(info, table) == _keys(want)
+  assert selection_job.selected_ids(info, table) == _keys(want)
   # Planted cross-split ties were selected and ordered by the key: 'train' before 'unlabeled'.
   tied = [(v.index(("demo", "train", i)), v.index(("demo", "unlabeled", i)))
-          for v in selection.selected_ids(info, table).values() for (_, s, i) in v
+          for v in selection_job.selected_ids(info, table).values() for (_, s, i) in v
           if s == "train" and ("demo", "unlabeled", i) in v]
   assert tied and all(a < b for a, b in tied)
   # Index rows: sorted by (label, rank), scores the teacher's.
@@ -319,7 +319,7 @@ def test_beam_balanced_equals_select(predictions, tmp_path, options):
   assert (np.diff(label) >= 0).all() and (rank == topk.ranks(label)).all()
   score_of = {(int(i), int(c)): s for i, cs, ss in zip(
       predictions["ids"], predictions["classes"], predictions["scores"]) for c, s in zip(cs, ss)}
-  ids = selection.pack_ids([sorted(SPLITS).index(s) for s in table.column("split").to_pylist()],
+  ids = selection_job.pack_ids([sorted(SPLITS).index(s) for s in table.column("split").to_pylist()],
                            table.column("index").to_numpy())
   assert table.column("score").to_numpy().tolist() == [
       score_of[(i, c)] for i, c in zip(ids.tolist(), label.tolist())]
@@ -342,7 +342,7 @@ def test_beam_naive_reference_equals_combiner(predictions, tmp_path):
   assert naive_table.equals(table)
   assert naive_info["report"] == info["report"]
   want = topk.select(predictions["ids"], predictions["classes"], predictions["scores"], k=k)
-  assert selection.selected_ids(info, table) == _keys({c: want.get(c, []) for c in range(C)})
+  assert selection_job.selected_ids(info, table) == _keys({c: want.get(c, []) for c in range(C)})
 
 
 def test_beam_zipf_and_shortfall_report(predictions, tmp_path):
@@ -353,7 +353,7 @@ def test_beam_zipf_and_shortfall_report(predictions, tmp_path):
   k = topk.zipf_sizes(C, total, seed=3)
   want = topk.select(predictions["ids"], predictions["classes"], predictions["scores"], k=k,
                      num_classes=C)
-  assert selection.selected_ids(info, table) == _keys(want)
+  assert selection_job.selected_ids(info, table) == _keys(want)
   report = info["report"]
   candidates = np.bincount(predictions["classes"].ravel(), minlength=C)
   counts = np.minimum(k, candidates)
@@ -371,14 +371,14 @@ def test_beam_zipf_and_shortfall_report(predictions, tmp_path):
   edges = np.linspace(0, k.max(), 11)
   assert np.allclose(hist["edges"], edges)
   assert hist["num_classes"] == np.histogram(counts, bins=edges)[0].tolist()
-  assert selection.summary(info, tmp_path / "out").count("shortfall:") == 1
+  assert selection_job.summary(info, tmp_path / "out").count("shortfall:") == 1
 
 
 def test_beam_with_tags_equals_select_with_tags(predictions, tmp_path):
   info, table = _run(predictions, tmp_path / "out", variant="balanced_with_tags", k=20, seed=5)
   want = tags.select_with_tags(predictions["ids"], predictions["tags"],
                                predictions["class_names"], k=20, seed=5)
-  assert selection.selected_ids(info, table) == _keys(want)
+  assert selection_job.selected_ids(info, table) == _keys(want)
   assert info["report"]["counts"] == [len(want[c]) for c in range(C)]
 
 
@@ -404,17 +404,17 @@ def test_cli_under_another_hash_seed_writes_the_same_selection(predictions, tmp_
 
 def test_bad_input_gets_clear_errors(predictions, tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    selection.prepare(tmp_path / "nowhere", tmp_path / "out", k=1)
+    selection_job.prepare(tmp_path / "nowhere", tmp_path / "out", k=1)
   with pytest.raises(ValueError, match="another class list: 9 classes, 9 expected; first "
                      "difference: label 2 is 'n01440764' there, 'n01443537' expected"):
     expected = list(predictions["class_names"])
     expected[2] = "n01443537"
-    selection.prepare(predictions["dir"], tmp_path / "out", k=1,
+    selection_job.prepare(predictions["dir"], tmp_path / "out", k=1,
                       expected_class_names=expected)
   with pytest.raises(ValueError, match="takes exactly one of --class_sizes"):
-    selection.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked", k=3)
+    selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked", k=3)
   with pytest.raises(ValueError, match="teacher does not have"):
-    selection.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
+    selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
                       class_sizes={"n00000000": 3})
   # Fewer records than predictions.json announces: unfinished inference.
   partial = tmp_path / "partial"
@@ -424,17 +424,17 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
   selection_formats.write_predictions(partial / "a.parquet", "demo", "train", [0, 1], [[0, 1, 2]] * 2,
                               [[0.5, 0.3, 0.2]] * 2)
   with pytest.raises(ValueError, match="num_records=360"):
-    selection.prepare(partial, tmp_path / "out_partial", k=1)
+    selection_job.prepare(partial, tmp_path / "out_partial", k=1)
   # The same image twice (e.g. an inference shard written twice).
   selection_formats.write_predictions(partial / "b.parquet", "demo", "train", [1], [[2, 1, 0]],
                               [[0.5, 0.3, 0.2]])
   with pytest.raises(Exception, match=r"Image \(demo, train, 1\) appears more than once"):
-    selection.prepare(partial, tmp_path / "out_twice", k=3)
+    selection_job.prepare(partial, tmp_path / "out_twice", k=3)
   # A row of a split predictions.json does not list.
   selection_formats.write_predictions(partial / "b.parquet", "demo", "validation", [1], [[2, 1, 0]],
                               [[0.5, 0.3, 0.2]])
   with pytest.raises(Exception, match="row of split 'validation'"):
-    selection.prepare(partial, tmp_path / "out_split", k=1)
+    selection_job.prepare(partial, tmp_path / "out_split", k=1)
 
 
 def test_tags_variant_needs_wnids_and_tags(tmp_path):
@@ -445,10 +445,10 @@ def test_tags_variant_needs_wnids_and_tags(tmp_path):
   selection_formats.write_info(pred, class_names=["cat", "dog"], top_p=2, dataset="demo",
                        splits=["train"])
   with pytest.raises(ValueError, match="class names must be wnids"):
-    selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
+    selection_job.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
   selection_formats.write_info(pred, class_names=WNIDS[:2], top_p=2, dataset="demo", splits=["train"])
   with pytest.raises(Exception, match=r"has no column\(s\) \['tags'\]"):
-    selection.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
+    selection_job.prepare(pred, tmp_path / "out", variant="balanced_with_tags", k=1)
 
 
 def test_rerun_with_other_parameters_is_an_error(predictions, tmp_path):

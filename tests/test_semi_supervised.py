@@ -16,7 +16,7 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import infer
+from bigpretrain import pool_predictions
 from bigpretrain import optim
 from bigpretrain import semi_supervised
 from bigpretrain import train
@@ -218,7 +218,7 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
   assert "[round 1 fine-tuning] done already" in out
   assert results["rounds"][1]["teacher"] == str(r1 / "finetune")
   params = json.loads((tmp_path / "round2" / "predictions" / "unlabeled" /
-                       infer.PARAMS_FILE).read_text())
+                       pool_predictions.PARAMS_FILE).read_text())
   assert params["workdir"] == str(r1 / "finetune")
   assert _steps(tmp_path / "round2" / "finetune")[-1] == 6
   with pytest.raises(ValueError, match=r"\[teacher\] .* another config \(keys \['total_steps'\]\)"):
@@ -265,14 +265,14 @@ def test_inference_on_two_processes_matches_one(tmp_path):
   args = [f"--workdir={teacher}", "--data=demo", "--split=validation", "--top_p=3",
           "--batch_size=250", "--shard_size=1000"]
   env = helpers.env(2)
-  one = subprocess.run([sys.executable, "-m", "bigpretrain.infer"] + args +
+  one = subprocess.run([sys.executable, "-m", "bigpretrain.tools.infer"] + args +
                        [f"--out={tmp_path / 'one'}"], env=env, cwd=helpers.ROOT,
                        capture_output=True, text=True, timeout=600)
   assert one.returncode == 0, one.stderr[-3000:]
   env.pop("XLA_FLAGS")
   env["PYTHON"] = sys.executable
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=1",
-         "--module=bigpretrain.infer", "--"] + args + [f"--out={tmp_path / 'two'}"]
+         "--module=bigpretrain.tools.infer", "--"] + args + [f"--out={tmp_path / 'two'}"]
   two = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
                        timeout=600)
   assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]

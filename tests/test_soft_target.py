@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from bigpretrain import mixup
 from bigpretrain import objectives
 from bigpretrain import train
@@ -211,7 +211,7 @@ def test_soft_target_trains_and_evaluates_on_hashtags_demo(tmp_path):
       "eval_every_steps": 3})
   config.data.eval_split = "validation"
   results = train.train_and_evaluate(config, str(tmp_path))
-  rows = metrics.read_metrics(str(tmp_path))
+  rows = metric_writers.read_metrics(str(tmp_path))
   losses = [r["train/loss"] for r in rows if "train/loss" in r]
   assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
   # Near log C at the start: the head is zero-initialised.

@@ -186,7 +186,7 @@ def hashtag_run(tmp_path_factory):
 
 
 def _zero_shot_cli(*args):
-  return subprocess.run([sys.executable, "-m", "bigpretrain.zero_shot", *args],
+  return subprocess.run([sys.executable, "-m", "bigpretrain.tools.zero_shot", *args],
                         env=helpers.env(2), cwd=helpers.ROOT, capture_output=True, text=True,
                         timeout=600)
 

@@ -15,7 +15,7 @@ from PIL import Image
 import pytest
 
 from bigpretrain import config_lib
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from input_pipeline import pipeline
 from input_pipeline import stream_position as sp
 from tests import helpers
@@ -197,7 +197,7 @@ def _trained_labels(workdir):
 
 
 def _losses(workdir):
-  return {r["step"]: r["train/loss"] for r in metrics.read_metrics(str(workdir))
+  return {r["step"]: r["train/loss"] for r in metric_writers.read_metrics(str(workdir))
           if "train/loss" in r}
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import evaluators
-from bigpretrain import metrics
+from bigpretrain import metric_writers
 from bigpretrain import sharding
 from bigpretrain import train
 from input_pipeline import pipeline
@@ -69,7 +69,7 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
 def test_train_and_evaluate_writes_metrics(tmp_path):
   config = helpers.tiny_config(total_steps=4, eval_every_steps=2)
   results = train.train_and_evaluate(config, str(tmp_path))
-  rows = metrics.read_metrics(str(tmp_path))
+  rows = metric_writers.read_metrics(str(tmp_path))
   train_rows = [r for r in rows if "train/loss" in r]
   eval_rows = [r for r in rows if "eval/top1" in r]
   assert [r["step"] for r in train_rows] == [1, 2, 3, 4]

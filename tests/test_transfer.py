@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from bigpretrain import fewshot
+from bigpretrain import linear_probe
 from bigpretrain import train
 from configs import transfer
 from input_pipeline import datasets
@@ -31,7 +31,7 @@ def test_ridge_fit_equals_lstsq_by_hand(n):
   x = rng.normal(size=(n, 8)) * 3 + 1
   y = np.arange(n) % 3
   for l2 in (0.5, 2.0 ** 10):
-    got = fewshot.ridge_fit(x, y, 3, l2)
+    got = linear_probe.ridge_fit(x, y, 3, l2)
     w, mean, std = _lstsq_ridge(x, y, 3, l2)
     np.testing.assert_allclose(got["w"], w, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(got["mean"], mean)
@@ -41,27 +41,27 @@ def test_ridge_fit_equals_lstsq_by_hand(n):
 def test_ridge_separates_separable_classes():
   x = np.array([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [5.1, 5.0]])
   y = np.array([0, 0, 1, 1])
-  assert fewshot.ridge_accuracy(x, y, x, y, 2, l2=1e-3) == 1.0
+  assert linear_probe.ridge_accuracy(x, y, x, y, 2, l2=1e-3) == 1.0
 
 
 def test_kshot_draw_is_seeded_class_balanced_and_nested():
   labels = np.array([2, 0, 1, 0, 2, 1, 0, 2, 1, 0, 0, 2])
-  a = fewshot.kshot_draw(labels, 3, 3, seed=1)
-  np.testing.assert_array_equal(a, fewshot.kshot_draw(labels, 3, 3, seed=1))
+  a = linear_probe.kshot_draw(labels, 3, 3, seed=1)
+  np.testing.assert_array_equal(a, linear_probe.kshot_draw(labels, 3, 3, seed=1))
   np.testing.assert_array_equal(np.bincount(labels[a]), [3, 3, 3])
   assert len(set(a.tolist())) == 9
   # The draw is numpy's default_rng(seed) permuting each class's members in class order.
   rng = np.random.default_rng(1)
   want = [rng.permutation(np.flatnonzero(labels == c))[:3] for c in range(3)]
   np.testing.assert_array_equal(a, np.concatenate(want))
-  one = fewshot.kshot_draw(labels, 3, 1, seed=1)
+  one = linear_probe.kshot_draw(labels, 3, 1, seed=1)
   assert set(one.tolist()) <= set(a.tolist())  # 1-shot inside 3-shot, same seed.
-  assert not np.array_equal(a, fewshot.kshot_draw(labels, 3, 3, seed=2))
+  assert not np.array_equal(a, linear_probe.kshot_draw(labels, 3, 3, seed=2))
 
 
 def test_kshot_larger_than_a_class_errors():
   with pytest.raises(ValueError, match="class 1 has only 3 examples"):
-    fewshot.kshot_draw(np.array([0, 0, 0, 0, 1, 1, 1]), 2, 4, seed=0)
+    linear_probe.kshot_draw(np.array([0, 0, 0, 0, 1, 1, 1]), 2, 4, seed=0)
 
 
 def test_fewshot_accuracies_from_drawn_features_only():
@@ -69,11 +69,11 @@ def test_fewshot_accuracies_from_drawn_features_only():
   y = np.repeat(np.arange(4), 12)
   x = rng.normal(size=(48, 5)) + y[:, None]
   xt, yt = rng.normal(size=(20, 5)) + np.arange(20)[:, None] % 4, np.arange(20) % 4
-  drawn = fewshot.drawn_indices(y, 4, (1, 5), 2)
-  got = fewshot.fewshot_accuracies(x[drawn], drawn, y, xt, yt, 4, shots=(1, 5), seeds=2)
+  drawn = linear_probe.drawn_indices(y, 4, (1, 5), 2)
+  got = linear_probe.fewshot_accuracies(x[drawn], drawn, y, xt, yt, 4, shots=(1, 5), seeds=2)
   for k in (1, 5):
-    want = np.mean([fewshot.ridge_accuracy(x[i], y[i], xt, yt, 4) for i in
-                    (fewshot.kshot_draw(y, 4, k, s) for s in range(2))])
+    want = np.mean([linear_probe.ridge_accuracy(x[i], y[i], xt, yt, 4) for i in
+                    (linear_probe.kshot_draw(y, 4, k, s) for s in range(2))])
     assert got[k] == pytest.approx(want)
 
 
@@ -115,7 +115,7 @@ def _transfer(arg, workdir, **overrides):
 
 
 def _features(checkpoint, data_cfg, source):
-  """Features and labels of `source`, computed apart from bigpretrain.fewshot: the loaded
+  """Features and labels of `source`, computed apart from bigpretrain.linear_probe: the loaded
   model's features() on the eval pipeline's images, one device."""
   import jax
   from bigpretrain import preprocess
@@ -134,7 +134,7 @@ def _features(checkpoint, data_cfg, source):
 
 
 def test_fewshot_evaluator_equals_numpy_on_the_same_features(tiny_checkpoint, tmp_path):
-  from bigpretrain import infer
+  from input_pipeline import subset
   config, results, rows = _transfer(f"mode=fewshot,init={tiny_checkpoint}", tmp_path)
   assert config.evals.fewshot.l2_reg == 1.0  # The demo's value (configs/common_fewshot.py).
   assert config.total_steps == 0 and rows[-1]["step"] == 0
@@ -149,7 +149,7 @@ def test_fewshot_evaluator_equals_numpy_on_the_same_features(tiny_checkpoint, tm
     for seed in range(3):
       rng = np.random.default_rng(seed)  # big_vision's draw, written out.
       idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k] for c in range(16)])
-      x, yk = _features(tiny_checkpoint, config.data, infer.SubsetSource(train_source, idx))
+      x, yk = _features(tiny_checkpoint, config.data, subset.SubsetSource(train_source, idx))
       np.testing.assert_array_equal(yk, y[idx])
       w, mean, std = _lstsq_ridge(x, yk, 16, config.evals.fewshot.l2_reg)
       xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
@@ -162,8 +162,8 @@ def test_linear_and_finetune_modes_run_on_the_demo(tiny_checkpoint, tmp_path):
                                     **{"evals.linear.train_records": 400})
   assert rows[-1]["step"] == 0 and results["linear/num_train"] == 400
   ds = datasets.get_dataset({"name": "demo_coarse"})
-  from bigpretrain import infer
-  x, y = _features(tiny_checkpoint, config.data, infer.RangeSource(ds.source("train"), 0, 400))
+  from input_pipeline import subset
+  x, y = _features(tiny_checkpoint, config.data, subset.RangeSource(ds.source("train"), 0, 400))
   xt, yt = _features(tiny_checkpoint, config.data, ds.source("validation"))
   w, mean, std = _lstsq_ridge(x, y, 16, 2.0 ** 10)
   xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)

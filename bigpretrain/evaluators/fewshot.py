@@ -1,6 +1,6 @@
 """Transfer probes on frozen features during (or instead of) training: `fewshot` (k-shot
 ridge regression, big_vision's few-shot evaluator) and `linear` (the same closed-form
-classifier on a whole train split). The math is in bigpretrain/fewshot.py.
+classifier on a whole train split). The math is in bigpretrain/linear_probe.py.
 
   config.evals.fewshot = dict(type='fewshot', datasets={'demo': ('demo', 'train',
       'validation')}, shots=(1, 5, 10, 25), seeds=3)
@@ -10,8 +10,7 @@ datasets or shots (`--config.evals.fewshot.shots='()'`) turn it off.
 """
 import numpy as np
 
-from bigpretrain import fewshot
-from bigpretrain import infer
+from bigpretrain import linear_probe
 from bigpretrain.evaluators import base
 from input_pipeline import datasets
 from input_pipeline import subset
@@ -36,7 +35,7 @@ class _Probe:
     self.num_classes = info.num_classes
     pool = self.dataset.source(train_split)
     if train_records:  # tfds stores records shuffled: a prefix is a random sample.
-      pool = infer.RangeSource(pool, 0, min(train_records, len(pool)))
+      pool = subset.RangeSource(pool, 0, min(train_records, len(pool)))
     self.pool, self.test = pool, self.dataset.source(test_split)
     self.y_pool, self.y_test = subset.labels(self.pool), subset.labels(self.test)
 
@@ -50,9 +49,9 @@ class FewShot(base.Evaluator):
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
     where = f"config.evals.{name}"
-    self.shots = tuple(cfg.get("shots", fewshot.DEFAULT_SHOTS))
-    self.seeds = cfg.get("seeds", fewshot.DEFAULT_SEEDS)
-    self.l2 = float(cfg.get("l2_reg", fewshot.L2_REG))
+    self.shots = tuple(cfg.get("shots", linear_probe.DEFAULT_SHOTS))
+    self.seeds = cfg.get("seeds", linear_probe.DEFAULT_SEEDS)
+    self.l2 = float(cfg.get("l2_reg", linear_probe.L2_REG))
     train_records = cfg.get("train_records", 0)
     for k in self.shots:
       _ints(k, f"{where}.shots entry", 1)
@@ -71,27 +70,27 @@ class FewShot(base.Evaluator):
       probe = _Probe(f"{where}.datasets.{label}", spec[0], data_dir, spec[1], spec[2],
                      train_records)
       try:  # Fails early when a class has fewer records than the largest k.
-        probe.drawn = fewshot.drawn_indices(probe.y_pool, probe.num_classes, self.shots,
+        probe.drawn = linear_probe.drawn_indices(probe.y_pool, probe.num_classes, self.shots,
                                             self.seeds)
       except ValueError as e:
         raise ValueError(f"{where}.datasets.{label} ({spec[0]}:{spec[1]}): {e}") from None
       self.probes[label] = probe
     self.exp = exp
-    fewshot.check_model(exp.model_def, where)
-    self.step = fewshot.make_features_step(exp.model_def, exp.shardings, exp.mesh,
+    linear_probe.check_model(exp.model_def, where)
+    self.step = linear_probe.make_features_step(exp.model_def, exp.shardings, exp.mesh,
                                            exp.config.data.normalize)
 
   def _features(self, state, source):
     config = self.exp.config
-    return fewshot.features(self.step, state, source, config.data,
+    return linear_probe.features(self.step, state, source, config.data,
                             batch_size=config.batch_size, mesh=self.exp.mesh)
 
   def run(self, state) -> dict:
     results = {}
     for label, p in self.probes.items():
-      x_drawn = self._features(state, infer.SubsetSource(p.pool, p.drawn))
+      x_drawn = self._features(state, subset.SubsetSource(p.pool, p.drawn))
       x_test = self._features(state, p.test)
-      accs = fewshot.fewshot_accuracies(x_drawn, p.drawn, p.y_pool, x_test, p.y_test,
+      accs = linear_probe.fewshot_accuracies(x_drawn, p.drawn, p.y_pool, x_test, p.y_test,
                                         p.num_classes, shots=self.shots, seeds=self.seeds,
                                         l2=self.l2)
       results.update({f"{self.name}/{label}_{k}shot": v for k, v in accs.items()})
@@ -108,7 +107,7 @@ class Linear(base.Evaluator):
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
     where = f"config.evals.{name}"
-    self.l2 = float(cfg.get("l2_reg", fewshot.L2_REG))
+    self.l2 = float(cfg.get("l2_reg", linear_probe.L2_REG))
     if not self.l2 > 0:
       raise ValueError(f"{where}.l2_reg={self.l2} must be > 0.")
     train_split = cfg.get("train_split", "") or exp.config.data.train_split
@@ -118,14 +117,14 @@ class Linear(base.Evaluator):
     self.probe = _Probe(where, info.name, cfg.get("data_dir", "") or exp.config.data.dir,
                         train_split, self.split, train_records)
     self.exp = exp
-    fewshot.check_model(exp.model_def, where)
-    self.step = fewshot.make_features_step(exp.model_def, exp.shardings, exp.mesh,
+    linear_probe.check_model(exp.model_def, where)
+    self.step = linear_probe.make_features_step(exp.model_def, exp.shardings, exp.mesh,
                                            exp.config.data.normalize)
 
   def run(self, state) -> dict:
     config, p = self.exp.config, self.probe
     kw = dict(batch_size=config.batch_size, mesh=self.exp.mesh)
-    x_train = fewshot.features(self.step, state, p.pool, config.data, **kw)
-    x_test = fewshot.features(self.step, state, p.test, config.data, **kw)
-    acc = fewshot.ridge_accuracy(x_train, p.y_pool, x_test, p.y_test, p.num_classes, self.l2)
+    x_train = linear_probe.features(self.step, state, p.pool, config.data, **kw)
+    x_test = linear_probe.features(self.step, state, p.test, config.data, **kw)
+    acc = linear_probe.ridge_accuracy(x_train, p.y_pool, x_test, p.y_test, p.num_classes, self.l2)
     return {f"{self.name}/top1": acc, f"{self.name}/num_train": float(len(x_train))}

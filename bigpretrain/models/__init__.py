@@ -126,7 +126,7 @@ class ModelDef:
 
 
 def load_pretrained(path: str) -> nnx.Module:
-  """The model of a run's workdir, a checkpoint dir or a `bigpretrain.convert` output, with
+  """The model of a run's workdir, a checkpoint dir or a `bigpretrain.tools.convert` output, with
   its weights, on the first local device; call it with train=False (the default)."""
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
   return pretrained.load(path).module()

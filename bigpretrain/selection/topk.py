@@ -4,7 +4,7 @@ The teacher keeps, for each unlabelled image, its P highest-scoring classes. For
 the images that kept l are ranked by their score for l and the first K form D-hat_l; D-hat is
 the union over classes, an image appearing once for each class that selected it (the paper
 replicates it). Equal scores rank the smaller id first, so the selection is one exact set
-whatever the order or grouping of the input: the rule the Beam job input_pipeline/selection.py
+whatever the order or grouping of the input: the rule the Beam job input_pipeline/selection_job.py
 applies at scale (its combiner merges partial top-Ks with `top_k_unsorted`), here on arrays in
 memory.
 

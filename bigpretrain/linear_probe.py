@@ -14,7 +14,7 @@ the 1-shot set of a seed lies inside its 5-shot set.
 import jax.numpy as jnp
 import numpy as np
 
-from bigpretrain import infer
+from bigpretrain import inference
 
 BIAS_CONSTANT = 100.0
 L2_REG = 2.0 ** 10
@@ -111,7 +111,7 @@ def make_features_step(model_def, shardings, mesh, normalize: str):
   def pooled(module, images):
     return {"features": module.features(images, train=False).astype(jnp.float32)}
 
-  return infer.make_forward(model_def, shardings, mesh, normalize, pooled)
+  return inference.make_forward(model_def, shardings, mesh, normalize, pooled)
 
 
 def features(step, variables: dict, source, data_cfg, *, batch_size: int,
@@ -119,7 +119,7 @@ def features(step, variables: dict, source, data_cfg, *, batch_size: int,
   """Features [len(source), D] of every record of `source`, in source order (every process
   gets all of them); a corrupt record is an error (its features would be missing)."""
   parts, index = [], []
-  for rows, skipped in infer.forward_rows(step, variables, source, data_cfg,
+  for rows, skipped in inference.forward_rows(step, variables, source, data_cfg,
                                           batch_size=batch_size, mesh=mesh):
     if skipped:
       raise ValueError(f"{skipped} corrupt records in {source!r}: few-shot features need "

@@ -15,7 +15,7 @@ bigpretrain.selection.topk.zipf_sizes, classes ranked by a --seed permutation), 
 balanced_with_tags (K images per class drawn at random, --seed, among those whose tags map to
 the class; bigpretrain.selection.tags). In-memory equivalents: bigpretrain.selection.
 
-Input, DIR (written by bigpretrain.infer with selection_formats.py's writers, which need no
+Input, DIR (written by bigpretrain.tools.infer with selection_formats.py's writers, which need no
 Beam):
   - `*.parquet` shards, one row per image, columns
       dataset (string), split (string), index (int64: the image's record index in that split,
@@ -29,7 +29,7 @@ Beam):
     "top_p": P, "dataset": NAME, "splits": [...], and optionally "num_records": rows in all
     shards (checked: fewer means unfinished inference), "scores": "softmax" or "logits"}.
   --expected_classes (one class name a line) must equal class_names, else a clear error.
-  --exclude: an exclusion list (input_pipeline/exclusions.py; bigpretrain.dedup writes one of
+  --exclude: an exclusion list (input_pipeline/exclusions.py; bigpretrain.tools.dedup writes one of
     the pool's near-duplicates of evaluation images): its images are dropped as they are read,
     never candidates, and counted (report num_excluded). predictions.json's num_excluded is
     what inference already left out with the same list.

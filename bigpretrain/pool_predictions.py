@@ -1,17 +1,15 @@
-"""Teacher inference over an unlabelled pool: per image its top-P classes and scores.
+"""Teacher predictions over an unlabelled pool: per image its top-P classes and scores.
 
-  python -m bigpretrain.infer --workdir=TEACHER --data=NAME --split=SPLIT --out=DIR \
-      [--data_dir=...] [--top_p=10] [--batch_size=256] [--logits] [--shard_size=50000] \
-      [--exclude=FILE]
+The library of `python -m bigpretrain.tools.infer` (its flags are listed there).
 
 Stage 2 of the semi-supervised recipe (Yalniz et al., 2019, section 3.1): the teacher, in eval
 mode and with its checkpoint's preprocessing (meta['data']: image_size, eval_resize,
 normalize), scores every record of the split; the top_p (P = 10 in the paper, section 4.1)
 classes of each image and their softmax scores (raw logits with --logits: the supplement's
-ablation, section 1) are written in the predictions format (input_pipeline/selection.py's
+ablation, section 1) are written in the predictions format (input_pipeline/selection_job.py's
 docstring; selection_formats.py), keyed by (--data, --split, record index), for the selection
 job. --exclude names an exclusion list (input_pipeline/exclusions.py, e.g. the near-duplicates
-of evaluation images found by bigpretrain.dedup): its records of this split are never scored,
+of evaluation images found by bigpretrain.tools.dedup): its records of this split are never scored,
 and predictions.json counts them (num_excluded).
 
 Shards and resumption: shard s holds the records [s * S, (s + 1) * S) (S = --shard_size) as
@@ -27,11 +25,8 @@ replicated and process 0 writes the shards (OUT must be visible to it, e.g. gs:/
 """
 import json
 import sys
-import time
 import uuid
 
-from absl import app
-from absl import flags
 from absl import logging
 from etils import epath
 import jax
@@ -42,54 +37,17 @@ import tqdm
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import distributed
-from bigpretrain import preprocess
+from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline import exclusions
-from input_pipeline import pipeline
 from input_pipeline import selection_formats
+from input_pipeline import subset
 
 PARAMS_FILE = "inference.json"
 DEFAULT_TOP_P = 10  # Section 4.1: "P = 10".
 DEFAULT_SHARD_SIZE = 50_000
-
-
-class RangeSource:
-  """Records [start, stop) of a random-access source, renumbered from 0."""
-
-  def __init__(self, source, start: int, stop: int):
-    if not 0 <= start <= stop <= len(source):
-      raise ValueError(f"Bad record range [{start}, {stop}) of a source of {len(source)}.")
-    self._source, self.start, self.stop = source, start, stop
-
-  def __len__(self) -> int:
-    return self.stop - self.start
-
-  def __getitem__(self, i: int):
-    if not 0 <= i < len(self):
-      raise IndexError(f"Index {i} out of range for {len(self)} records.")
-    return self._source[self.start + i]
-
-
-class SubsetSource:
-  """The records of a random-access source at the given indices, renumbered from 0."""
-
-  def __init__(self, source, indices):
-    self._source = source
-    self.indices = np.asarray(indices, np.int64)
-    if self.indices.ndim != 1 or (self.indices.size and (
-        self.indices.min() < 0 or self.indices.max() >= len(source))):
-      raise ValueError(f"Record indices must be a 1-d array in [0, {len(source)}).")
-
-  def __len__(self) -> int:
-    return len(self.indices)
-
-  def __getitem__(self, i: int):
-    if not 0 <= i < len(self):
-      raise IndexError(f"Index {i} out of range for {len(self)} records.")
-    return self._source[int(self.indices[i])]
 
 
 def shard_name(split: str, shard: int, num_shards: int) -> str:
@@ -101,22 +59,6 @@ def shard_ranges(num_records: int, shard_size: int) -> list[tuple[int, int]]:
   return [(a, min(a + shard_size, num_records)) for a in range(0, num_records, shard_size)]
 
 
-def make_forward(model_def, shardings, mesh, normalize: str, outputs):
-  """Jitted (params, extra, batch) -> replicated {**outputs(module, images), 'index',
-  'mask'}: the eval-mode model on a batch sharded over the mesh's data axes. `outputs` maps
-  the merged module and the normalised images to per-row arrays (top-P scores here, pooled
-  features in bigpretrain.dedup)."""
-
-  def step(params, extra, batch):
-    images = preprocess.normalize(batch["image"], normalize)
-    return {**outputs(model_def.merge(params, extra), images),
-            "index": batch["index"], "mask": batch["mask"]}
-
-  return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
-                                     sharding.batch_sharding(mesh)),
-                 out_shardings=sharding.replicated(mesh))
-
-
 def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
   """make_forward with the top_p softmax scores (or logits) per row: {'classes', 'scores'}."""
 
@@ -126,23 +68,7 @@ def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bo
     values, classes = jax.lax.top_k(scores, top_p)  # Best first.
     return {"classes": classes.astype(jnp.int32), "scores": values}
 
-  return make_forward(model_def, shardings, mesh, normalize, top)
-
-
-def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh):
-  """Runs a make_forward step over `source` (every process its own slice, as
-  pipeline.eval_iterator reads it); yields (rows, skipped) per batch: rows are the batch's
-  real records as numpy arrays, the same on every process ('index' = position in `source`),
-  skipped the corrupt records the pipeline dropped from the batch."""
-  batches = pipeline.eval_iterator(source, data_cfg, global_batch_size=batch_size,
-                                   process_index=jax.process_index(),
-                                   process_count=jax.process_count(), fields={})
-  for batch in batches:
-    skipped = int(batch.pop("_skipped"))
-    result = jax.device_get(step(variables["params"], variables["extra"],
-                                 sharding.global_batch(batch, mesh)))
-    keep = result.pop("mask") > 0
-    yield {k: v[keep] for k, v in result.items()}, skipped
+  return inference.make_forward(model_def, shardings, mesh, normalize, top)
 
 
 def _check_params(out: epath.Path, params: dict) -> None:
@@ -264,8 +190,8 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     records = np.setdiff1d(np.arange(start, stop), excluded, assume_unique=True)
     parts = [{"index": np.zeros(0, np.int64), "classes": np.zeros((0, top_p), np.int32),
               "scores": np.zeros((0, top_p), np.float32)}]  # An all-excluded shard is empty.
-    for rows, skipped_rows in forward_rows(step, loaded.variables,
-                                           SubsetSource(source, records), data_cfg,
+    for rows, skipped_rows in inference.forward_rows(step, loaded.variables,
+                                           subset.SubsetSource(source, records), data_cfg,
                                            batch_size=batch_size, mesh=mesh):
       skipped += skipped_rows
       parts.append(rows)
@@ -302,49 +228,3 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices("infer_done")
   return json.loads(info_path.read_text())
-
-
-def define_flags() -> None:
-  """The command's flags; defined only when it runs, so that importing this module next to
-  another command (tests, notebooks) defines no flag twice."""
-  flags.DEFINE_string("workdir", None, "The teacher: a run folder or checkpoint dir.")
-  flags.DEFINE_string("data", None, "Dataset name, as config.data.name (e.g. demo).")
-  flags.DEFINE_string("split", None, "The split to score (e.g. unlabeled).")
-  flags.DEFINE_string("out", None, "Predictions folder (created; resumed if started).")
-  flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
-  flags.DEFINE_integer("top_p", DEFAULT_TOP_P, "Classes kept per image (P).")
-  flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
-  flags.DEFINE_bool("logits", False, "Write raw logits instead of softmax scores.")
-  flags.DEFINE_integer("shard_size", DEFAULT_SHARD_SIZE, "Records per output shard.")
-  flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
-  flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  flags.DEFINE_string("exclude", None, "Exclusion list (bigpretrain.dedup's exclusions.tsv): "
-                      "its records of --data:--split are not scored.")
-  distributed.define_flags()
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  f = flags.FLAGS
-  for name in ("workdir", "data", "split", "out"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
-  distributed.initialize_from_flags()
-  started = time.time()
-  try:
-    info = run(f.workdir, f.data, f.split, f.out, data_dir=f.data_dir, top_p=f.top_p,
-               batch_size=f.batch_size, logits=f.logits, shard_size=f.shard_size, fsdp=f.fsdp,
-               num_workers=f.num_workers, exclude=f.exclude)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"ERROR: {e}", file=sys.stderr)
-    sys.exit(1)
-  if jax.process_index() == 0:
-    excluded = f", {info['num_excluded']} excluded" if "num_excluded" in info else ""
-    print(f"{info['num_records']} predictions of {f.data}:{f.split} in {f.out}{excluded} "
-          f"({time.time() - started:.0f} s).")
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

@@ -1,0 +1,51 @@
+"""The semi-supervised recipe, every stage in one command (Yalniz et al. 2019).
+
+  python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
+
+What it computes and why: bigpretrain/semi_supervised.py.
+"""
+
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from bigpretrain import distributed
+from bigpretrain import semi_supervised
+from bigpretrain.tools import cli
+
+
+def define_flags():
+  """The command's flags (defined only when it runs; see bigpretrain/infer.py)."""
+  config_flags.DEFINE_config_file("config", None, "configs/semi_supervised.py[:args].",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Folder of all stages (created; resumed if started).")
+  distributed.define_flags()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  f = flags.FLAGS
+  if f.config is None or not f.workdir:
+    raise app.UsageError("--config and --workdir are required.")
+  distributed.initialize_from_flags()
+  os.makedirs(f.workdir, exist_ok=True)
+  logging.get_absl_handler().use_absl_log_file("log", f.workdir)
+  started = time.time()
+  with cli.user_errors(TypeError, FloatingPointError, log_traceback=True):
+    try:
+      semi_supervised.run(f.config, f.workdir)
+    except semi_supervised.Interrupted as e:
+      print(str(e), flush=True)
+      return
+  if semi_supervised.is_main():
+    print(f"All stages done in {time.time() - started:.0f} s.", flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
