@@ -16,11 +16,12 @@ import ml_collections
 from bigpretrain import cache
 from bigpretrain import goodput
 from bigpretrain import mixup
+from bigpretrain import model_init
 from bigpretrain import optim
+from bigpretrain import registry
 from bigpretrain.sharding import MESH_AXES
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
-MODEL_INIT_HEADS = ('', 'zero_shot')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
 _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema')
 # Sections recipes extend with their own kwargs; only their base keys are required.
@@ -33,6 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
   """Every key the trainer reads, with its default."""
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # Modules imported before anything is built: a user's own objectives, evaluators, models,
+  # data sources or hooks register themselves there (bigpretrain/registry.py).
+  c.plugins = ()
   # Duration: total_steps > 0 wins, else num_epochs > 0, else num_examples > 0. total_steps
   # = 0 trains nothing: the evaluators run once on the initial (model_init) weights.
   c.total_steps = -1
@@ -54,9 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
   c.model_init_skip = ''
-  # How the classifier head is initialised after model_init: '' (loaded where its shape
-  # fits, else fresh) or 'zero_shot' (from a hashtag model's head through the WordNet class
-  # map; see bigpretrain/head_init.py).
+  # A hook run after model_init (bigpretrain/model_init.py), e.g. 'zero_shot': the head from
+  # a hashtag model's head through the WordNet class map (bigpretrain/head_init.py).
   c.model_init_head = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
   # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
@@ -205,9 +208,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
     name = config[section].name
     if not isinstance(name, str) or not name:
       raise ValueError(f'config.{section}.name={name!r} must be a non-empty str.')
-  if config.model_init_head not in MODEL_INIT_HEADS:
-    raise ValueError(f'config.model_init_head={config.model_init_head!r} must be one of '
-                     f'{MODEL_INIT_HEADS}.')
+  if config.model_init_head and config.model_init_head not in model_init.HOOKS:
+    raise ValueError(model_init.HOOKS.unknown_message(config.model_init_head))
   if config.model_init_head and not config.model_init:
     raise ValueError(f'config.model_init_head={config.model_init_head!r} needs '
                      'config.model_init (the checkpoint whose head it starts from).')
@@ -243,6 +245,7 @@ def validate(config: ml_collections.ConfigDict, *,
   Call before any compilation. `extra_keys` are top-level keys a caller allows beyond
   base_config()'s. The warmup-vs-run check needs the dataset size: see resolve_total_steps.
   """
+  registry.import_plugins(config.get('plugins', ()))
   _check_keys(config, base_config(), extra_keys)
   _check_values(config)
   optim.validate_optim_config(config.optim)

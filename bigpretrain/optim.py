@@ -18,8 +18,14 @@ import ml_collections
 import numpy as np
 import optax
 
-OPTIMIZERS = ('sgd', 'adam', 'adamw', 'lamb')
-SCHEDULES = ('cosine', 'onecycle', 'step', 'constant')
+from bigpretrain import registry
+
+# Optimizers by config.optim.name: fn(cfg, decay, adapted) -> the transforms between gradient
+# clipping and the learning rate (decay: weight-decay transforms, [] without; adapted: the
+# mask of parameters LAMB's trust ratio applies to).
+OPTIMIZERS = registry.Registry('optimizer', 'config.optim.name')
+# Learning-rate schedules by config.optim.schedule.name: fn(cfg, lr, total_steps) -> schedule.
+SCHEDULES = registry.Registry('lr schedule', 'config.optim.schedule.name')
 DEFAULT_WD_EXCLUDE = ('pos_embed', 'cls_token')
 LR_RULES = ('sqrt', 'linear', 'none')
 LAYER_DECAY_CONVENTIONS = ('cosub', 'mae')
@@ -105,7 +111,8 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
   s = cfg['schedule']
   p, ps = prefix, f'{prefix}.schedule'
   checks = [
-      (f'{p}.name', cfg['name'], cfg['name'] in OPTIMIZERS, f'must be one of {OPTIMIZERS}'),
+      (f'{p}.name', cfg['name'], cfg['name'] in OPTIMIZERS,
+       f'must be one of {OPTIMIZERS.names()}'),
       (f'{p}.lr', cfg['lr'], cfg['lr'] > 0, 'must be > 0'),
       (f'{p}.weight_decay', cfg['weight_decay'], cfg['weight_decay'] >= 0, 'must be >= 0'),
       (f'{p}.b1', cfg['b1'], 0 <= cfg['b1'] < 1, 'must be in [0, 1)'),
@@ -121,7 +128,7 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
       (f'{p}.layer_decay_convention', cfg['layer_decay_convention'],
        cfg['layer_decay_convention'] in LAYER_DECAY_CONVENTIONS,
        f'must be one of {LAYER_DECAY_CONVENTIONS}'),
-      (f'{ps}.name', s['name'], s['name'] in SCHEDULES, f'must be one of {SCHEDULES}'),
+      (f'{ps}.name', s['name'], s['name'] in SCHEDULES, f'must be one of {SCHEDULES.names()}'),
       (f'{ps}.warmup_steps', s['warmup_steps'], s['warmup_steps'] >= -1,
        'must be >= 0, or -1 to use warmup_frac'),
       (f'{ps}.warmup_frac', s['warmup_frac'], 0 <= s['warmup_frac'] <= 1, 'must be in [0, 1]'),
@@ -170,33 +177,54 @@ def resolve_warmup_steps(schedule_cfg: Mapping[str, Any], total_steps: int,
 
 def make_schedule(schedule_cfg: Mapping[str, Any], *, lr: float,
                   total_steps: int) -> optax.Schedule:
-  """The learning-rate schedule peaking at `lr`: optional linear warmup, then the decay."""
-  s = schedule_cfg
-  name = s['name']
-  if name == 'onecycle':
-    # Cosine rise from lr/div over pct_start, then cosine fall to lr/(div*final_div).
-    return optax.cosine_onecycle_schedule(total_steps, lr, pct_start=s['pct_start'],
-                                          div_factor=s['div_factor'],
-                                          final_div_factor=s['final_div_factor'])
-  warmup = resolve_warmup_steps(s, total_steps)
-  rest = max(total_steps - warmup, 1)
-  if name == 'cosine':
-    main = optax.cosine_decay_schedule(lr, decay_steps=rest, alpha=s['end_factor'])
-  elif name == 'constant':
-    main = optax.constant_schedule(lr)
-  elif name == 'step':
-    # num_decays decays evenly spaced: rest is split into num_decays + 1 equal segments.
-    scales = {}
-    for k in range(1, s['num_decays'] + 1):
-      b = int(round(k * rest / (s['num_decays'] + 1)))
-      scales[b] = scales.get(b, 1.0) * s['decay_factor']
-    main = optax.piecewise_constant_schedule(lr, scales)
-  else:
-    raise _err('optim.schedule.name', name, f'must be one of {SCHEDULES}')
-  if warmup == 0:
-    return main
-  ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
-  return optax.join_schedules([ramp, main], [warmup])
+  """The learning-rate schedule peaking at `lr` named by schedule_cfg['name']."""
+  return SCHEDULES.get(schedule_cfg['name'])(schedule_cfg, lr, total_steps)
+
+
+@SCHEDULES.register('onecycle')
+def _onecycle(s, lr: float, total_steps: int) -> optax.Schedule:
+  # Cosine rise from lr/div over pct_start, then cosine fall to lr/(div*final_div).
+  return optax.cosine_onecycle_schedule(total_steps, lr, pct_start=s['pct_start'],
+                                        div_factor=s['div_factor'],
+                                        final_div_factor=s['final_div_factor'])
+
+
+def _warmup_then(decay):
+  """A schedule of linear warmup (warmup_steps / warmup_frac) then `decay(s, lr, steps)`."""
+
+  def schedule(s, lr: float, total_steps: int) -> optax.Schedule:
+    warmup = resolve_warmup_steps(s, total_steps)
+    main = decay(s, lr, max(total_steps - warmup, 1))
+    if warmup == 0:
+      return main
+    ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
+    return optax.join_schedules([ramp, main], [warmup])
+
+  return schedule
+
+
+@SCHEDULES.register('cosine')
+@_warmup_then
+def _cosine(s, lr: float, steps: int) -> optax.Schedule:
+  return optax.cosine_decay_schedule(lr, decay_steps=steps, alpha=s['end_factor'])
+
+
+@SCHEDULES.register('constant')
+@_warmup_then
+def _constant(s, lr: float, steps: int) -> optax.Schedule:
+  del s, steps
+  return optax.constant_schedule(lr)
+
+
+@SCHEDULES.register('step')
+@_warmup_then
+def _step(s, lr: float, steps: int) -> optax.Schedule:
+  # num_decays decays evenly spaced: steps is split into num_decays + 1 equal segments.
+  scales = {}
+  for k in range(1, s['num_decays'] + 1):
+    b = int(round(k * steps / (s['num_decays'] + 1)))
+    scales[b] = scales.get(b, 1.0) * s['decay_factor']
+  return optax.piecewise_constant_schedule(lr, scales)
 
 
 def scale_lr(base_lr: float, batch_size: int, *, rule: str = 'sqrt',
@@ -324,17 +352,35 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
   chain = []
   if c['grad_clip_norm'] > 0:
     chain.append(optax.clip_by_global_norm(c['grad_clip_norm']))
-  adam = optax.scale_by_adam(b1=c['b1'], b2=c['b2'], eps=c['eps'])
-  if c['name'] == 'sgd':
-    chain += decay() + [optax.trace(decay=c['momentum'], nesterov=c['nesterov'])]
-  elif c['name'] == 'adam':
-    chain += decay() + [adam]  # Coupled L2: the decay goes through Adam's normalisation.
-  elif c['name'] == 'adamw':
-    chain += [adam] + decay()
-  elif c['name'] == 'lamb':
-    chain += [adam] + decay() + [optax.masked(optax.scale_by_trust_ratio(), adapted)]
+  chain += OPTIMIZERS.get(c['name'])(c, decay(), adapted)
   if c['layer_decay'] > 0:
     chain.append(scale_by_layer_decay(c['layer_decay'], c['layer_decay_convention']))
   chain.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*chain), schedule
 
+
+def _adam(c) -> optax.GradientTransformation:
+  return optax.scale_by_adam(b1=c['b1'], b2=c['b2'], eps=c['eps'])
+
+
+@OPTIMIZERS.register('sgd')
+def _sgd(c, decay: list, adapted) -> list:
+  del adapted
+  return decay + [optax.trace(decay=c['momentum'], nesterov=c['nesterov'])]
+
+
+@OPTIMIZERS.register('adam')
+def _adam_l2(c, decay: list, adapted) -> list:
+  del adapted
+  return decay + [_adam(c)]  # Coupled L2: the decay goes through Adam's normalisation.
+
+
+@OPTIMIZERS.register('adamw')
+def _adamw(c, decay: list, adapted) -> list:
+  del adapted
+  return [_adam(c)] + decay
+
+
+@OPTIMIZERS.register('lamb')
+def _lamb(c, decay: list, adapted) -> list:
+  return [_adam(c)] + decay + [optax.masked(optax.scale_by_trust_ratio(), adapted)]

@@ -23,6 +23,7 @@ from bigpretrain import config_lib
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import goodput as goodput_lib
 from bigpretrain import metric_writers
+from bigpretrain import model_init
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
@@ -360,10 +361,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
       state = {**state, **loaded}
       print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
             flush=True)
-      if config.model_init_head == "zero_shot":
-        from bigpretrain import head_init  # pylint: disable=import-outside-toplevel
-        state = {**state, "params": head_init.zero_shot_init(
-            config.model_init, state["params"], dataset.info.class_names)}
+      if config.model_init_head:
+        hook = model_init.HOOKS.get(config.model_init_head)
+        state = {**state, "params": hook(config.model_init, state["params"],
+                                         dataset.info.class_names)}
       state = exp.restart_ema(state)
   if "ema" in state:
     print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "

@@ -10,11 +10,17 @@ from typing import Callable
 
 import numpy as np
 
+from bigpretrain import registry
 from input_pipeline import augment
 from input_pipeline import decoding
 from input_pipeline.augment import Img
 
 TrainOp = Callable[[Img, np.random.Generator, int], Img]
+
+
+# Train-time ops by name: builder(name, *args) -> op(image, rng, image_size); a plugin adds
+# its own with @TRAIN_OPS.register(name).
+TRAIN_OPS = registry.Registry("augmentation op", "data.train_augment")
 
 
 def _number(op: str, what: str, value, lo: float, hi: float, integer: bool = False):
@@ -41,6 +47,7 @@ def _no_args(fn: Callable[[], TrainOp], usage: str):
   return build
 
 
+@TRAIN_OPS.register("inception_crop")
 def _build_inception_crop(op, *args):
   _arity(op, args, (0, 2), "inception_crop or inception_crop(min_scale, max_scale)")
   scale = (0.08, 1.0)
@@ -51,6 +58,7 @@ def _build_inception_crop(op, *args):
   return lambda image, rng, size: augment.inception_crop(image, rng, size, scale=scale)
 
 
+@TRAIN_OPS.register("randaugment")
 def _build_randaugment(op, *args):
   _arity(op, args, (0, 2, 3), "randaugment or randaugment(N, M[, P])")
   n, m, p = 2, 9.0, 0.5
@@ -62,6 +70,7 @@ def _build_randaugment(op, *args):
   return lambda image, rng, size: augment.rand_augment(image, rng, n, m, p)
 
 
+@TRAIN_OPS.register("cutout")
 def _build_cutout(op, *args):
   _arity(op, args, (0, 1, 2), "cutout, cutout(P) or cutout(P, factor)")
   p = _number(op, "P (probability)", args[0], 0, 1) if args else 1.0
@@ -69,6 +78,7 @@ def _build_cutout(op, *args):
   return lambda image, rng, size: augment.cutout(image, rng, p, factor)
 
 
+@TRAIN_OPS.register("color_jitter")
 def _build_color_jitter(op, *args):
   _arity(op, args, (0, 1, 3), "color_jitter, color_jitter(S) or color_jitter(B, C, S)")
   if not args:
@@ -78,30 +88,25 @@ def _build_color_jitter(op, *args):
   return lambda image, rng, size: augment.color_jitter(image, rng, b, c, s)
 
 
+@TRAIN_OPS.register("three_augment")
 def _build_three_augment(op, *args):
   _arity(op, args, (0, 1), "three_augment or three_augment(jitter)")
   jitter = _number(op, "jitter", args[0], 0, 1) if args else 0.3
   return lambda image, rng, size: augment.three_augment(image, rng, jitter)
 
 
+@TRAIN_OPS.register("simple_random_crop")
 def _build_simple_random_crop(op, *args):
   _arity(op, args, (0, 1), "simple_random_crop or simple_random_crop(pad)")
   pad = _number(op, "pad", args[0], 0, 1024, integer=True) if args else 4
   return lambda image, rng, size: augment.simple_random_crop(image, rng, size, pad)
 
 
-# Train-time ops: name -> builder(name, *args) -> op(image, rng, image_size).
-TRAIN_OPS: dict[str, Callable[..., TrainOp]] = {
-    "flip": _no_args(lambda: lambda image, rng, size: augment.random_flip(image, rng), "flip"),
-    "squish": _no_args(lambda: lambda image, rng, size: augment.squish(image, size), "squish"),
-    "inception_crop": _build_inception_crop,
-    "resize_crop": _no_args(lambda: augment.resize_crop, "resize_crop"),
-    "simple_random_crop": _build_simple_random_crop,
-    "randaugment": _build_randaugment,
-    "cutout": _build_cutout,
-    "color_jitter": _build_color_jitter,
-    "three_augment": _build_three_augment,
-}
+for _name, _builder in (
+    ("flip", _no_args(lambda: lambda image, rng, size: augment.random_flip(image, rng), "flip")),
+    ("squish", _no_args(lambda: lambda image, rng, size: augment.squish(image, size), "squish")),
+    ("resize_crop", _no_args(lambda: augment.resize_crop, "resize_crop"))):
+  TRAIN_OPS.register(_name, _builder)
 # Ops after which the image is image_size x image_size.
 RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
 
@@ -126,8 +131,7 @@ def _parse_op(text: str, spec: str) -> tuple[str, tuple]:
                      "write name or name(arg, ...)")
   name, arg_text = match.group(1), match.group(2)
   if name not in TRAIN_OPS:
-    raise ValueError(f"unknown augmentation op {name!r} in data.train_augment={spec!r}; "
-                     f"known ops: {sorted(TRAIN_OPS)}")
+    raise ValueError(f"{TRAIN_OPS.unknown_message(name)} (in data.train_augment={spec!r})")
   args = []
   if arg_text is not None and arg_text.strip():
     for a in arg_text.split(","):
@@ -154,7 +158,7 @@ def parse_train_ops(spec: str) -> tuple[str, ...]:
     text = text.strip()
     if text:
       name, args = _parse_op(text, spec)
-      TRAIN_OPS[name](name, *args)  # Validates the arguments.
+      TRAIN_OPS.get(name)(name, *args)  # Validates the arguments.
       ops.append(_canonical(name, args))
   return tuple(ops)
 
@@ -162,7 +166,7 @@ def parse_train_ops(spec: str) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=None)
 def _build(op: str) -> TrainOp:
   name, args = _parse_op(op, op)
-  return TRAIN_OPS[name](name, *args)
+  return TRAIN_OPS.get(name)(name, *args)
 
 
 def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,

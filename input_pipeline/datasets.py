@@ -1,7 +1,10 @@
 """Dataset lookup: `config.data` -> class list, split sizes and random-access record sources.
 
-`config.data.name` is looked up in a registry of names and name prefixes
-(`register_source`); a new kind of dataset registers its loader there. Built in:
+`config.data.name` is looked up in SOURCES, a registry of names and name prefixes; a new kind
+of dataset registers its loader `loader(name, data_dir) -> Dataset` where it is defined
+(`@datasets.SOURCES.register("myprefix:")`, in a module listed in config.plugins). The
+sources that wrap another dataset register from their own modules, imported on first use.
+Built in:
   'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
                          into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
                          the share of truncated train labels (percent, default 20).
@@ -35,14 +38,20 @@ datasets).
 import dataclasses
 import pathlib
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
+from bigpretrain import registry
 from input_pipeline import demo
 from input_pipeline import subset
+
+# Loaders by config.data.name: exact names, and prefixes (ending in ':' or '/') that serve
+# every longer name starting with them.
+SOURCES = registry.Registry("dataset", "config.data.name", prefixes=True)
+register_source = SOURCES.register
 
 # tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
 # imported from there, so that reading needs no Apache Beam).
@@ -170,6 +179,8 @@ def _data_dir(data_cfg) -> str:
   return str(data_cfg.get("dir", "") or "")
 
 
+@SOURCES.register("demo/", usage="demo/truncPERCENT")
+@SOURCES.register("demo")
 def _demo(name: str, data_dir: str) -> Dataset:
   """'demo' or 'demo/truncNN' -> the generated demo dataset."""
   truncation = demo.DEFAULT_TRUNCATION
@@ -182,12 +193,7 @@ def _demo(name: str, data_dir: str) -> Dataset:
   return Dataset(name, demo.prepare(data_dir or None, truncation=truncation))
 
 
-def _demo_coarse(name: str, data_dir: str):
-  # Imported on use: demo_coarse imports this module.
-  from input_pipeline import demo_coarse  # pylint: disable=import-outside-toplevel
-  return demo_coarse.load(name, data_dir)
-
-
+@SOURCES.register("tfds:", usage="tfds:NAME[/CONFIG]")
 def _tfds(name: str, data_dir: str) -> Dataset:
   """'tfds:NAME[/CONFIG]' -> a dataset already prepared in data_dir."""
   tfds_name = name[len("tfds:"):]
@@ -221,10 +227,12 @@ def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset
   return Dataset(name, builder)
 
 
+@SOURCES.register(IMAGENET21K_P)
 def _imagenet21k_p(name: str, data_dir: str) -> Dataset:
   return _prepared(name, IMAGENET21K_P, data_dir, "imagenet21k_p --manual_dir=RAW --data_dir=DIR")
 
 
+@SOURCES.register("folder:", usage="folder:NAME")
 def _folder(name: str, data_dir: str) -> Dataset:
   folder = name[len("folder:"):]
   if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-]*", folder):
@@ -234,61 +242,21 @@ def _folder(name: str, data_dir: str) -> Dataset:
                    f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
 
 
-def _selection(name: str, data_dir: str):
-  # Imported here: selection_source imports this module.
-  from input_pipeline import selection_source  # pylint: disable=import-outside-toplevel
-  return selection_source.SelectionDataset(name, data_dir)
-
-
-def _hashtags(name: str, data_dir: str):
-  # Imported on use: hashtag_source imports this module.
-  from input_pipeline import hashtag_source  # pylint: disable=g-import-not-at-top
-  return hashtag_source.load(name, data_dir)
-
-
-# Exact names, and prefixes (ending in ':' or '/') followed by a non-empty rest.
-_SOURCES: dict[str, Callable[[str, str], Dataset]] = {}
-_USAGE: dict[str, str] = {}
-
-
-def register_source(key: str, loader: Callable[[str, str], Dataset], usage: str = "") -> None:
-  """Makes `loader(name, data_dir) -> Dataset` serve data.name == key, or, for a key ending
-  in ':' or '/', every data.name that starts with it. `usage` shows in unknown-name errors."""
-  if key in _SOURCES and _SOURCES[key] is not loader:
-    raise ValueError(f"dataset source {key!r} is already registered")
-  _SOURCES[key] = loader
-  _USAGE[key] = usage or key
-
-
-def _loader(name: str) -> Callable[[str, str], Dataset]:
-  if name in _SOURCES and not name.endswith((":", "/")):
-    return _SOURCES[name]
-  prefixes = [k for k in _SOURCES if k.endswith((":", "/")) and name.startswith(k)
-              and len(name) > len(k)]
-  if not prefixes:
-    raise ValueError(f"Unknown dataset name {name!r}; known: {sorted(_USAGE.values())}.")
-  return _SOURCES[max(prefixes, key=len)]
+SOURCES.register_lazy("demo_coarse", "input_pipeline.demo_coarse")
+SOURCES.register_lazy("selection:", "input_pipeline.selection_source", "selection:DIR")
+SOURCES.register_lazy("hashtags:", "input_pipeline.hashtag_source", "hashtags:NAME")
+SOURCES.register_lazy("hashtags:demo", "input_pipeline.hashtag_demo")
 
 
 def name_prefixes() -> list[str]:
   """The registered name prefixes ('tfds:', 'folder:', 'demo/', ...)."""
-  return sorted(k for k in _SOURCES if k.endswith((":", "/")))
+  return [k for k in SOURCES.keys() if k.endswith((":", "/"))]
 
 
 def get_dataset(data_cfg) -> Dataset:
   """`config.data` (uses keys 'name' and 'dir') -> Dataset; see the module docstring."""
   name = str(data_cfg.get("name", ""))
-  return _loader(name)(name, _data_dir(data_cfg))
-
-
-register_source("demo", _demo)
-register_source("demo/", _demo, "demo/truncPERCENT")
-register_source("demo_coarse", _demo_coarse)
-register_source("tfds:", _tfds, "tfds:NAME[/CONFIG]")
-register_source(IMAGENET21K_P, _imagenet21k_p)
-register_source("folder:", _folder, "folder:NAME")
-register_source("selection:", _selection, "selection:DIR")
-register_source("hashtags:", _hashtags, "hashtags:NAME")
+  return SOURCES.get(name)(name, _data_dir(data_cfg))
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:

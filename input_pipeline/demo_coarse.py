@@ -14,6 +14,7 @@ import functools
 import numpy as np
 
 from bigpretrain.semantic import tree as tree_lib
+from input_pipeline import datasets
 
 COARSE_LEVEL = 1  # Levels 0..COARSE_LEVEL are kept as classes.
 SPLITS = ("train", "validation")
@@ -61,7 +62,6 @@ class CoarseDemo:
   """The dataset (info + source(split)) over a demo dataset (datasets.Dataset)."""
 
   def __init__(self, name: str, fine):
-    from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
     self._fine = fine
     self.mapping, names = coarse_map(fine.info.class_names)
     info = fine.info
@@ -79,9 +79,9 @@ class CoarseDemo:
 
 @functools.cache
 def _load(name: str, data_dir: str) -> CoarseDemo:
-  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   return CoarseDemo(name, datasets.get_dataset({"name": "demo", "dir": data_dir}))
 
 
+@datasets.SOURCES.register("demo_coarse")
 def load(name: str, data_dir: str) -> CoarseDemo:
   return _load(name, data_dir)

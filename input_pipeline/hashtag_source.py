@@ -9,18 +9,11 @@
   prepared with (--tail_threshold, default the paper's 5,000), kept in its metadata;
 - info.stats: the job's counts (skipped images by reason, raw tags, head/tail).
 
-`hashtags:demo` comes from the same job: the demo's train and validation images and tags are
-exported once into the cache as WebDataset shards (`<data dir>/hashtags_demo_raw/SPLIT/*.tar`,
-KEY.png + KEY.json {"hashtags", "label"}) and prepared by hashtag_job with min_count =
-min_raw_count = 1 (the vocabulary is every canonical label of the train tags) and
-DEMO_TAIL_THRESHOLD, under a file lock, like the demo itself. Reading needs no Apache Beam;
-building the demo the first time does.
+`hashtags:demo` is made from the demo by the same job on first use (hashtag_demo.py). Reading
+needs no Apache Beam.
 """
-import io
-import json
 import pathlib
 import re
-import tarfile
 from typing import Any
 
 import numpy as np
@@ -37,13 +30,6 @@ LABEL_INDEX = "hashtag_ids-{split}.npz"  # Written by hashtag_job.prepare beside
 PREFIX = "hashtags:"
 ALPHA = 0.7  # Head share of the samples (appendix A).
 DEMO_NAME = "demo"
-DEMO_SPLITS = ("train", "validation")
-DEMO_RAW = "hashtags_demo_raw"
-DEMO_SHARD_SIZE = 5000
-# Head = labels in at least this many train images (the paper's 5,000 is for billions of
-# images). The demo's 109 labels are in 45-686 of its ~17k labelled train images; at 200
-# both the head and the tail hold a good part of the labels and of the images.
-DEMO_TAIL_THRESHOLD = 200
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 
 
@@ -149,73 +135,25 @@ def _records(builder, split: str) -> datasets.RecordSource:
   return datasets.RecordSource(builder.as_data_source(split, decoders=decoders), split)
 
 
-# ------------------------------------------------------------------------------------------
-# hashtags:demo.
-
-
-def export_demo(base_builder, raw_dir: pathlib.Path) -> pathlib.Path:
-  """Writes the demo's train and validation splits as WebDataset shards under raw_dir
-  (once: a finished export is reused); returns raw_dir."""
-  done = raw_dir / ".complete"
-  if done.exists():
-    return raw_dir
-  base = datasets.Dataset("demo", base_builder)
-  wnids = base.info.class_names
-  for split in DEMO_SPLITS:
-    folder = raw_dir / split
-    folder.mkdir(parents=True, exist_ok=True)
-    source = base.source(split)
-    for start in range(0, len(source), DEMO_SHARD_SIZE):
-      shard = folder / f"demo-{start // DEMO_SHARD_SIZE:05d}.tar"
-      with tarfile.open(shard, "w") as tar:
-        for i in range(start, min(start + DEMO_SHARD_SIZE, len(source))):
-          record = source[i]
-          meta = json.dumps({"hashtags": record["hashtags"],
-                             "label": wnids[record["label"]]}).encode("utf-8")
-          for name, data in ((f"{i:06d}.png", record["image"]), (f"{i:06d}.json", meta)):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-  done.write_text("")
-  return raw_dir
-
-
-def _find(full_name: str, root: pathlib.Path):
+def find(full_name: str, root: pathlib.Path):
   try:
     return read_only_builder.builder_from_files(full_name, data_dir=str(root))
   except tfds.core.registered.DatasetNotFoundError:
     return None
 
 
-def demo_builder(data_dir: str):
-  """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
-  base = demo.prepare(data_dir or None)
-  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
-  full_name = f"{BUILDER_NAME}/{DEMO_NAME}"
-  found = _find(full_name, root)
-  if found is not None and (pathlib.Path(found.data_dir) /
-                            LABEL_INDEX.format(split="train")).exists():
-    return found
-  with demo.file_lock(root / f".{BUILDER_NAME}-{DEMO_NAME}.lock"):
-    # Imported here: reading needs no Apache Beam, only building does.
-    from input_pipeline import hashtag_job  # pylint: disable=import-outside-toplevel
-    raw = export_demo(base, root / DEMO_RAW)
-    return hashtag_job.prepare(raw, root, DEMO_NAME, min_count=1, min_raw_count=1,
-                               tail_threshold=DEMO_TAIL_THRESHOLD)
-
-
+@datasets.SOURCES.register("hashtags:", usage="hashtags:NAME")
 def load(name: str, data_dir: str) -> HashtagDataset:
-  """Loader for datasets.register_source: 'hashtags:NAME'."""
+  """'hashtags:NAME': a hashtag dataset prepared in data_dir ('hashtags:demo':
+  hashtag_demo.py)."""
   rest = name[len(PREFIX):]
   if not NAME_RE.fullmatch(rest):
     raise ValueError(f"Bad dataset name {name!r}: use 'hashtags:NAME' with NAME the --name "
                      "given to `python -m input_pipeline.prepare hashtags`, or 'hashtags:demo'.")
-  if rest == DEMO_NAME:
-    return HashtagDataset(name, demo_builder(data_dir), image_size=demo.IMAGE_SIZE)
   root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
   how = (f"Prepare it with `python -m input_pipeline.prepare hashtags --manual_dir=RAW "
          f"--data_dir={root} --name={rest}`.")
-  builder = _find(f"{BUILDER_NAME}/{rest}", root) if root.is_dir() else None
+  builder = find(f"{BUILDER_NAME}/{rest}", root) if root.is_dir() else None
   if builder is None:
     raise FileNotFoundError(f"No prepared hashtag dataset {name!r} in {root}. {how}")
   return HashtagDataset(name, builder)

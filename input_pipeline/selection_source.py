@@ -123,3 +123,8 @@ def _columns(table: pa.Table, dataset: str, src, num_classes: int, where: str):
   if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
     raise ValueError(f"Selection {where} has labels outside [0, {num_classes}).")
   return split_names, codes, index, labels
+
+
+@datasets.SOURCES.register("selection:", usage="selection:DIR")
+def load(name: str, data_dir: str) -> SelectionDataset:
+  return SelectionDataset(name, data_dir)

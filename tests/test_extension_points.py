@@ -215,7 +215,7 @@ def test_trainer_names_no_recipe_objective_evaluator_or_dataset():
   code = "\n".join(line.split("#")[0] for line in
                    (ROOT / "bigpretrain" / "train.py").read_text().splitlines())
   words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
-  names = (objectives.names() + evaluators.names() + list(datasets._SOURCES)
+  names = (objectives.names() + evaluators.names() + datasets.SOURCES.keys()
            + models.list_models() + ["semantic", "cosub", "swag", "hashtag", "teacher",
                                      "student", "imagenet", "demo", "label"])
   for name in names:

@@ -1,5 +1,9 @@
 """The evaluator contract and the settings every evaluator shares."""
+from bigpretrain import registry
 from input_pipeline import datasets
+
+# Evaluator classes by config.evals.NAME.type; `cls(name, cfg, experiment)` builds one.
+EVALUATORS = registry.Registry("evaluator type", "config.evals.*.type")
 
 COMMON_KEYS = ("type", "every_steps", "dataset", "data_dir", "split")
 

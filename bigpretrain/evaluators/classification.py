@@ -52,6 +52,7 @@ def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_siz
   return jax.device_get(totals), skipped, count
 
 
+@base.EVALUATORS.register("classification")
 class Classification(base.Evaluator):
   """Settings: topk (tuple of ints, default (1, 5)). Evaluating on another dataset needs the
   train dataset's class list (e.g. ImageNet-v2 for an ImageNet model)."""

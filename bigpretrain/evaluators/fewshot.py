@@ -40,6 +40,7 @@ class _Probe:
     self.y_pool, self.y_test = subset.labels(self.pool), subset.labels(self.test)
 
 
+@base.EVALUATORS.register("fewshot")
 class FewShot(base.Evaluator):
   """Settings: datasets ({label: (dataset name, train split, test split)}; data_dir is
   shared), shots (DEFAULT_SHOTS), seeds (3), l2_reg (fewshot.L2_REG), train_records (0: the
@@ -97,6 +98,7 @@ class FewShot(base.Evaluator):
     return results
 
 
+@base.EVALUATORS.register("linear")
 class Linear(base.Evaluator):
   """The ridge classifier on the features of a whole train split (a linear probe in closed
   form), scored on `split`. Settings: train_split (config.data.train_split), l2_reg,

@@ -5,7 +5,6 @@ returning float32 logits [B, num_classes]. A registered factory is a callable ta
 `num_classes`, `rngs` and keyword options; a functools.partial over a model class fixes the
 architecture (its bound keywords cannot be overridden through get_model).
 """
-from collections.abc import Callable
 import dataclasses
 import functools
 import inspect
@@ -13,25 +12,15 @@ import inspect
 from flax import nnx
 import jax.numpy as jnp
 
-_REGISTRY: dict[str, Callable[..., nnx.Module]] = {}
+from bigpretrain.models import base
+
 _RESERVED = ("num_classes", "rngs")
-
-
-def register(name: str, factory: Callable[..., nnx.Module] | None = None):
-  """Registers `factory` under `name`; usable as `@register("name")` or `register(n, f)`."""
-
-  def add(f):
-    if name in _REGISTRY:
-      raise ValueError(f"model {name!r} is already registered")
-    _REGISTRY[name] = f
-    return f
-
-  return add if factory is None else add(factory)
+register = base.MODELS.register
 
 
 def list_models() -> list[str]:
   """Sorted names of all registered models."""
-  return sorted(_REGISTRY)
+  return base.MODELS.names()
 
 
 def _accepted_kwargs(factory) -> tuple[set[str] | None, set[str]]:
@@ -51,7 +40,8 @@ def _accepted_kwargs(factory) -> tuple[set[str] | None, set[str]]:
 
 def accepts(name: str, option: str) -> bool:
   """Whether registered model `name` takes keyword `option` (and does not fix it)."""
-  accepted, fixed = _accepted_kwargs(_REGISTRY[name]) if name in _REGISTRY else (set(), set())
+  accepted, fixed = (_accepted_kwargs(base.MODELS.get(name)) if name in base.MODELS
+                     else (set(), set()))
   return option not in fixed and (accepted is None or option in accepted)
 
 
@@ -61,9 +51,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Modul
   Raises ValueError for an unknown name (listing the registered ones) and TypeError for an
   option the model does not take or one fixed by its architecture.
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown model {name!r}; registered models: {', '.join(list_models())}")
-  factory = _REGISTRY[name]
+  factory = base.MODELS.get(name)
   accepted, fixed = _accepted_kwargs(factory)
   bad_fixed = sorted(set(kw) & fixed)
   if bad_fixed:
@@ -132,18 +120,11 @@ def load_pretrained(path: str) -> nnx.Module:
   return pretrained.load(path).module()
 
 
-def _register_all():
-  # pylint: disable=g-import-not-at-top
-  from bigpretrain.models import mixer
-  from bigpretrain.models import mobilenet_v3
-  from bigpretrain.models import regnet
-  from bigpretrain.models import resnet
-  from bigpretrain.models import tresnet
-  from bigpretrain.models import vit
-  modules = [mixer, mobilenet_v3, regnet, resnet, tresnet, vit]
-  for module in modules:
-    for model_name, factory in sorted(module.MODELS.items()):
-      register(model_name, factory)
-
-
-_register_all()
+# The built-in architectures register their variants on import.
+# pylint: disable=g-import-not-at-top,g-bad-import-order,unused-import,wrong-import-position
+from bigpretrain.models import mixer
+from bigpretrain.models import mobilenet_v3
+from bigpretrain.models import regnet
+from bigpretrain.models import resnet
+from bigpretrain.models import tresnet
+from bigpretrain.models import vit

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 
 
@@ -35,7 +36,7 @@ class MixerBlock(nnx.Module):
     return x + self.channel_mixing(self.norm2(x))
 
 
-class MlpMixer(nnx.Module):
+class MlpMixer(base.Classifier):
   """MLP-Mixer classifier: `model(images, *, train, rng) -> float32 logits [B, C]`."""
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, patch_size: int, width: int,
@@ -79,12 +80,8 @@ class MlpMixer(nnx.Module):
       x = block(x)
     return jnp.mean(self.norm(x), axis=1).astype(jnp.float32)
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
 
-
-MODELS = {
+VARIANTS = {
     "mixer_s16": functools.partial(MlpMixer, patch_size=16, width=512, depth=8,
                                    tokens_mlp_dim=256, channels_mlp_dim=2048),
     "mixer_b16": functools.partial(MlpMixer, patch_size=16, width=768, depth=12,
@@ -92,3 +89,6 @@ MODELS = {
     "mixer_l16": functools.partial(MlpMixer, patch_size=16, width=1024, depth=24,
                                    tokens_mlp_dim=512, channels_mlp_dim=4096),
 }
+
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

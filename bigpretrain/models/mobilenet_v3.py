@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 
 # (kernel, expanded width, out channels, squeeze-excite, activation, stride) per block,
@@ -102,7 +103,7 @@ class InvertedResidual(nnx.Module):
     return x + y if self.has_skip else y
 
 
-class MobileNetV3(nnx.Module):
+class MobileNetV3(base.Classifier):
   """MobileNetV3-Large: `model(images, *, train, rng) -> float32 logits [B, C]`."""
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, image_size=224,
@@ -143,9 +144,8 @@ class MobileNetV3(nnx.Module):
     x = jax.nn.hard_swish(self.conv_head(x))
     return x.reshape(x.shape[0], -1).astype(jnp.float32)
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
 
+VARIANTS = {"mobilenetv3_large_100": functools.partial(MobileNetV3, num_features=1280)}
 
-MODELS = {"mobilenetv3_large_100": functools.partial(MobileNetV3, num_features=1280)}
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

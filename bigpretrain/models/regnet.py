@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 from bigpretrain.models import resnet
 
@@ -111,7 +112,7 @@ class ResBottleneckBlock(nnx.Module):
     return jax.nn.relu(x + y)
 
 
-class RegNet(nnx.Module):
+class RegNet(base.Classifier):
   """RegNet classifier: `model(images, *, train, rng) -> float32 logits [B, C]`.
 
   `depth, w_0, w_a, w_m, group_width` are the RegNet parameters (regnet_stages);
@@ -158,10 +159,6 @@ class RegNet(nnx.Module):
       x = layers.constrain_batch(block(x, train=train))
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
-
 
 # (depth, w_0, w_a, w_m, group_width) of torchvision's regnet_y_* (pycls RegNetY-*); the
 # 128GF one is SWAG's (torchvision's regnet_y_128gf, which carries SWAG's weights).
@@ -174,7 +171,7 @@ _REGNETY = {
     "regnety_128gf": (27, 456, 160.83, 2.52, 264),
 }
 
-MODELS = {
+VARIANTS = {
     name: functools.partial(RegNet, depth=d, w_0=w0, w_a=wa, w_m=wm, group_width=gw,
                             se_ratio=0.25, stem_width=32)
     for name, (d, w0, wa, wm, gw) in _REGNETY.items()
@@ -182,5 +179,8 @@ MODELS = {
 # A 6-block RegNetY for the CPU demo configs: stages (32, 1), (64, 2), (128, 3), group width
 # 64. XLA's CPU gradients of many-group convolutions are slow (regnety_400mf, 8-channel
 # groups: ~14 s per 64-image 32x32 step on 2 cores; this model: ~0.25 s).
-MODELS["regnety_demo"] = functools.partial(RegNet, depth=6, w_0=32, w_a=24.0, w_m=2.0,
+VARIANTS["regnety_demo"] = functools.partial(RegNet, depth=6, w_0=32, w_a=24.0, w_m=2.0,
                                            group_width=64, se_ratio=0.25, stem_width=16)
+
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 
 # Grouped kernels too: their per-group input dim splits over FSDP like any other (the kernel
@@ -109,7 +110,7 @@ class Bottleneck(nnx.Module):
 _BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
-class ResNet(nnx.Module):
+class ResNet(base.Classifier):
   """ResNet / ResNeXt classifier: `model(images, *, train, rng) -> float32 logits [B, C]`.
 
   `block` is 'basic' or 'bottleneck'; `groups` and `width_per_group` (ResNeXt) apply to the
@@ -167,17 +168,13 @@ class ResNet(nnx.Module):
       x = block(x, train=train)
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
-
 
 def _resnext(stage_sizes, groups, width_per_group):
   return functools.partial(ResNet, stage_sizes=stage_sizes, block="bottleneck", groups=groups,
                            width_per_group=width_per_group)
 
 
-MODELS = {
+VARIANTS = {
     "resnet18": functools.partial(ResNet, stage_sizes=(2, 2, 2, 2), block="basic"),
     "resnet50": functools.partial(ResNet, stage_sizes=(3, 4, 6, 3)),
     "resnet101": functools.partial(ResNet, stage_sizes=(3, 4, 23, 3)),
@@ -190,3 +187,6 @@ MODELS = {
     "resnext101_32x16d": _resnext((3, 4, 23, 3), 32, 16),
     "resnext101_32x48d": _resnext((3, 4, 23, 3), 32, 48),
 }
+
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

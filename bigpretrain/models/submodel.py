@@ -52,14 +52,9 @@ class Removed(nnx.Module):
 
 def _lists(model) -> list:
   """The nnx.Lists holding the model's residual blocks, in forward order."""
-  if isinstance(getattr(model, "blocks", None), nnx.List):
-    return [model.blocks]
-  stages = []
-  while isinstance(getattr(model, f"layer{len(stages) + 1}", None), nnx.List):
-    stages.append(getattr(model, f"layer{len(stages) + 1}"))  # TResNet: layer1..layer4.
+  stages = model.residual_stages()
   if not stages:
-    raise ValueError(f"{type(model).__name__} has no residual blocks to remove (no 'blocks' "
-                     "list nor 'layer1'.. stages).")
+    raise ValueError(f"{type(model).__name__} has no residual blocks to remove.")
   return stages
 
 

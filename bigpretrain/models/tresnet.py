@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 from bigpretrain.models import regnet
 from bigpretrain.models import resnet
@@ -161,7 +162,7 @@ class Bottleneck(nnx.Module):
     return jax.nn.relu(shortcut + y)
 
 
-class TResNet(nnx.Module):
+class TResNet(base.Classifier):
   """TResNet classifier: `model(images, *, train, rng) -> float32 logits [B, C]`.
 
   `stage_sizes` are the blocks per stage; `width_factor` scales the base width 64
@@ -214,6 +215,9 @@ class TResNet(nnx.Module):
       outs.append(x)
     return outs
 
+  def residual_stages(self) -> list:
+    return [self.layer1, self.layer2, self.layer3, self.layer4]
+
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
     """Globally average-pooled final features [B, num_features] in float32 (head input)."""
@@ -221,13 +225,12 @@ class TResNet(nnx.Module):
     x = self.stages(images, train=train)[-1]
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
 
-
-MODELS = {
+VARIANTS = {
     # timm's tresnet_m / tresnet_l (the TResNet paper's Table 1 variants).
     "tresnet_m": functools.partial(TResNet, stage_sizes=(3, 4, 11, 3), width_factor=1.0),
     "tresnet_l": functools.partial(TResNet, stage_sizes=(4, 5, 18, 3), width_factor=1.2),
 }
+
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bigpretrain.models import base
 from bigpretrain.models import layers
 
 # name -> (width, depth, heads, mlp_dim)
@@ -116,7 +117,7 @@ class Block(nnx.Module):
     return x
 
 
-class VisionTransformer(nnx.Module):
+class VisionTransformer(base.Classifier):
   """ViT classifier: `model(images [B,H,W,3], *, train, rng) -> float32 logits [B, C]`."""
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, patch_size: int, width: int,
@@ -221,10 +222,6 @@ class VisionTransformer(nnx.Module):
     x = layers.constrain_batch(x.astype(jnp.float32))
     return x if self.pre_logits is None else jnp.tanh(self.pre_logits(x))
 
-  def __call__(self, images: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
-    return self.head(self.features(images, train=train, rng=rng))
-
 
 def resize_pos_embed(pos_embed: jax.Array, old_grid: tuple[int, int],
                      new_grid: tuple[int, int], num_prefix: int = 0) -> jax.Array:
@@ -256,4 +253,7 @@ def vit_demo(*, num_classes: int, rngs: nnx.Rngs, image_size=32, **kw) -> Vision
                            depth=4, num_heads=4, mlp_dim=256, image_size=image_size, **kw)
 
 
-MODELS = _variants()
+VARIANTS = _variants()
+
+for _name, _factory in sorted(VARIANTS.items()):
+  base.MODELS.register(_name, _factory)

@@ -2,35 +2,29 @@
 
 An objective subclasses `base.Objective` (the contract: the batch fields it reads, whether it
 takes mixup's soft targets, loss, eval metrics, optional frozen inputs) and is registered by
-name; `config.objective.name` picks it. A new objective needs only `register(name, cls)`.
+name where it is defined (`@base.OBJECTIVES.register(name)`); `config.objective.name` picks
+it. An objective outside this package registers the same way, in a module listed in
+config.plugins.
 """
 from bigpretrain.objectives import base
-from bigpretrain.objectives import cosub
-from bigpretrain.objectives import multi_label
-from bigpretrain.objectives import semantic_kd
-from bigpretrain.objectives import semantic_softmax
-from bigpretrain.objectives import soft_target
-from bigpretrain.objectives import softmax
+# The built-in objectives register themselves on import.
+from bigpretrain.objectives import cosub  # pylint: disable=unused-import
+from bigpretrain.objectives import multi_label  # pylint: disable=unused-import
+from bigpretrain.objectives import semantic_kd  # pylint: disable=unused-import
+from bigpretrain.objectives import semantic_softmax  # pylint: disable=unused-import
+from bigpretrain.objectives import soft_target  # pylint: disable=unused-import
+from bigpretrain.objectives import softmax  # pylint: disable=unused-import
 
-_REGISTRY = {}
-
-
-def register(name: str, cls) -> None:
-  """Makes `cls(cfg, info)` (a base.Objective) selectable as config.objective.name=name."""
-  if name in _REGISTRY and _REGISTRY[name] is not cls:
-    raise ValueError(f"objective {name!r} is already registered")
-  _REGISTRY[name] = cls
+register = base.OBJECTIVES.register
 
 
 def names() -> list[str]:
-  return sorted(_REGISTRY)
+  return base.OBJECTIVES.names()
 
 
 def get_objective(cfg, info) -> base.Objective:
   """Builds the objective named by `cfg.name` (config.objective) for dataset `info`."""
-  if cfg.name not in _REGISTRY:
-    raise ValueError(f"config.objective.name={cfg.name!r} is unknown; known: {names()}.")
-  return _REGISTRY[cfg.name](cfg, info)
+  return base.OBJECTIVES.get(cfg.name)(cfg, info)
 
 
 def missing_fields(objective: base.Objective, info) -> list[str]:
@@ -66,11 +60,3 @@ def check(objective: base.Objective, info, config) -> None:
 
 def mixup_enabled(mixup_cfg) -> bool:
   return mixup_cfg is not None and (mixup_cfg.mixup_alpha > 0 or mixup_cfg.cutmix_alpha > 0)
-
-
-for _name, _cls in (("cosub", cosub.Cosub), ("softmax", softmax.Softmax),
-                    ("semantic_softmax", semantic_softmax.SemanticSoftmax),
-                    ("semantic_kd", semantic_kd.SemanticKD),
-                    ("multi_label", multi_label.MultiLabel),
-                    ("soft_target", soft_target.SoftTarget)):
-  register(_name, _cls)

@@ -2,9 +2,13 @@
 import jax
 import jax.numpy as jnp
 
+from bigpretrain import registry
 from bigpretrain.semantic import metrics as semantic_metrics
 from bigpretrain.semantic import tree as semantic_tree
 from bigpretrain.semantic import wordnet
+
+# Objective classes by config.objective.name; `cls(config.objective, dataset_info)` builds one.
+OBJECTIVES = registry.Registry("objective", "config.objective.name")
 
 
 class Objective:

@@ -27,6 +27,7 @@ from bigpretrain.objectives import base
 KINDS = ("bce", "ce")
 
 
+@base.OBJECTIVES.register("cosub")
 class Cosub(base.Objective):
   """Co-training of `num_submodels` stochastic-depth submodels of one network."""
   soft_targets = True
@@ -78,7 +79,7 @@ class Cosub(base.Objective):
     return y
 
   def _check_model(self, model):
-    rates = getattr(model, "drop_path_rates", None)
+    rates = model.drop_path_rates
     if rates is None:
       raise ValueError(f"cosub needs a model with stochastic depth (drop_path_rates); "
                        f"{type(model).__name__} has none.")
@@ -95,8 +96,9 @@ class Cosub(base.Objective):
     b = images.shape[0]
     y = self.targets(batch)
     aux = {}
-    if hasattr(model, "effective_drop_path_rates"):
-      rates = model.effective_drop_path_rates(n * b) or [0.0]
+    rates = model.effective_drop_path_rates(n * b)
+    if rates is not None:
+      rates = rates or [0.0]
       aux["train/esd_effective_drop"] = jnp.float32(sum(rates) / len(rates))
     if n == 1:
       logits = model(images, train=True, rng=rng)

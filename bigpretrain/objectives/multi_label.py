@@ -53,6 +53,7 @@ def mean_average_precision(histograms) -> float:
   return float(np.nanmean(average_precision_from_histograms(pos, neg)))
 
 
+@base.OBJECTIVES.register("multi_label")
 class MultiLabel(base.Objective):
   """Loss: ASL (default) or BCE on label + ancestors; eval: mAP, top-k, semantic top-1.
 

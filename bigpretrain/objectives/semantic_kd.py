@@ -16,9 +16,11 @@ import jax
 
 from bigpretrain import losses
 from bigpretrain.models import pretrained
+from bigpretrain.objectives import base
 from bigpretrain.objectives import semantic_softmax
 
 
+@base.OBJECTIVES.register("semantic_kd")
 class SemanticKD(semantic_softmax.SemanticSoftmax):
   """Loss: semantic softmax + kd_weight * sum_k sum_b P_bk ||p^s_bk - p^t_bk||^2 / B."""
 

@@ -12,6 +12,7 @@ from bigpretrain.objectives import base
 from bigpretrain.semantic import metrics as semantic_metrics
 
 
+@base.OBJECTIVES.register("semantic_softmax")
 class SemanticSoftmax(base.Objective):
   """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k of
   the hierarchical answer (semantic.metrics.semantic_softmax_answer)."""

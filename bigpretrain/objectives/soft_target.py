@@ -23,6 +23,7 @@ from bigpretrain.objectives import base
 from bigpretrain.objectives import multi_label
 
 
+@base.OBJECTIVES.register("soft_target")
 class SoftTarget(base.Objective):
   """Settings: field (the id-list batch field, default 'hashtag_ids'), map_bins (1000).
 

@@ -6,6 +6,7 @@ from bigpretrain import losses
 from bigpretrain.objectives import base
 
 
+@base.OBJECTIVES.register("softmax")
 class Softmax(base.Objective):
   """The plain classification objective (ImageNet-21K single-label baseline, fine-tuning).
 

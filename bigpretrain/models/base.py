@@ -1,0 +1,39 @@
+"""The model contract and the registry of models by name (config.model.name)."""
+import jax
+from flax import nnx
+
+from bigpretrain import registry
+
+# Model factories by name: `factory(num_classes=..., rngs=..., **options) -> Classifier`.
+MODELS = registry.Registry("model", "config.model.name")
+
+
+class Classifier(nnx.Module):
+  """An image classifier: `features` (uint8-normalised images [B, H, W, 3] -> pooled [B, D])
+  then `head` ([B, D] -> float32 logits [B, C]). Subclasses define both; linear probes,
+  dedup and zero-shot read `features`, the trainer calls the model.
+
+  drop_path_rates: the per-block stochastic-depth rates, or None for a model without
+  stochastic depth (cosub needs it).
+  """
+  drop_path_rates: list[float] | None = None
+
+  def __call__(self, images: jax.Array, *, train: bool = False,
+               rng: jax.Array | None = None) -> jax.Array:
+    return self.head(self.features(images, train=train, rng=rng))
+
+  def features(self, images: jax.Array, *, train: bool = False,
+               rng: jax.Array | None = None) -> jax.Array:
+    raise NotImplementedError
+
+  def effective_drop_path_rates(self, batch_size: int) -> list[float] | None:
+    """The drop rates a batch of `batch_size` rows really gets (efficient stochastic depth
+    rounds the dropped rows per device); None without stochastic depth."""
+    del batch_size
+    return self.drop_path_rates
+
+  def residual_stages(self) -> list:
+    """The nnx.Lists holding the residual blocks, in forward order (the layer ablation of
+    bigpretrain/evaluate.py); [] for a model without them."""
+    blocks = getattr(self, "blocks", None)
+    return [blocks] if isinstance(blocks, nnx.List) else []

@@ -1,0 +1,97 @@
+"""One registry type for everything a config names: objectives, evaluators, models, data
+sources, train ops, optimizers, schedules and model-init hooks.
+
+A thing registers itself where it is defined (`@REGISTRY.register("name")`); a config names
+it; a miss says which names exist and which one was probably meant. Registering the same
+object twice is a no-op (a module may be imported twice, e.g. as a plugin and by a test);
+another object under a taken name is an error. A registry made with `prefixes=True` also
+serves names by prefix: a key ending in ':' or '/' (e.g. 'tfds:') serves every longer name
+that starts with it, the longest such key winning, and an exact key winning over all.
+
+Pure Python: the input pipeline uses it too (see DESIGN: it is one of the few libraries the
+lower layer may import).
+"""
+import difflib
+import importlib
+from typing import Any
+
+
+class Registry:
+  """Names -> objects of one kind; `config_key` names the config field in error messages."""
+
+  def __init__(self, kind: str, config_key: str, *, prefixes: bool = False):
+    self.kind, self.config_key, self.prefixes = kind, config_key, prefixes
+    self._items: dict[str, Any] = {}
+    self._usage: dict[str, str] = {}
+    self._lazy: dict[str, str] = {}
+
+  def register(self, name: str, obj: Any = None, *, usage: str = "") -> Any:
+    """Registers `obj` under `name`; without `obj`, a decorator. `usage` is how the name is
+    written in messages (e.g. 'tfds:NAME[/CONFIG]' for the prefix 'tfds:')."""
+
+    def add(o):
+      if name in self._items and self._items[name] is not o:
+        raise ValueError(f"{self.kind} {name!r} is already registered (as "
+                         f"{self._items[name]!r}).")
+      self._items[name] = o
+      self._usage[name] = usage or name
+      return o
+
+    return add if obj is None else add(obj)
+
+  def register_lazy(self, name: str, module: str, usage: str = "") -> None:
+    """`name` is served by `module`, imported on first use (it must register `name`): keeps
+    optional dependencies (e.g. Apache Beam) out of every import."""
+    self._lazy[name] = module
+    self._usage.setdefault(name, usage or name)
+
+  def _key(self, name: str) -> str | None:
+    if name in self._items or name in self._lazy:
+      if not (self.prefixes and name.endswith((":", "/"))):
+        return name
+    if not self.prefixes:
+      return None
+    matches = [k for k in (*self._items, *self._lazy) if k.endswith((":", "/"))
+               and name.startswith(k) and len(name) > len(k)]
+    return max(matches, key=len) if matches else None
+
+  def get(self, name: str) -> Any:
+    """The object registered for `name`; ValueError naming the known ones on a miss."""
+    key = self._key(str(name))
+    if key is None:
+      raise ValueError(self.unknown_message(name))
+    if key not in self._items:
+      importlib.import_module(self._lazy[key])
+      if key not in self._items:
+        raise ValueError(f"Module {self._lazy[key]} did not register {self.kind} {key!r}.")
+    return self._items[key]
+
+  def __contains__(self, name: str) -> bool:
+    return self._key(str(name)) is not None
+
+  def names(self) -> list[str]:
+    """The registered names as written in messages, sorted."""
+    return sorted(self._usage[k] for k in {*self._items, *self._lazy})
+
+  def keys(self) -> list[str]:
+    return sorted({*self._items, *self._lazy})
+
+  def unknown_message(self, name) -> str:
+    close = difflib.get_close_matches(str(name), self.keys(), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"{self.config_key}={name!r} is not a known {self.kind}.{hint} Known: "
+            f"{', '.join(self.names())}.")
+
+
+def import_plugins(modules, where: str = "config.plugins") -> None:
+  """Imports each module named in `modules` (dotted names, importable from sys.path): a
+  plugin registers its objectives, sources, models, ... when imported."""
+  for name in modules or ():
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"{where} must list module names (strings), got {name!r}.")
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ValueError(f"{where}: cannot import plugin module {name!r} ({e}). Put its folder "
+                       "on PYTHONPATH or install it.") from e
+
