@@ -4,8 +4,9 @@ import setuptools
 setuptools.setup(
     name="bigpretrain",
     version="0.1.0",
-    description="JAX/Flax large-scale image pretraining recipes (ImageNet-21K semantic "
-    "softmax, cosub) on one sharded trainer.",
+    description="JAX/Flax large-scale image pretraining on one sharded trainer: ImageNet-21K "
+    "semantic softmax and KD, cosub, SWAG hashtag pretraining with zero-shot transfer, and "
+    "billion-scale semi-supervised teacher/student.",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
     package_data={"bigpretrain.semantic": ["data/*.txt"], "input_pipeline": ["demo_wnids.txt"]},
@@ -33,18 +34,19 @@ setuptools.setup(
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
-        # Beam: the data-preparation tests; faiss: the dedup tests; interop: the weight
-        # conversion tests.
+        # Beam: the data-preparation tests; faiss: the dedup tests. The weight-conversion
+        # tests need the interop extra too (pytest -m interop); without it they skip.
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "faiss-cpu>=1.8",
-                 "bigpretrain[interop]", "bigpretrain[bench]"],
+                 "bigpretrain[bench]"],
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],
         "beam": ["apache-beam>=2.60"],
         # Nearest-neighbour search of bigpretrain.tools.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
         "dedup": ["faiss-cpu>=1.8"],
-        # bigpretrain.tools.convert: timm / torchvision weights. torch and torchvision are pinned
-        # as a matching CPU pair: an unpinned torch resolves to a multi-GB CUDA build.
+        # bigpretrain.tools.convert: timm / torchvision .pth weights. torch and torchvision
+        # are pinned as a pair that works together; the package index serves torch's CUDA
+        # build (about 5.6 GB with its nvidia-* wheels), which also runs on a CPU.
         # safetensors reads and writes .safetensors through numpy, without torch.
         "interop": ["torch==2.14.1", "torchvision==0.29.1", "timm>=1.0", "safetensors>=0.4"],
     },

@@ -12,3 +12,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(_ROOT / ".cache" / "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags.
+
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line when interop tests were skipped for want of torch, saying how to run them."""
+  skipped = [r for r in terminalreporter.stats.get("skipped", []) if "interop" in r.keywords]
+  if skipped:
+    terminalreporter.write_line(
+        f"{len(skipped)} interop tests skipped: torch/timm are not installed; "
+        "pip install -e '.[interop]' runs them.")

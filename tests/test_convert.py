@@ -23,6 +23,8 @@ from bigpretrain import models
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
 
+pytestmark = pytest.mark.interop  # torch / timm references (the interop extra)
+
 _REASON = "needs the interop extra (torch, torchvision, timm, safetensors): " + \
     convert.INTEROP_HINT
 

@@ -6,6 +6,8 @@ import pytest
 from bigpretrain import config_lib
 from configs import cosub_in21k
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 
 def _flat(config, prefix=""):
   out = {}

@@ -38,6 +38,8 @@ from input_pipeline import exclusions
 from input_pipeline import selection_job
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 NAME = "dedup_test:v1"
 POOL, AGAINST = f"{NAME}:unlabeled", f"{NAME}:validation"
 NUM_EVAL, NUM_OTHERS = 24, 90

@@ -19,6 +19,8 @@ from bigpretrain.semantic import wordnet
 from input_pipeline import datasets
 from input_pipeline import demo
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = {"train": 6, "validation": 3, "unlabeled": 2}
 

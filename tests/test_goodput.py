@@ -166,6 +166,7 @@ def test_slow_input_raises_data_wait(baseline, tmp_path, monkeypatch):
   assert slow[-1]["perf/data_wait_frac"] > base[-1]["perf/data_wait_frac"]
 
 
+@pytest.mark.multiprocess
 def test_slow_process_is_flagged_as_straggler(tmp_path):
   delay = 0.5
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=1", "--"]

@@ -26,6 +26,8 @@ from input_pipeline import hashtag_job
 from input_pipeline import pipeline
 from input_pipeline import prepare
 
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+
 EGGPLANT = "eggplant.n.01+eggplant.n.02"  # #eggplant and #aubergine (appendix A).
 DOG = "andiron.n.01+dog.n.01+frank.n.02+pawl.n.01"  # #dog and #dogs.
 NAME = "crawl"

@@ -298,6 +298,7 @@ def test_gke_applies_the_printed_manifest(tmp_path):
 
 # ---------------------------------------------------------------------------------- local
 
+@pytest.mark.multiprocess
 def test_local_dry_run_prints_the_processes_it_starts(tmp_path):
   fake_python = tmp_path / "python"
   fake_python.write_text('#!/usr/bin/env bash\necho "$XLA_FLAGS|$JAX_PLATFORMS|$*" >> "$LOG"\n')

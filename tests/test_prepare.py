@@ -33,6 +33,8 @@ from input_pipeline import imagenet21k_p as i21k
 from input_pipeline import pipeline
 from input_pipeline import prepare
 
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+
 MIN_IMAGES = 4  # Keep a class only with MORE than 4 files.
 VAL = 2
 ANIMAL, BIRD, MAMMAL, DOG = "n00015388", "n01503061", "n01861778", "n02084071"

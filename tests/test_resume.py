@@ -107,6 +107,7 @@ def test_unknown_config_key_is_rejected_before_training(tmp_path):
   assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.multiprocess
 def test_two_processes_match_one_process(tmp_path):
   one = tmp_path / "one"
   r = helpers.run_main(helpers.main_args(one, total_steps=4), num_devices=4)

@@ -22,6 +22,8 @@ from input_pipeline import prepare
 from input_pipeline import selection_job
 from input_pipeline import selection_formats
 
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 # Real wnids: golden retriever, dog, tench, crane (bird), crane (machine), tabby cat.

@@ -26,6 +26,8 @@ from input_pipeline import selection_formats
 from input_pipeline import subset
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 
 # ------------------------------------------------------------------------------------------
 # Schedules (section 4.1).
@@ -260,6 +262,7 @@ def _table(folder) -> pa.Table:
   return pa.concat_tables([pq.read_table(p) for p in sorted(folder.glob("*.parquet"))])
 
 
+@pytest.mark.multiprocess
 def test_inference_on_two_processes_matches_one(tmp_path):
   teacher = _teacher(tmp_path / "teacher")
   args = [f"--workdir={teacher}", "--data=demo", "--split=validation", "--top_p=3",

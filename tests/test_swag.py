@@ -20,6 +20,8 @@ from bigpretrain.hashtags import resampling
 from bigpretrain.models import regnet
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 
 def _config(recipe, arg=None):
   module = __import__(f"configs.{recipe}", fromlist=["get_config"])

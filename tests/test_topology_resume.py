@@ -20,6 +20,8 @@ from input_pipeline import pipeline
 from input_pipeline import stream_position as sp
 from tests import helpers
 
+pytestmark = pytest.mark.multiprocess  # several trainer processes
+
 
 
 # ------------------------------------------------------------------------------------------

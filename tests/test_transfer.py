@@ -12,6 +12,8 @@ from input_pipeline import datasets
 from input_pipeline import demo_coarse
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 
 def _lstsq_ridge(x, y, num_classes, l2):
   """Ridge by hand: whiten, append the bias feature, then least squares of the stacked system

@@ -21,6 +21,8 @@ from input_pipeline import pipeline
 from input_pipeline import subset
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # end-to-end recipe runs
+
 
 def _host(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
