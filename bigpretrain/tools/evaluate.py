@@ -41,7 +41,7 @@ def main(argv):
     raise app.UsageError("Give exactly one of --workdir and --checkpoint.")
   with cli.user_errors():
     run_config = evaluate.read_run_config(f.workdir) if f.workdir else None
-    result = evaluate(
+    result = evaluate.evaluate(
         f.workdir or f.checkpoint, evaluate.parse_datasets(f.datasets), run_config=run_config,
         data_dir=f.data_dir, class_map=evaluate.load_class_map(f.class_map) if f.class_map else None,
         drop_blocks=evaluate.parse_drop_blocks(f.drop_blocks), batch_size=f.batch_size)
