@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from bigpretrain import objectives
-from bigpretrain import preprocess
+from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.evaluators import classification
 from bigpretrain.models import pretrained
@@ -146,9 +146,8 @@ def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk
   model's: top-k of the mapped answer and, with `real`, ReaL top-1."""
   columns = np.asarray(columns)
 
-  def eval_step(params, extra, batch):
-    images = preprocess.normalize(batch["image"], normalize)
-    logits = model_def.merge(params, extra)(images, train=False)
+  def eval_step(module, batch):
+    logits = module(batch["image"], train=False)
     scores = jnp.max(objective.answer(logits)[:, columns], axis=-1)
     mask = base.eval_mask(batch, logits.shape[0])
     out = base.topk_metrics(scores, batch["label"], mask, topk)
@@ -156,10 +155,7 @@ def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk
       out["real_top1"] = real_accuracy(scores, batch[REAL_LABEL], mask)
     return out
 
-  return jax.jit(eval_step,
-                 in_shardings=(shardings["params"], shardings["extra"],
-                               sharding.batch_sharding(mesh)),
-                 out_shardings=sharding.replicated(mesh))
+  return inference.make_step(model_def, shardings, mesh, normalize, eval_step)
 
 
 def read_run_config(workdir: str) -> dict:
@@ -279,14 +275,7 @@ class Evaluation:
         totals, skipped, _ = classification.evaluate(
             self._step(ts, drop), self.loaded.variables, ts.dataset, ts.data_cfg, self.mesh,
             split=ts.split, batch_size=self.batch_size, fields=ts.fields)
-        results = classification.ratios(totals)
-        results.update(ts.objective.finalize_eval(totals))
-        results["skipped_records"] = skipped
-        if "top1" in totals:
-          results["num_examples"] = float(totals["top1"][1])
-        if "real_top1" in totals:
-          results["num_real_examples"] = float(totals["real_top1"][1])
-        out[ts.name] = results
+        out[ts.name] = classification.summarize(totals, ts.objective, skipped)
     return out
 
   def sweep(self, test_sets) -> dict:

@@ -12,20 +12,28 @@ from bigpretrain import sharding
 from input_pipeline import pipeline
 
 
-def make_forward(model_def, shardings, mesh, normalize: str, outputs):
-  """Jitted (params, extra, batch) -> replicated {**outputs(module, images), 'index',
-  'mask'}: the eval-mode model on a batch sharded over the mesh's data axes. `outputs` maps
-  the merged module and the normalised images to per-row arrays (top-P scores here, pooled
-  features in bigpretrain.tools.dedup)."""
+def make_step(model_def, shardings, mesh, normalize: str, fn):
+  """The one jitted eval-mode step: (params, extra, batch) -> fn(module, batch), replicated.
+
+  The batch is sharded over the mesh's data axes, its uint8 images normalised by the
+  `normalize` preset (config.data.normalize) before `fn` sees them; `module` is the merged
+  model. Evaluators sum metrics in `fn`, inference returns per-row outputs (make_forward).
+  """
 
   def step(params, extra, batch):
-    images = preprocess.normalize(batch["image"], normalize)
-    return {**outputs(model_def.merge(params, extra), images),
-            "index": batch["index"], "mask": batch["mask"]}
+    batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
+    return fn(model_def.merge(params, extra), batch)
 
   return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
                                      sharding.batch_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
+
+
+def make_forward(model_def, shardings, mesh, normalize: str, outputs):
+  """make_step returning per-row arrays: {**outputs(module, images), 'index', 'mask'}
+  (top-P scores for pool predictions, pooled features for probes and dedup)."""
+  return make_step(model_def, shardings, mesh, normalize, lambda module, batch: {
+      **outputs(module, batch["image"]), "index": batch["index"], "mask": batch["mask"]})
 
 
 def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh):

@@ -91,8 +91,16 @@ def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Stitches each host's rows into global arrays sharded along the batch axes."""
+  """Stitches each host's rows into global arrays sharded along the batch axes.
+
+  A scalar '_skipped' (the corrupt records this host skipped making its rows) becomes a
+  column holding the count in the host's first row and 0 elsewhere, so that its sum over the
+  global batch counts every host's."""
   sharding = batch_sharding(mesh)
+  if np.ndim(local_batch.get("_skipped", ())) == 0:
+    skipped = np.zeros(len(local_batch["image"]), np.int32)
+    skipped[0] = local_batch["_skipped"]
+    local_batch = {**local_batch, "_skipped": skipped}
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
           for k, v in local_batch.items()}
 

@@ -281,8 +281,8 @@ def build_model(config, devices=None, dataset=None) -> ModelSetup:
   datasets.parse_mix(config.data.mix)  # A bad spec fails here, before anything is compiled.
   model_def = models.ModelDef.from_config(config.model, dataset.info.num_classes,
                                           config.compute_dtype, config.data.image_size)
-  return ModelSetup(config, mesh, dataset, model_def,
-                    variable_shardings(model_def, config, mesh))
+  return ModelSetup(config=config, mesh=mesh, dataset=dataset, model_def=model_def,
+                    shardings=variable_shardings(model_def, config, mesh))
 
 
 def build(config, devices=None, dataset=None) -> Experiment:
@@ -291,9 +291,7 @@ def build(config, devices=None, dataset=None) -> Experiment:
   info = setup.dataset.info
   objective = objectives.get_objective(config.objective, info)
   objectives.check(objective, info, config)
-  num_train = info.num_examples[config.data.train_split]
-  if config.data.get("subset_frac", 1.0) != 1.0:  # Few-shot: epochs count the drawn records.
-    num_train = len(datasets.train_sources(config.data, setup.dataset)[0][0])
+  num_train = datasets.num_train_examples(config.data, setup.dataset)
   total_steps = config_lib.resolve_total_steps(config, num_train)
   logging.info("Run length: %s", config_lib.describe_duration(config, num_train))
   # total_steps = 0 evaluates only; the optimizer is built for one step and never used.
@@ -303,8 +301,10 @@ def build(config, devices=None, dataset=None) -> Experiment:
   # E.g. a distillation teacher, sharded like the student.
   frozen, frozen_shardings = objective.load_frozen(setup.mesh, rules_of(config),
                                                    config.compute_dtype, config.data)
-  return Experiment(config, setup.mesh, setup.dataset, setup.model_def, shardings, objective,
-                    tx, schedule, total_steps, frozen, frozen_shardings)
+  return Experiment(config=config, mesh=setup.mesh, dataset=setup.dataset,
+                    model_def=setup.model_def, shardings=shardings, objective=objective, tx=tx,
+                    schedule=schedule, total_steps=total_steps, frozen=frozen,
+                    frozen_shardings=frozen_shardings)
 
 
 def make_train_iterator(exp: Experiment, position: stream_position.Position | None = None):
@@ -405,10 +405,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
         batch = next(train_iter)
         if input_delay:
           time.sleep(input_delay)
-      # Per-host count of corrupt records, put in row 0 so the step sums it over all hosts.
-      skipped = np.zeros(len(batch["image"]), np.int32)
-      skipped[0] = batch.pop("_skipped", 0)
-      batch["_skipped"] = skipped
       batch = sharding.global_batch(batch, mesh)
       if step == start + 1:  # Compile ahead (the call below reuses it) for the step's FLOPs.
         with timer.excluded():

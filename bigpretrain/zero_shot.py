@@ -27,6 +27,7 @@ import numpy as np
 from nltk.corpus.reader.wordnet import WordNetError
 import scipy.optimize
 
+from bigpretrain import inference
 from bigpretrain.hashtags import vocabulary
 from bigpretrain.semantic import wordnet
 
@@ -306,19 +307,14 @@ def _scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
   """Jitted (params, extra, batch) -> replicated {method: class scores [B, C], 'label',
   'mask'}: the hashtag softmax, aggregated on device (the [N, H] hashtag scores, H ~27k in
   the paper, never leave it)."""
-  from bigpretrain import preprocess  # pylint: disable=import-outside-toplevel
-  from bigpretrain import sharding  # pylint: disable=import-outside-toplevel
 
-  def step(params, extra, batch):
-    images = preprocess.normalize(batch["image"], normalize)
-    logits = model_def.merge(params, extra)(images, train=False).astype(jnp.float32)
+  def scores(module, batch):
+    logits = module(batch["image"], train=False).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     out = {m: aggregate(probs, mapping, m) for m in methods}
     return {**out, "label": batch["label"], "mask": batch["mask"]}
 
-  return jax.jit(step, in_shardings=(shardings["params"], shardings["extra"],
-                                     sharding.batch_sharding(mesh)),
-                 out_shardings=sharding.replicated(mesh))
+  return inference.make_step(model_def, shardings, mesh, normalize, scores)
 
 
 def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validation",

@@ -281,6 +281,14 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
   return out
 
 
+def num_train_examples(data_cfg, dataset: Dataset) -> int:
+  """The records one epoch of data.train_split counts: the split's size, or the size of its
+  per-class draw with data.subset_frac < 1 (few-shot training)."""
+  if data_cfg.get("subset_frac", 1.0) != 1.0:
+    return len(train_sources(data_cfg, dataset)[0][0])
+  return dataset.info.num_examples[data_cfg.get("train_split", "train")]
+
+
 def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[float]]:
   """The train split of `dataset` (its per-class draw when data.subset_frac < 1; see
   subset.py) and of every data.mix entry, with their weights.

@@ -4,24 +4,17 @@ import jax
 import numpy as np
 
 from bigpretrain import objectives
-from bigpretrain import preprocess
+from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.evaluators import base
 from input_pipeline import pipeline
 
 
 def make_eval_step(model_def, objective, shardings, mesh, normalize: str, topk):
-  """(params, extra, batch) -> {name: totals} summed over the global batch; uint8 images are
-  normalised by the `normalize` preset (config.data.normalize)."""
-
-  def eval_step(params, extra, batch):
-    batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
-    return objective.eval_metrics(model_def.merge(params, extra), batch, topk)
-
-  return jax.jit(eval_step,
-                 in_shardings=(shardings["params"], shardings["extra"],
-                               sharding.batch_sharding(mesh)),
-                 out_shardings=sharding.replicated(mesh))
+  """(params, extra, batch) -> {name: totals} summed over the global batch (the objective's
+  eval metrics; inference.make_step)."""
+  return inference.make_step(model_def, shardings, mesh, normalize,
+                             lambda module, batch: objective.eval_metrics(module, batch, topk))
 
 
 def ratios(totals: dict) -> dict:
@@ -50,6 +43,19 @@ def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_siz
   if totals is None:
     raise ValueError(f"Split {split!r} of {dataset.info.name!r} is empty.")
   return jax.device_get(totals), skipped, count
+
+
+@base.EVALUATORS.register("classification")
+def summarize(totals: dict, objective, skipped: int) -> dict:
+  """A split's metrics from its summed totals: the ratios, the objective's own (e.g. mAP),
+  the corrupt records skipped and the examples counted (also for ReaL labels)."""
+  results = ratios(totals)
+  results.update(objective.finalize_eval(totals))
+  results["skipped_records"] = skipped
+  for metric, count in (("top1", "num_examples"), ("real_top1", "num_real_examples")):
+    if metric in totals:
+      results[count] = float(totals[metric][1])
+  return results
 
 
 @base.EVALUATORS.register("classification")
@@ -84,9 +90,5 @@ class Classification(base.Evaluator):
     totals, skipped, _ = evaluate(self.step, state, self.dataset, config.data, self.exp.mesh,
                                   split=self.split, batch_size=config.batch_size,
                                   fields=self.fields)
-    results = ratios(totals)
-    results.update(self.objective.finalize_eval(totals))
-    results["skipped_records"] = skipped
-    if "top1" in totals:
-      results["num_examples"] = float(totals["top1"][1])
+    results = summarize(totals, self.objective, skipped)
     return {f"{self.name}/{k}": v for k, v in results.items()}
