@@ -45,7 +45,6 @@ def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_siz
   return jax.device_get(totals), skipped, count
 
 
-@base.EVALUATORS.register("classification")
 def summarize(totals: dict, objective, skipped: int) -> dict:
   """A split's metrics from its summed totals: the ratios, the objective's own (e.g. mAP),
   the corrupt records skipped and the examples counted (also for ReaL labels)."""
