@@ -36,34 +36,16 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from bigpretrain import objectives
-from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.evaluators import classification
+from bigpretrain.evaluators import mapped
 from bigpretrain.models import pretrained
 from bigpretrain.models import submodel
-from bigpretrain.objectives import base
 from input_pipeline import datasets
-
-REAL_LABEL = "real_label"
-
-
-def real_accuracy(scores, real_labels, mask):
-  """ReaL top-1 (Beyer et al. 2020) summed over the batch: (hits, images with a real label).
-
-  scores [B, C]; real_labels int [B, K], each row the image's set of real labels padded with
-  -1; mask [B] (0 = padding row). An image counts when its set is not empty, and is a hit
-  when the argmax of its scores is in its set.
-  """
-  pred = jnp.argmax(scores, axis=-1)
-  valid = jnp.any(real_labels >= 0, axis=-1) * mask
-  hit = jnp.any(real_labels == pred[:, None], axis=-1) * valid
-  return jnp.sum(hit), jnp.sum(valid)
-
 
 def parse_datasets(text: str) -> list[tuple[str, str]]:
   """'demo:validation,tfds:imagenet_v2' -> [('demo', 'validation'), ('tfds:imagenet_v2', '')].
@@ -92,70 +74,6 @@ def parse_drop_blocks(text: str):
     return tuple(int(t) for t in text.split(",") if t.strip())
   except ValueError:
     raise ValueError(f"--drop_blocks={text!r}: give block indices like 3,7 or 'sweep'.") from None
-
-
-def load_class_map(path: str) -> dict[str, list[str]]:
-  """{dataset class: [model classes]} from a JSON object whose values are names or lists."""
-  with open(path) as f:
-    raw = json.load(f)
-  if not isinstance(raw, dict):
-    raise ValueError(f"--class_map={path}: expected a JSON object {{dataset class: model "
-                     "class or [model classes]}}.")
-  out = {}
-  for k, v in raw.items():
-    names = [v] if isinstance(v, str) else v
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-      raise ValueError(f"--class_map={path}: entry {k!r} must map to a class name or a "
-                       f"non-empty list of names, got {v!r}.")
-    out[str(k)] = names
-  return out
-
-
-def class_columns(model_names, dataset_names, dataset: str, class_map=None) -> np.ndarray:
-  """int32 [D, M]: the model classes scoring each dataset class (rows padded by repeating
-  their first entry, which leaves the max unchanged)."""
-  index = {n: i for i, n in enumerate(model_names)}
-  if class_map is None:
-    missing = [n for n in dataset_names if n not in index]
-    if missing or not dataset_names:
-      raise ValueError(
-          f"Dataset {dataset!r} has other classes than the model ({len(model_names)} classes) "
-          f"and {len(missing) or 'all its'} of its {len(dataset_names)} class names are not "
-          f"model classes (e.g. {missing[:3]}); give --class_map=FILE, a JSON object "
-          "{dataset class: model class or [model classes]} (for ObjectNet, built from its "
-          "mappings/objectnet_to_imagenet_1k.json).")
-    rows = [[index[n]] for n in dataset_names]
-  else:
-    class_map = {k: [v] if isinstance(v, str) else list(v) for k, v in class_map.items()}
-    unmapped = [n for n in dataset_names if n not in class_map]
-    if unmapped:
-      raise ValueError(f"--class_map has no entry for {len(unmapped)} classes of dataset "
-                       f"{dataset!r}, e.g. {unmapped[:3]}.")
-    unknown = sorted({m for n in dataset_names for m in class_map[n] if m not in index})
-    if unknown:
-      raise ValueError(f"--class_map names {len(unknown)} classes the model does not have, "
-                       f"e.g. {unknown[:3]}.")
-    rows = [[index[m] for m in class_map[n]] for n in dataset_names]
-  width = max(len(r) for r in rows)
-  return np.array([r + r[:1] * (width - len(r)) for r in rows], np.int32)
-
-
-def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk,
-                     columns: np.ndarray, real: bool):
-  """Like classification.make_eval_step, for a dataset whose classes are `columns` of the
-  model's: top-k of the mapped answer and, with `real`, ReaL top-1."""
-  columns = np.asarray(columns)
-
-  def eval_step(module, batch):
-    logits = module(batch["image"], train=False)
-    scores = jnp.max(objective.answer(logits)[:, columns], axis=-1)
-    mask = base.eval_mask(batch, logits.shape[0])
-    out = base.topk_metrics(scores, batch["label"], mask, topk)
-    if real:
-      out["real_top1"] = real_accuracy(scores, batch[REAL_LABEL], mask)
-    return out
-
-  return inference.make_step(model_def, shardings, mesh, normalize, eval_step)
 
 
 def read_run_config(workdir: str) -> dict:
@@ -219,7 +137,7 @@ class Evaluation:
     if split not in info.splits:
       raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {list(info.splits)}.")
     model_names = list(meta["class_names"])
-    real = REAL_LABEL in info.features
+    real = mapped.REAL_LABEL in info.features
     same = info.num_classes == meta["num_classes"] and (
         info.class_names == model_names or not model_names)
     if same and class_map is None and not real:
@@ -236,14 +154,14 @@ class Evaluation:
       if not model_names:
         raise ValueError(f"The model has no class names, so its {meta['num_classes']} classes "
                          f"cannot be matched with the {info.num_classes} of dataset {name!r}.")
-      columns = class_columns(model_names, info.class_names, name, class_map)
+      columns = mapped.class_columns(model_names, info.class_names, name, class_map)
     model_info = datasets.DatasetInfo(meta["dataset"], meta["num_classes"], model_names, {},
                                       None, ())
     objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]),
                                          model_info)
     fields = {"label": 0}
     if real:  # A set of distinct classes has at most num_classes entries.
-      fields[REAL_LABEL] = info.num_classes
+      fields[mapped.REAL_LABEL] = info.num_classes
     return TestSet(f"{name}:{split}", dataset, split, data_cfg, fields, objective, columns,
                    real)
 
@@ -259,7 +177,7 @@ class Evaluation:
         step = classification.make_eval_step(model_def, ts.objective, self.loaded.shardings,
                                              self.mesh, normalize, self.topk)
       else:
-        step = make_mapped_step(model_def, ts.objective, self.loaded.shardings, self.mesh,
+        step = mapped.make_mapped_step(model_def, ts.objective, self.loaded.shardings, self.mesh,
                                 normalize, self.topk, ts.columns, ts.real)
       self._steps[key] = step
     return self._steps[key]

@@ -36,14 +36,16 @@ def make_forward(model_def, shardings, mesh, normalize: str, outputs):
       **outputs(module, batch["image"]), "index": batch["index"], "mask": batch["mask"]})
 
 
-def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh):
-  """Runs a make_forward step over `source` (every process its own slice, as
-  pipeline.eval_iterator reads it); yields (rows, skipped) per batch: rows are the batch's
-  real records as numpy arrays, the same on every process ('index' = position in `source`),
-  skipped the corrupt records the pipeline dropped from the batch."""
+def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh,
+                 fields=None):
+  """Runs a per-row step (make_forward, or make_step returning a 'mask') over `source`, every
+  process its own slice as pipeline.eval_iterator reads it, with the record `fields` the
+  step reads; yields (rows, skipped) per batch: rows are the batch's real records as numpy
+  arrays, the same on every process ('index' = position in `source`), skipped the corrupt
+  records the pipeline dropped from the batch."""
   batches = pipeline.eval_iterator(source, data_cfg, global_batch_size=batch_size,
                                    process_index=jax.process_index(),
-                                   process_count=jax.process_count(), fields={})
+                                   process_count=jax.process_count(), fields=fields or {})
   for batch in batches:
     skipped = int(batch.pop("_skipped"))
     result = jax.device_get(step(variables["params"], variables["extra"],

@@ -303,7 +303,7 @@ def save_class_map(path: str, class_wnids: Sequence[str], hashtags: Sequence[str
   os.replace(tmp, path)
 
 
-def _scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
+def scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
   """Jitted (params, extra, batch) -> replicated {method: class scores [B, C], 'label',
   'mask'}: the hashtag softmax, aggregated on device (the [N, H] hashtag scores, H ~27k in
   the paper, never leave it)."""
@@ -315,6 +315,39 @@ def _scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
     return {**out, "label": batch["label"], "mask": batch["mask"]}
 
   return inference.make_step(model_def, shardings, mesh, normalize, scores)
+
+
+def aggregations(model_name: str, aggregation: str, platt: str) -> dict[bool, str]:
+  """{with Platt scaling: aggregation} for the --platt mode ('' = the paper's per model)."""
+  if platt not in PLATT_MODES:
+    raise ValueError(f"platt={platt!r} must be one of {PLATT_MODES}")
+  if aggregation and aggregation not in AGGREGATIONS:
+    raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+  modes = {"on": (True,), "off": (False,), "both": (True, False)}[platt]
+  return {p: aggregation or paper_aggregation(model_name, p) for p in modes}
+
+
+def top1_from_rows(rows: dict, chosen: dict[bool, str]) -> dict:
+  """{'top1_platt', 'top1_no_platt'} (None when not asked for) from the scores of every
+  image of the split (Platt scaling is fitted on them, without labels)."""
+  if not len(rows["label"]):
+    raise ValueError("the split yielded no readable images")
+  result = {"top1_platt": None, "top1_no_platt": None}
+  if False in chosen:
+    result["top1_no_platt"] = top1(rows[chosen[False]], rows["label"])
+  if True in chosen:
+    scores = rows[chosen[True]]
+    w, b = platt_fit(scores)  # Transductive: the test scores, no labels.
+    result["top1_platt"] = top1(platt_apply(scores, w, b), rows["label"])
+  return result
+
+
+def collect_scores(step, variables: dict, source, data_cfg, *, batch_size: int, mesh) -> dict:
+  """scores_step's rows over a whole split, concatenated (the same on every process)."""
+  parts = [rows for rows, _ in inference.forward_rows(
+      step, variables, source, data_cfg, batch_size=batch_size, mesh=mesh,
+      fields={"label": 0})]
+  return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validation",
@@ -331,13 +364,9 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   from bigpretrain import sharding
   from bigpretrain.models import pretrained
   from input_pipeline import datasets
-  from input_pipeline import pipeline
   # pylint: enable=import-outside-toplevel
-  if platt not in PLATT_MODES:
-    raise ValueError(f"--platt={platt!r} must be one of {PLATT_MODES}")
-  if aggregation and aggregation not in AGGREGATIONS:
-    raise ValueError(f"--aggregation={aggregation!r} must be one of {AGGREGATIONS}")
   meta = checkpoint.read_meta(workdir)
+  chosen = aggregations(meta["model"]["name"], aggregation, platt)
   hashtags = check_hashtag_model(meta, workdir)
   data = datasets.get_dataset({"name": dataset, "dir": data_dir})
   info = data.info
@@ -351,37 +380,15 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   if jax.process_index() == 0:
     save_class_map(map_path, wnids, hashtags, mapping)
 
-  modes = {"on": (True,), "off": (False,), "both": (True, False)}[platt]
-  model_name = meta["model"]["name"]
-  chosen = {p: aggregation or paper_aggregation(model_name, p) for p in modes}
-  methods = sorted(set(chosen.values()))
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   sharding.check_batch_size(batch_size, mesh)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
-  step = _scores_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
-                      mapping, methods)
-  batches = pipeline.eval_iterator(
-      data.source(split), {**meta["data"], "num_workers": num_workers},
-      global_batch_size=batch_size, process_index=jax.process_index(),
-      process_count=jax.process_count(), fields={"label": 0})
-  parts = []
-  for batch in batches:
-    batch.pop("_skipped")
-    out = jax.device_get(step(loaded.variables["params"], loaded.variables["extra"],
-                              sharding.global_batch(batch, mesh)))
-    keep = out.pop("mask") > 0
-    parts.append({k: v[keep] for k, v in out.items()})
-  rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-  if not len(rows["label"]):
-    raise ValueError(f"{dataset}:{split} yielded no readable images")
-  result = {"top1_platt": None, "top1_no_platt": None,
-            "aggregation_platt": chosen.get(True), "aggregation_no_platt": chosen.get(False),
-            "num_examples": int(len(rows["label"])), "num_classes": len(wnids),
-            "num_hashtags": len(hashtags), "class_map": map_path}
-  if False in chosen:
-    result["top1_no_platt"] = top1(rows[chosen[False]], rows["label"])
-  if True in chosen:
-    scores = rows[chosen[True]]
-    w, b = platt_fit(scores)  # Transductive: the test scores, no labels.
-    result["top1_platt"] = top1(platt_apply(scores, w, b), rows["label"])
-  return result
+  step = scores_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
+                     mapping, sorted(set(chosen.values())))
+  rows = collect_scores(step, loaded.variables, data.source(split),
+                        {**meta["data"], "num_workers": num_workers}, batch_size=batch_size,
+                        mesh=mesh)
+  return {**top1_from_rows(rows, chosen),
+          "aggregation_platt": chosen.get(True), "aggregation_no_platt": chosen.get(False),
+          "num_examples": int(len(rows["label"])), "num_classes": len(wnids),
+          "num_hashtags": len(hashtags), "class_map": map_path}

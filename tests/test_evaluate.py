@@ -1,7 +1,6 @@
 """`bigpretrain.tools.evaluate`: several test sets in one command, ReaL labels, class maps, and
 submodels with residual blocks removed (cosub supplement D.2)."""
 import dataclasses
-import json
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from bigpretrain import models
 from bigpretrain import preprocess
 from bigpretrain import train
 from bigpretrain.models import pretrained
+from bigpretrain.evaluators import mapped
 from bigpretrain.models import submodel
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -68,9 +68,10 @@ datasets.register_source("evalreal:", _Head)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
-  results = train.train_and_evaluate(
-      helpers.tiny_config("single_label", total_steps=3, **{"data.name": f"evalhead:{N}"}),
-      workdir)
+  config = helpers.tiny_config("single_label", total_steps=3, **{"data.name": f"evalhead:{N}"})
+  # The mapped evaluation scheduled in the run itself, at its end.
+  config.evals.real = dict(type="mapped", dataset=f"evalreal:{N}", every_steps=0)
+  results = train.train_and_evaluate(config, workdir)
   return workdir, results
 
 
@@ -108,7 +109,7 @@ def test_real_accuracy_by_hand():
                       [0.3, 0.3, 0.4]])  # top-1 = 2, real {0, 1, 2}: hit
   real = jnp.array([[1, 2, -1], [2, -1, -1], [-1, -1, -1], [2, -1, -1], [0, 1, 2]])
   mask = jnp.array([1.0, 1, 1, 0, 1])
-  hits, valid = evaluate.real_accuracy(scores, real, mask)
+  hits, valid = mapped.real_accuracy(scores, real, mask)
   assert (float(hits), float(valid)) == (2.0, 3.0)
 
 
@@ -125,17 +126,17 @@ def test_parse_flags():
 def test_class_columns_by_name_and_by_map():
   model = ["n1", "n2", "n3", "n4"]
   # A model with more classes (a 21K model on 1K wnids): each class by name.
-  assert evaluate.class_columns(model, ["n3", "n1"], "d").tolist() == [[2], [0]]
+  assert mapped.class_columns(model, ["n3", "n1"], "d").tolist() == [[2], [0]]
   # A map with several model classes per dataset class, padded by the first one.
-  cols = evaluate.class_columns(model, ["chair", "cup"], "d",
+  cols = mapped.class_columns(model, ["chair", "cup"], "d",
                                 {"chair": ["n2", "n4"], "cup": "n3"})
   assert cols.tolist() == [[1, 3], [2, 2]]
   with pytest.raises(ValueError, match="--class_map"):
-    evaluate.class_columns(model, ["chair"], "objectnet")
+    mapped.class_columns(model, ["chair"], "objectnet")
   with pytest.raises(ValueError, match="no entry for 1 classes"):
-    evaluate.class_columns(model, ["chair", "cup"], "d", {"chair": "n1"})
+    mapped.class_columns(model, ["chair", "cup"], "d", {"chair": "n1"})
   with pytest.raises(ValueError, match="does not have"):
-    evaluate.class_columns(model, ["chair"], "d", {"chair": ["n9"]})
+    mapped.class_columns(model, ["chair"], "d", {"chair": ["n9"]})
 
 
 def test_original_label_is_read_as_label():
@@ -156,7 +157,7 @@ def test_a_saved_run_evaluates_to_the_trainers_final_eval(run):
 
 
 def test_two_datasets_in_one_call_with_real_labels(run):
-  workdir, _ = run
+  workdir, results = run
   out = evaluate.evaluate(workdir, [(f"evalhead:{N}", ""), (f"evalreal:{N}", "validation")],
                           run_config=evaluate.read_run_config(workdir))
   assert sorted(out) == [f"evalhead:{N}:validation", f"evalreal:{N}:validation"]
@@ -170,6 +171,9 @@ def test_two_datasets_in_one_call_with_real_labels(run):
   np.testing.assert_allclose(real["real_top1"], expected)
   # Its original labels give the same top-1 as the same images without ReaL labels.
   np.testing.assert_allclose(real["top1"], out[f"evalhead:{N}:validation"]["top1"])
+  # The run's own 'mapped' evaluator, on the same final weights, gave the same numbers.
+  for key in ("real_top1", "top1", "num_real_examples"):
+    np.testing.assert_allclose(results[f"real/{key}"], real[key], atol=1e-6)
 
 
 @pytest.mark.parametrize("i", [0, 2])

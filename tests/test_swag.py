@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import checkpoint
+from bigpretrain import metric_writers
 from bigpretrain import optim
 from bigpretrain import sharding
 from bigpretrain import train
@@ -183,6 +184,8 @@ def hashtag_run(tmp_path_factory):
   config = helpers.tiny_config("swag_vit", total_steps=4, batch_size=32, eval_every_steps=0,
                                ckpt_every_steps=0)
   config.optim.lr = 1e-2
+  # Zero-shot scheduled as an evaluator of the run itself, at its end.
+  config.evals.zs = dict(type="zero_shot", dataset="demo", every_steps=0)
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)
 
@@ -200,6 +203,10 @@ def test_zero_shot_command_end_to_end_json(hashtag_run):
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["num_examples"] == 2500 and result["num_classes"] == 100
   assert result["aggregation_platt"] == result["aggregation_no_platt"] == "max_split"  # ViT.
+  # The run's own zero-shot evaluator, on the same final weights, gave the same numbers.
+  last = [r for r in metric_writers.read_metrics(hashtag_run) if "zs/top1_platt" in r][-1]
+  assert last["zs/top1_platt"] == pytest.approx(result["top1_platt"], abs=1e-6)
+  assert last["zs/top1_no_platt"] == pytest.approx(result["top1_no_platt"], abs=1e-6)
   # The same numbers computed here from the model's own outputs.
   meta = checkpoint.read_meta(hashtag_run)
   from input_pipeline import augment_spec, datasets, decoding  # pylint: disable=g-import-not-at-top

@@ -8,6 +8,8 @@ from bigpretrain.evaluators import base
 # The built-in evaluators register themselves on import.
 from bigpretrain.evaluators import classification  # pylint: disable=unused-import
 from bigpretrain.evaluators import fewshot  # pylint: disable=unused-import
+from bigpretrain.evaluators import hashtag_zero_shot  # pylint: disable=unused-import
+from bigpretrain.evaluators import mapped  # pylint: disable=unused-import
 
 register = base.EVALUATORS.register
 

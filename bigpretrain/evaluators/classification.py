@@ -45,6 +45,16 @@ def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_siz
   return jax.device_get(totals), skipped, count
 
 
+def check_topk(name: str, topk) -> tuple[int, ...]:
+  """config.evals.NAME.topk as a tuple; ValueError unless a non-empty tuple of ints >= 1."""
+  topk = tuple(topk)
+  if not topk or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                         for k in topk):
+    raise ValueError(f"config.evals.{name}.topk={topk!r} must be a non-empty tuple of "
+                     "ints >= 1.")
+  return topk
+
+
 def summarize(totals: dict, objective, skipped: int) -> dict:
   """A split's metrics from its summed totals: the ratios, the objective's own (e.g. mAP),
   the corrupt records skipped and the examples counted (also for ReaL labels)."""
@@ -65,11 +75,7 @@ class Classification(base.Evaluator):
 
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
-    self.topk = tuple(cfg.get("topk", (1, 5)))
-    if not self.topk or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
-                                for k in self.topk):
-      raise ValueError(f"config.evals.{name}.topk={self.topk!r} must be a non-empty tuple of "
-                       "ints >= 1.")
+    self.topk = check_topk(name, cfg.get("topk", (1, 5)))
     info, train_info = self.dataset.info, exp.dataset.info
     if info.class_names != train_info.class_names or info.num_classes != train_info.num_classes:
       raise ValueError(f"config.evals.{name}: dataset {info.name!r} has other classes than "

@@ -15,6 +15,7 @@ from absl import app
 from absl import flags
 
 from bigpretrain import evaluate
+from bigpretrain.evaluators import mapped
 from bigpretrain.tools import cli
 
 
@@ -43,7 +44,8 @@ def main(argv):
     run_config = evaluate.read_run_config(f.workdir) if f.workdir else None
     result = evaluate.evaluate(
         f.workdir or f.checkpoint, evaluate.parse_datasets(f.datasets), run_config=run_config,
-        data_dir=f.data_dir, class_map=evaluate.load_class_map(f.class_map) if f.class_map else None,
+        data_dir=f.data_dir,
+        class_map=mapped.load_class_map(f.class_map) if f.class_map else None,
         drop_blocks=evaluate.parse_drop_blocks(f.drop_blocks), batch_size=f.batch_size)
   if not f.json:
     if "full" in result:

@@ -1,0 +1,37 @@
+"""Zero-shot top-1 of a hashtag model during its training (SWAG, Singh et al. 2022, section
+4.4): the hashtag softmax mapped onto a WordNet-labelled dataset's classes through WordNet, with
+and without transductive Platt scaling (bigpretrain/zero_shot.py; the command
+bigpretrain/tools/zero_shot.py does the same for a finished checkpoint)."""
+from bigpretrain import zero_shot
+from bigpretrain.evaluators import base
+
+
+@base.EVALUATORS.register("zero_shot")
+class ZeroShot(base.Evaluator):
+  """Settings: dataset (required: WordNet-labelled, e.g. 'demo' or 'tfds:imagenet2012'),
+  aggregation ('' = the paper's per model, or one of zero_shot.AGGREGATIONS), platt ('on',
+  'off' or 'both'). Logs top1_platt and/or top1_no_platt."""
+  KEYS = ("aggregation", "platt")
+
+  def __init__(self, name, cfg, exp):
+    super().__init__(name, cfg, exp)
+    config = exp.config
+    hashtags = zero_shot.check_hashtag_model(
+        {"objective": dict(config.objective), "dataset": config.data.name,
+         "class_names": exp.dataset.info.class_names}, "This run")
+    info = self.dataset.info
+    wnids = zero_shot.check_wordnet_classes(info.class_names, info.name)
+    self.chosen = zero_shot.aggregations(config.model.name, cfg.get("aggregation", ""),
+                                         cfg.get("platt", "both"))
+    self.exp = exp
+    self.step = zero_shot.scores_step(exp.model_def, exp.shardings, exp.mesh,
+                                      config.data.normalize, zero_shot.class_map(wnids, hashtags),
+                                      sorted(set(self.chosen.values())))
+
+  def run(self, state) -> dict:
+    config = self.exp.config
+    rows = zero_shot.collect_scores(self.step, state, self.dataset.source(self.split),
+                                    config.data, batch_size=config.batch_size,
+                                    mesh=self.exp.mesh)
+    out = zero_shot.top1_from_rows(rows, self.chosen)
+    return {f"{self.name}/{k}": v for k, v in out.items() if v is not None}
