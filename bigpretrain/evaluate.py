@@ -81,7 +81,8 @@ def read_run_config(workdir: str) -> dict:
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist: --workdir needs a run folder; pass a "
-                            "checkpoint dir or a `bigpretrain.tools.convert` output as --checkpoint.")
+                            "checkpoint dir or a `bigpretrain.tools.convert` output as "
+                            "--checkpoint.")
   with open(path) as f:
     return json.load(f)
 

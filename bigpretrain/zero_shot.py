@@ -8,12 +8,12 @@
 - platt_fit / platt_apply: the transductive Platt scaler p' = softmax(diag(w) p + b) that
   makes the predicted class distribution on the test set uniform (see platt_fit for how).
 
-`run` evaluates a hashtag model (a soft_target run) on a WordNet-labelled dataset (the
-command: bigpretrain/tools/zero_shot.py). It runs the model in eval mode with its checkpoint's preprocessing over the split, turns the
-hashtag softmax into class scores through the class map (saved as
-DIR/zero_shot/<dataset>-class_map.json), fits Platt scaling on those scores without labels
-and prints top-1 with and without it. Without --aggregation the paper's choice (appendix D)
-is used: RegNetY 'sum' with Platt and 'mean' without, ViT 'max_split' for both.
+`run` evaluates a hashtag model (a soft_target run) on a WordNet-labelled dataset (the command:
+bigpretrain/tools/zero_shot.py). It runs the model in eval mode with its checkpoint's
+preprocessing over the split, turns the hashtag softmax into class scores through the class map
+(saved as DIR/zero_shot/<dataset>-class_map.json), fits Platt scaling on those scores without
+labels and prints top-1 with and without it. Without --aggregation the paper's choice (appendix
+D) is used: RegNetY 'sum' with Platt and 'mean' without, ViT 'max_split' for both.
 """
 from collections.abc import Sequence
 import json

@@ -1,7 +1,7 @@
 """Exclusion lists: pool records removed before teacher inference and selection.
 
-Written by `python -m bigpretrain.tools.dedup` (near-duplicates of evaluation images, Yalniz et al.
-2019, supplement section 5) and honoured by `bigpretrain.tools.infer --exclude=FILE` (the records are
+Written by `python -m bigpretrain.tools.dedup` (near-duplicates of evaluation images, Yalniz
+et al. 2019, supplement section 5) and honoured by `tools.infer --exclude=FILE` (the records are
 never scored) and the selection job's `--exclude=FILE` (never selected). The format is a
 tab-separated text file, so that a person reviewing the dedup report can delete a line to keep
 an image:

@@ -2,6 +2,8 @@
 import contextlib
 import sys
 
+from absl import app
+from absl import flags
 from absl import logging
 
 # Bad flags, configs, inputs or data: the user's to fix, so no traceback through jit.
@@ -19,3 +21,12 @@ def user_errors(*more: type, log_traceback: bool = False):
       logging.exception("Run failed")
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def check_usage(argv, *required: str) -> None:
+  """app.UsageError for positional arguments or a `required` flag left unset."""
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  for name in required:
+    if flags.FLAGS[name].value in (None, ""):
+      raise app.UsageError(f"--{name} is required.")

@@ -39,12 +39,8 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  cli.check_usage(argv, "workdir", "pool", "against", "out")
   f = flags.FLAGS
-  for name in ("workdir", "pool", "against", "out"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
   with cli.user_errors():
     dedup.check_args(f.top_n, f.max_distance, f.batch_size, f.nprobe, f.nlist, f.ivf_threshold)
     distributed.initialize_from_flags()

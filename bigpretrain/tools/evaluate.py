@@ -35,8 +35,7 @@ def define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_usage(argv)
   f = flags.FLAGS
   if bool(f.workdir) == bool(f.checkpoint):
     raise app.UsageError("Give exactly one of --workdir and --checkpoint.")

@@ -33,18 +33,14 @@ def define_flags() -> None:
                        "Records per output shard.")
   flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
-  flags.DEFINE_string("exclude", None, "Exclusion list (bigpretrain.tools.dedup's exclusions.tsv): "
+  flags.DEFINE_string("exclude", None, "Exclusion list (the dedup command's exclusions.tsv): "
                       "its records of --data:--split are not scored.")
   distributed.define_flags()
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  cli.check_usage(argv, "workdir", "data", "split", "out")
   f = flags.FLAGS
-  for name in ("workdir", "data", "split", "out"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
   distributed.initialize_from_flags()
   started = time.time()
   with cli.user_errors():

@@ -27,11 +27,8 @@ def define_flags():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+  cli.check_usage(argv, "config", "workdir")
   f = flags.FLAGS
-  if f.config is None or not f.workdir:
-    raise app.UsageError("--config and --workdir are required.")
   distributed.initialize_from_flags()
   os.makedirs(f.workdir, exist_ok=True)
   logging.get_absl_handler().use_absl_log_file("log", f.workdir)

@@ -5,27 +5,27 @@
 
 What it computes and why: bigpretrain/zero_shot.py.
 """
-
 import json
 
+from absl import app
+from absl import flags
 import jax
 
+from bigpretrain import distributed
 from bigpretrain import zero_shot
 from bigpretrain.tools import cli
 
 
 def define_flags() -> None:
   """The command's flags; defined only when it runs (no duplicate flags next to other CLIs)."""
-  # pylint: disable=import-outside-toplevel
-  from absl import flags
-  from bigpretrain import distributed
   flags.DEFINE_string("workdir", None, "The hashtag model: a run folder or checkpoint dir.")
   flags.DEFINE_string("dataset", None, "WordNet-labelled dataset, as config.data.name.")
   flags.DEFINE_string("data_dir", "", "As config.data.dir ('' = the default cache).")
   flags.DEFINE_string("split", "validation", "The split to evaluate on.")
   flags.DEFINE_enum("aggregation", "", ("",) + zero_shot.AGGREGATIONS,
                     "Hashtag -> class aggregation; '' = the paper's per model and Platt mode.")
-  flags.DEFINE_enum("platt", "both", zero_shot.PLATT_MODES, "Top-1 with Platt scaling, without, or both.")
+  flags.DEFINE_enum("platt", "both", zero_shot.PLATT_MODES,
+                    "Top-1 with Platt scaling, without, or both.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
   flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
@@ -33,21 +33,13 @@ def define_flags() -> None:
 
 
 def main(argv):
-  # pylint: disable=import-outside-toplevel
-  from absl import app
-  from absl import flags
-  from bigpretrain import distributed
   f = flags.FLAGS
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
-  for name in ("workdir", "dataset"):
-    if not f[name].value:
-      raise app.UsageError(f"--{name} is required.")
+  cli.check_usage(argv, "workdir", "dataset")
   distributed.initialize_from_flags()
   with cli.user_errors():
     result = zero_shot.run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
-                 aggregation=f.aggregation, platt=f.platt, batch_size=f.batch_size,
-                 num_workers=f.num_workers)
+                           aggregation=f.aggregation, platt=f.platt,
+                           batch_size=f.batch_size, num_workers=f.num_workers)
   if jax.process_index() != 0:
     return
   if f.json:
@@ -64,6 +56,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app as _app  # pylint: disable=g-import-not-at-top
   define_flags()
-  _app.run(main)
+  app.run(main)
