@@ -288,7 +288,7 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
     with pytest.raises(ValueError, match=r"\(test_no_features\) has no features\(\) method"):
       dedup.run(no_features, POOL, AGAINST, out, top_n=3, **KW)
   finally:
-    models._REGISTRY.pop("test_no_features")  # pylint: disable=protected-access
+    models.base.MODELS._items.pop("test_no_features")  # pylint: disable=protected-access
   # An exclusion list made for another split size is refused by inference.
   bad = tmp_path / "bad.tsv"
   exclusions.write(bad, [(NAME, "unlabeled", NUM_OTHERS + len(PLANTED))])

@@ -288,7 +288,8 @@ def test_demo_variant_names(tmp_path):
 
 
 def test_unknown_name_lists_known_names():
-  with pytest.raises(ValueError, match=r"Unknown dataset name 'imagenet'.*demo.*tfds:NAME"):
+  with pytest.raises(ValueError, match=r"data.name='imagenet' is not a known dataset.*demo.*"
+                     r"tfds:NAME"):
     datasets.get_dataset({"name": "imagenet", "dir": ""})
 
 

@@ -198,7 +198,8 @@ def test_an_objective_reading_a_missing_field_is_refused_before_compiling():
 def test_unknown_evaluator_type_and_keys_are_clear_errors(tmp_path):
   config = _toy_config()
   config.evals.counts.type = "nope"
-  with pytest.raises(ValueError, match=r"evals.counts.type='nope' is unknown"):
+  with pytest.raises(ValueError, match=r"config.evals.counts.type='nope' is not a known "
+                     r"evaluator type\. Known: .*toy_count"):
     train.train_and_evaluate(config, str(tmp_path))
   config = _toy_config()
   config.evals.counts.scael = 1.0
@@ -207,7 +208,7 @@ def test_unknown_evaluator_type_and_keys_are_clear_errors(tmp_path):
 
 
 def test_unknown_dataset_names_list_the_registered_sources():
-  with pytest.raises(ValueError, match=r"Unknown dataset name 'nope:x'.*toy:"):
+  with pytest.raises(ValueError, match=r"config.data.name='nope:x' is not a known dataset.*toy:"):
     datasets.get_dataset({"name": "nope:x", "dir": ""})
 
 

@@ -65,10 +65,11 @@ def test_register_decorator_and_duplicate():
     assert model.kernel.shape == (5, 3)
     with pytest.raises(TypeError, match="depth"):
       models.get_model("_test_linear", num_classes=3, rngs=nnx.Rngs(0), depth=2)
+    models.register("_test_linear", _linear)  # The same factory again: a no-op.
     with pytest.raises(ValueError, match="already registered"):
-      models.register("_test_linear", _linear)
+      models.register("_test_linear", lambda **kw: None)
   finally:
-    models._REGISTRY.pop("_test_linear")  # pylint: disable=protected-access
+    models.base.MODELS._items.pop("_test_linear")  # pylint: disable=protected-access
 
 
 # --- ViT parameter counts and structure -----------------------------------------------------

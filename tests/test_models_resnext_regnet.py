@@ -448,7 +448,7 @@ def test_design_names_are_registered():
 def test_every_registered_model_has_features():
   """Dedup and linear probes call model.features(images, train=False) on any model."""
   for name in models.list_models():
-    factory = models._REGISTRY[name]  # pylint: disable=protected-access
+    factory = models.base.MODELS.get(name)
     if isinstance(factory, functools.partial):
       cls = factory.func
     else:  # a function building the model (vit_demo): build it abstractly.
