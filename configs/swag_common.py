@@ -8,6 +8,8 @@ Both recipes (section 3.2, "Optimization" and what follows):
 - mixed precision (bfloat16 here) at paper scale; random-resized crop to 224 and a random
   horizontal flip; no EMA, mixup, label smoothing, AutoAugment or stochastic depth (tried,
   "did not find those approaches to lead to performance improvements");
+- eval (and zero-shot, bigpretrain/zero_shot.py) at the pre-training resolution, the shorter
+  side resized to it and a centre crop (sections 4.1 and 4.4), not the usual 87.5% crop;
 - objective soft_target (1/K on each of an image's K canonical hashtags, section 3.2) on a
   hashtag dataset read through the head/tail resampling sampler (appendix A, alpha 0.7).
 
@@ -51,7 +53,7 @@ def base(arg: ml_collections.ConfigDict, *, model: str, demo_model: str, paper_b
   config.data.dir = arg.data_dir
   config.data.normalize = "imagenet"  # ClassyVision's ImageNet mean/std normalisation.
   config.data.train_augment = TRAIN_AUGMENT
-  config.data.eval_resize = "center_crop"
+  config.data.eval_resize = "shorter_center_crop"  # Section 4.1's evaluation (and zero-shot's).
   config.optim.schedule.name = "cosine"
   config.optim.schedule.end_factor = 0.0
   config.optim.schedule.warmup_frac = WARMUP_FRAC
