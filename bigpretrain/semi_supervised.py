@@ -250,7 +250,7 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
                     folder: epath.Path) -> dict:
   """D-hat's index (the Beam job); reuses a finished one with the same parameters."""
   # Imported here: Apache Beam is only needed by this stage.
-  from input_pipeline import selection  # pylint: disable=import-outside-toplevel
+  from input_pipeline import selection_job as selection  # pylint: disable=import-outside-toplevel
   c = config.selection
   class_sizes = None
   if c.class_sizes:

@@ -21,6 +21,7 @@ vs 81.4% without KD.
 Args: those of configs/semantic_softmax.py, plus teacher (a run's workdir or checkpoints/
 folder; its checkpoint names the teacher's model, which may differ from the student's).
 """
+from bigpretrain.semantic import tree as tree_lib
 from configs import semantic_softmax
 
 
@@ -28,6 +29,6 @@ def get_config(arg=None):
   arg = semantic_softmax.parse(arg, teacher="")
   config = semantic_softmax.get_config(semantic_softmax.base_arg(arg))
   config.objective = dict(
-      name="semantic_kd", label_smoothing=0.2, max_weight=20.0, kd_weight=1.0,
+      name="semantic_kd", label_smoothing=0.2, max_weight=tree_lib.MAX_LEVEL_WEIGHT, kd_weight=1.0,
       teacher_checkpoint=arg.teacher)
   return config
