@@ -4,7 +4,9 @@ Recognition", CVPR 2023): the DeiT-III ImageNet-1k recipe plus submodel co-train
 Two copies of every (mixup/cutmix-ed) image go through two stochastic-depth submodels of the
 same ViT in one forward pass; each learns from the labels and from the other's prediction
 (objectives/cosub.py). Stochastic depth is efficient (ESD: each residual branch runs only on
-the kept rows; supplement C) with rate tau uniform over depth.
+the kept rows; supplement C) with rate tau uniform over depth; each device keeps
+floor((1 - tau) x its rows), so the dropped rows round up and the effective rate (logged as
+train/esd_effective_drop) is at least tau (C.1).
 
 Demo (no arg; the embedded `demo` dataset, 32x32, vit_demo, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/cosub_in1k.py --workdir=/tmp/cosub_in1k_demo
