@@ -51,7 +51,7 @@ selection relabels it). The demo's 100
 classes and 23k pool images scale P and K down: P = 10 as in the paper (10% of the classes
 instead of 1%), K = 100 (the paper's K = 16k is 1.6% of its 1M images per class; on the demo
 that would be 4 images, so K keeps ~43% of the ~230 pool images per class instead). Teacher
-and student are both `vit_demo` (the paper's self-training variant, section 4.3): the
+and student are both `vit_demo` (the paper's self-training variant, section 4.2 and Table 4): the
 registry's smallest CNN, resnet18, trains at ~19 images/s on 2 CPU cores at 32x32 (vit_demo
 at ~180), too slow for a demo of five stages.
 Demo lengths in steps of 128 images: teacher 300, student 150, fine-tuning 50 (baseline 200).
