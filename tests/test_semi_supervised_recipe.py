@@ -111,3 +111,15 @@ def test_step_schedule_decay_at_is_checked():
   optim.validate_optim_config(cfg)
   with pytest.raises(ValueError, match="inside the 10-step warm-up"):
     optim.make_schedule(cfg.schedule, lr=1.0, total_steps=100)
+
+
+def test_resume_check_reads_decay_at_as_saved():
+  """config.json stores the tuple as a list: the same decay_at is no schedule change."""
+  import json  # pylint: disable=import-outside-toplevel
+  c = recipe.get_config("scale=paper").teacher
+  saved = json.loads(json.dumps(c.to_dict()))
+  assert config_lib.schedule_changes(saved, c) == []
+  c.optim.schedule.decay_at = (0.5,)
+  assert config_lib.schedule_changes(saved, c) == [
+      "optim.schedule.decay_at: [0.3333333333333333, 0.6666666666666666, 0.8888888888888888]"
+      " -> (0.5,)"]
