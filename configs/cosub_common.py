@@ -53,11 +53,14 @@ def deit_schedule_ends(config: ml_collections.ConfigDict, lr_scale: float = 1.0)
 
 
 def cosub_model(name: str, tau: float) -> dict:
-  """The DeiT-III ViT with uniform-rate efficient stochastic depth.
+  """The DeiT-III ViT with uniform-rate efficient stochastic depth; any other model (a
+  ResNet or RegNet, supplement Table B.1) with uniform-rate masked stochastic depth.
 
   DeiT-III initialises the head truncated-normal(0.02) like every linear layer; a zero head
   would also stall under LAMB, whose updates are relative to the weight norm.
   """
+  if not name.startswith("vit"):
+    return dict(name=name, drop_path_rate=tau, drop_path_schedule="uniform")
   return dict(name=name, drop_path_rate=tau, drop_path_schedule="uniform",
               stochastic_depth="esd", layerscale_init=1e-4, qkv_bias=True, head="token",
               pos_embed_cls=False, head_zeroinit=False)
