@@ -23,7 +23,9 @@ Modes:
     Multi-label datasets (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label
     transfers do (`multi_label`).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
-    decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval).
+    decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval, a ViT without its
+    tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
+    moves to Table 1's 384-518 px).
   - cosub: configs/cosub_finetune_in1k.py's values (Touvron et al. 2023, supplement A.1:
     LAMB, LayerDecay, cosub on); ViT models only.
   - semisup_cub: the billion-scale semi-supervised paper's CUB-2011 "full-ft" (Yalniz et al.
@@ -222,6 +224,8 @@ def get_config(arg=None):
   else:
     config.model = dict(name=arg.model)
     config.data.image_size = 32 if demo else 224
+  if arg.recipe == "swag" and arg.mode == "finetune" and config.model.get("pre_logits"):
+    config.model.pre_logits = False  # As configs/swag_finetune.py (SWAG Table 5).
   if arg.recipe == "cosub" and arg.mode == "finetune":
     # The checkpoint's architecture with cosub's training-time stochastic depth (ESD).
     for key in COSUB_MODEL_KEYS:

@@ -103,3 +103,13 @@ def test_semisup_cub_recipe_is_table_13(meta):
   for epochs, factor in ((0, 1.0), (99, 1.0), (101, 0.1), (199, 0.1), (201, 0.01), (299, 0.01)):
     step = int(epochs / 300 * total)
     assert float(lr(step)) == pytest.approx(c.optim.lr * factor, rel=1e-5), epochs
+
+
+def test_swag_transfer_drops_the_vit_tanh_layer(monkeypatch):
+  monkeypatch.setattr(checkpoint, "read_meta", lambda path: {
+      "model": {"name": "vit_b16", "pre_logits": True},
+      "data": {"image_size": 224, "normalize": "imagenet"}})
+  swag = transfer.get_config("mode=finetune,init=/c,recipe=swag")
+  assert swag.model.pre_logits is False and swag.data.image_size == 224
+  linear = transfer.get_config("mode=linear,init=/c")
+  assert linear.model.pre_logits is True  # A frozen probe reads the model as trained.
