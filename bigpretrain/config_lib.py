@@ -327,7 +327,9 @@ def schedule_changes(saved: Mapping[str, Any], config: Mapping[str, Any]) -> lis
       continue
     old_flat, new_flat = _flat(old, key), _flat(new, key)
     for name in sorted(old_flat):
-      if name in new_flat and old_flat[name] != new_flat[name]:
+      # As saved (JSON): a tuple reads back as a list.
+      if name in new_flat and old_flat[name] != json.loads(json.dumps(new_flat[name],
+                                                                       default=str)):
         changes.append(f'{name}: {old_flat[name]!r} -> {new_flat[name]!r}')
   return changes
 

@@ -1,5 +1,6 @@
 """Few-shot and linear transfer on frozen features: pooled features of a dataset split, a
-seeded k-shot-per-class draw, and a closed-form ridge-regression classifier.
+seeded k-shot-per-class draw, and the linear classifiers fit on them (CLASSIFIERS): 'ridge',
+closed-form ridge regression, and 'logistic', multinomial logistic regression by L-BFGS.
 
 The classifier is big_vision's few-shot evaluator (big_vision/evaluators/fewshot_lsr.py):
 features whitened by the training draw's per-dimension mean and std (+1e-5), a constant
@@ -10,14 +11,32 @@ is their fixed default L2_REG = 2^10 (no grid: a grid would need a held-out spli
 The k-shot draw is theirs too: for seed s, numpy's default_rng(s) permutes each class's
 examples in class order, and the k-shot set is the first k of every class's permutation, so
 the 1-shot set of a seed lies inside its 5-shot set.
+
+'logistic' is the "fc-only" probe of Yalniz et al. 2019 (section 5.2: "extracting features
+from the final fc layer and training a logistic regressor"): the same whitened features and
+unpenalised bias, W = argmin sum_i CE(softmax(x_i W), y_i) + l2 / 2 ||W||^2 (the bias row not
+penalised), minimised with scipy's L-BFGS-B; LOGISTIC_L2 = 1 is scikit-learn's default C = 1,
+as the paper gives no value. Convex, so the fit does not depend on the start.
 """
+import collections
+
 import jax.numpy as jnp
 import numpy as np
+import scipy.optimize
+import scipy.special
 
 from bigpretrain import inference
+from bigpretrain import registry
 
 BIAS_CONSTANT = 100.0
 L2_REG = 2.0 ** 10
+LOGISTIC_L2 = 1.0
+LOGISTIC_MAX_ITER = 1000
+
+# A linear classifier on features: fit(x [N, D], y [N], num_classes, l2) -> model, predict(model,
+# x) -> scores [N, C], and its default l2.
+Classifier = collections.namedtuple("Classifier", ["fit", "predict", "default_l2"])
+CLASSIFIERS = registry.Registry("linear classifier", "config.evals.<name>.classifier")
 DEFAULT_SHOTS = (1, 5, 10, 25)
 DEFAULT_SEEDS = 3
 
@@ -70,6 +89,64 @@ def ridge_fit(x, y, num_classes: int, l2: float = L2_REG) -> dict:
 def ridge_predict(model: dict, x) -> np.ndarray:
   """Class scores [N, C] of features x [N, D]."""
   return _prepare(x, model["mean"], model["std"]) @ model["w"]
+
+
+def _check_xy(x, y, l2, what: str) -> np.ndarray:
+  x = np.asarray(x, np.float64)
+  if x.ndim != 2 or len(x) != len(y) or not len(x):
+    raise ValueError(f"{what} needs features [N, D] and labels [N] with N > 0; got "
+                     f"{x.shape} and {np.shape(y)}.")
+  if not l2 > 0:
+    raise ValueError(f"l2={l2!r} must be > 0.")
+  return x
+
+
+def logistic_loss_and_grad(w_flat, xb, y, num_classes: int, l2: float):
+  """The 'logistic' objective and its gradient at W (flattened [D + 1, C]); xb holds the
+  whitened features with the bias column last (not penalised)."""
+  w = w_flat.reshape(xb.shape[1], num_classes)
+  logits = xb @ w
+  lse = scipy.special.logsumexp(logits, axis=1)
+  penalised = w[:-1]
+  loss = np.sum(lse - logits[np.arange(len(y)), y]) + 0.5 * l2 * np.sum(penalised ** 2)
+  probs = np.exp(logits - lse[:, None])
+  probs[np.arange(len(y)), y] -= 1.0
+  grad = xb.T @ probs
+  grad[:-1] += l2 * penalised
+  return loss, grad.ravel()
+
+
+def logistic_fit(x, y, num_classes: int, l2: float = LOGISTIC_L2,
+                 max_iter: int = LOGISTIC_MAX_ITER) -> dict:
+  """Multinomial logistic regression on features x [N, D], labels y [N] (module docstring):
+  {'w' [D + 1, C], 'mean', 'std'} as ridge_fit, so ridge_predict scores it."""
+  x = _check_xy(x, y, l2, "logistic_fit")
+  y = np.asarray(y, np.int64)
+  mean, std = x.mean(0), x.std(0) + 1e-5
+  # Bias column 1 (not BIAS_CONSTANT): it is not penalised, so its scale does not matter.
+  xb = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=1.0)
+  w0 = np.zeros(xb.shape[1] * num_classes)
+  res = scipy.optimize.minimize(logistic_loss_and_grad, w0, args=(xb, y, num_classes, l2),
+                                jac=True, method="L-BFGS-B",
+                                options={"maxiter": max_iter, "gtol": 1e-6})
+  w = res.x.reshape(xb.shape[1], num_classes)
+  w[-1] /= BIAS_CONSTANT  # ridge_predict's bias column holds BIAS_CONSTANT.
+  return {"w": w, "mean": mean, "std": std}
+
+
+CLASSIFIERS.register("ridge", Classifier(lambda x, y, c, l2: ridge_fit(x, y, c, l2),
+                                         ridge_predict, L2_REG))
+CLASSIFIERS.register("logistic", Classifier(lambda x, y, c, l2: logistic_fit(x, y, c, l2),
+                                            ridge_predict, LOGISTIC_L2))
+
+
+def accuracy(x_train, y_train, x_test, y_test, num_classes: int, *,
+             classifier: str = "ridge", l2: float | None = None) -> float:
+  """Top-1 accuracy on (x_test, y_test) of the named classifier fit on the train pair (l2:
+  its default when None)."""
+  c = CLASSIFIERS.get(classifier)
+  model = c.fit(x_train, y_train, num_classes, c.default_l2 if l2 is None else l2)
+  return float(np.mean(np.argmax(c.predict(model, x_test), 1) == np.asarray(y_test)))
 
 
 def ridge_accuracy(x_train, y_train, x_test, y_test, num_classes: int,

@@ -69,6 +69,9 @@ def optim_defaults() -> ml_collections.ConfigDict:
           final_div_factor=1e4,  # onecycle: ends at lr / (div_factor * final_div_factor).
           decay_factor=0.5,  # step: lr multiplier at each decay.
           num_decays=13,  # step: decays evenly spaced over the post-warmup run.
+          # step: decay at these fractions of the whole run instead (warm-up included), e.g.
+          # (30/90, 60/90, 80/90) for Goyal et al.'s ImageNet epochs 30, 60, 80 of 90.
+          decay_at=(),
       ),
   ))
 
@@ -86,6 +89,9 @@ def _check_type(key: str, value: Any, default: Any) -> None:
     ok = isinstance(value, kinds) and not isinstance(value, bool)
   elif isinstance(default, str):
     ok = isinstance(value, str)
+  elif key.endswith('decay_at'):  # A sequence of run fractions.
+    ok = isinstance(value, (tuple, list)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
   else:  # wd_exclude: a sequence of regex strings.
     ok = isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
   if not ok:
@@ -141,6 +147,8 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
        'must be > 0'),
       (f'{ps}.decay_factor', s['decay_factor'], 0 < s['decay_factor'] <= 1, 'must be in (0, 1]'),
       (f'{ps}.num_decays', s['num_decays'], s['num_decays'] >= 0, 'must be >= 0'),
+      (f'{ps}.decay_at', s['decay_at'], list(s['decay_at']) == sorted(set(s['decay_at']))
+       and all(0 < f < 1 for f in s['decay_at']), 'must be increasing fractions in (0, 1)'),
   ]
   for key, value, ok, why in checks:
     if not ok:
@@ -217,6 +225,25 @@ def _constant(s, lr: float, steps: int) -> optax.Schedule:
 
 
 @SCHEDULES.register('step')
+def _step_schedule(s, lr: float, total_steps: int) -> optax.Schedule:
+  if not s['decay_at']:
+    return _step(s, lr, total_steps)
+  # decay_at: boundaries at fractions of the whole run, counted from step 0.
+  warmup = resolve_warmup_steps(s, total_steps)
+  scales = {}
+  for f in s['decay_at']:
+    b = int(round(f * total_steps))
+    if b < warmup:
+      raise _err('optim.schedule.decay_at', tuple(s['decay_at']),
+                 f'a decay at step {b} falls inside the {warmup}-step warm-up')
+    scales[b] = scales.get(b, 1.0) * s['decay_factor']
+  main = optax.piecewise_constant_schedule(lr, scales)
+  if warmup == 0:
+    return main
+  ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
+  return lambda step: jnp.where(step < warmup, ramp(step), main(step))
+
+
 @_warmup_then
 def _step(s, lr: float, steps: int) -> optax.Schedule:
   # num_decays decays evenly spaced: steps is split into num_decays + 1 equal segments.

@@ -1,8 +1,10 @@
-"""The semi-supervised stage runner (Yalniz et al. 2019, section 3.1): teacher -> inference over
-the unlabelled pool -> top-K selection -> student pretraining -> fine-tuning.
+"""The semi-supervised stage runner (Yalniz et al. 2019, section 3.2): teacher -> inference over
+the unlabelled pool -> deduplication against the evaluation sets -> top-K selection -> student
+pretraining -> fine-tuning.
 
 Each stage writes its own folder under DIR/round<r>/ (teacher, predictions/<split>, pool,
-selection, student, finetune) and, last, its completion marker; DIR/baseline holds the
+selection, student, finetune; DIR/dedup/<split> once for all rounds) and, last, its
+completion marker; DIR/baseline holds the
 supervised baseline and DIR/results.json the numbers. Re-running the command skips finished
 stages and resumes an interrupted one: the trainer from its checkpoint (SIGTERM saves one and
 stops the command with exit 0), inference shard by shard, the selection from scratch (it
@@ -21,7 +23,16 @@ the records of the train split outside the labelled draw D. The teacher scores w
 the `pool` stage then keeps, per split, the prediction rows of U's records (dropping D's), so
 that D-hat is keyed by the records' own (dataset, split, index) and reads them through the
 plain dataset.
+
+Deduplication (supplement section 5: "remove images in the large-scale dataset that are also
+present in the labeled test or validation set"): with config.dedup.against set, each pool
+split is deduplicated against those sets by bigpretrain.dedup (the features of
+config.dedup.model, '' = the round-1 teacher, a model trained on the labelled set as the
+paper's ImageNet ResNet-18 is; the dedup.top_n closest pool images of each split, or all
+within dedup.max_distance), and the `pool` stage drops them with D's records, so no round
+selects them.
 """
+import hashlib
 import json
 import uuid
 
@@ -36,12 +47,15 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import dedup
 from bigpretrain import pool_predictions
 from bigpretrain import train
 from input_pipeline import datasets
+from input_pipeline import exclusions
 from input_pipeline import selection_formats
 
 DONE_FILE = "stage_done.json"
+POOL_EXCLUDED_FILE = "excluded.json"  # The pool stage's record of what it left out.
 RESULTS_FILE = "results.json"
 METRIC = "eval/top1"
 _DATA_KEYS = ("name", "dir", "subset_frac", "subset_seed")
@@ -172,7 +186,17 @@ def _link_or_filter(src: str, dst: epath.Path, exclude: np.ndarray | None) -> in
 def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
                class_names: list[str], folder: epath.Path) -> None:
   """One predictions folder over U: every split's shards, without the `exclude`d records."""
+  excluded = {split: {"num_records": int(len(v)), "sha256": hashlib.sha256(
+      np.unique(np.asarray(v, np.int64)).astype("<i8").tobytes()).hexdigest()}
+              for split, v in sorted(exclude.items()) if len(v)}
   if (folder / selection_formats.INFO_FILE).exists():
+    marker = folder / POOL_EXCLUDED_FILE
+    before = json.loads(marker.read_text()) if marker.exists() else excluded  # Older pools.
+    if before != excluded:
+      raise ValueError(f"[pool] {folder} was built with other exclusions ({before}) than now "
+                       f"({excluded}), e.g. deduplication switched on or off: use another "
+                       "--workdir, or delete that round's pool, selection, student and "
+                       "finetune folders.")
     _say(f"[pool] done already in {folder}: skipped")
     return
   if not is_main():
@@ -192,17 +216,41 @@ def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
   for split in sorted(pred_dirs):
     for shard in sorted(pred_dirs[split].glob("*.parquet")):
       records += _link_or_filter(str(shard), folder / shard.name, exclude.get(split))
+  _write_json(folder / POOL_EXCLUDED_FILE, excluded)  # Before INFO_FILE, the done marker.
   selection_formats.write_info(folder, class_names=first["class_names"], top_p=first["top_p"],
                                dataset=first["dataset"], splits=sorted(pred_dirs),
                                num_records=records, scores=first["scores"])
   _say(f"[pool] {records} images of U from {sorted(pred_dirs)} in {folder}")
 
 
+def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarray:
+  """The records of pool split `split` that are near-duplicates of config.dedup.against's
+  images (bigpretrain.dedup; a finished run in `folder` with the same parameters is reused);
+  returns their sorted indices."""
+  c = config.dedup
+  top_n = c.top_n if c.top_n > 0 else None
+  max_distance = c.max_distance if c.max_distance >= 0 else None
+  _say(f"[dedup {split}] against {c.against} with {model} -> {folder}")
+  if is_main():
+    folder.mkdir(parents=True, exist_ok=True)
+  _sync(f"dedup_{split}_start")
+  dedup.run(model, f"{config.data.name}:{split}", c.against, str(folder),
+                     top_n=top_n, max_distance=max_distance, data_dir=config.data.dir,
+                     batch_size=c.batch_size, ivf_threshold=c.ivf_threshold, nlist=c.nlist,
+                     nprobe=c.nprobe, seed=c.seed, fsdp=c.fsdp, num_workers=c.num_workers,
+                     progress=is_main())
+  _sync(f"dedup_{split}_done")
+  removed = exclusions.read(folder / dedup.EXCLUSIONS_FILE).indices(config.data.name, split)
+  _say(f"[dedup {split}] {len(removed)} pool images removed (report: "
+       f"{folder / dedup.REPORT_FILE})")
+  return removed
+
+
 def selection_stage(config, pool: epath.Path, class_names: list[str],
                     folder: epath.Path) -> dict:
   """D-hat's index (the Beam job); reuses a finished one with the same parameters."""
   # Imported here: Apache Beam is only needed by this stage.
-  from input_pipeline import selection  # pylint: disable=import-outside-toplevel
+  from input_pipeline import selection_job as selection  # pylint: disable=import-outside-toplevel
   c = config.selection
   class_sizes = None
   if c.class_sizes:
@@ -250,6 +298,11 @@ def run(config, workdir: str) -> dict:
                        root / "round1" / "teacher")
     teacher = str(root / "round1" / "teacher")
     results["teacher"] = done["results"]
+  if config.get("dedup") and config.dedup.against:
+    model = config.dedup.model or teacher
+    for split in pool_splits:
+      removed = dedup_stage(config, model, split, root / "dedup" / split)
+      exclude[split] = np.union1d(exclude.get(split, np.zeros(0, np.int64)), removed)
   steps = 0
   for r in range(1, config.rounds + 1):
     rdir = root / f"round{r}"

@@ -16,6 +16,11 @@ TABLE_A1 = {
     "h": dict(tau_in1k=0.6, tau_in21k=0.5, layer_decay=0.85),
 }
 DEMO_TAU = 0.5
+PAPER_RES = 224
+# A.1: tau "+0.05 when more regularization is needed, i.e., when pre-training during 270 epochs
+# on Imagenet21k or for large resolutions" (above 224: B.2 / Figure B.1 go to 336 and 448).
+# Added once when either holds (the text does not say the two stack).
+MORE_REG_TAU = 0.05
 DEMO_LAMB_LR = 8e-2  # At batch 2048 by the sqrt rule: 2e-2 at the demo's batch of 128.
 BASE_BATCH = 2048
 # deit main.py defaults that DeiT-III's commands keep (README_revenge.md): the cosine schedule
@@ -48,11 +53,14 @@ def deit_schedule_ends(config: ml_collections.ConfigDict, lr_scale: float = 1.0)
 
 
 def cosub_model(name: str, tau: float) -> dict:
-  """The DeiT-III ViT with uniform-rate efficient stochastic depth.
+  """The DeiT-III ViT with uniform-rate efficient stochastic depth; any other model (a
+  ResNet or RegNet, supplement Table B.1) with uniform-rate masked stochastic depth.
 
   DeiT-III initialises the head truncated-normal(0.02) like every linear layer; a zero head
   would also stall under LAMB, whose updates are relative to the weight norm.
   """
+  if not name.startswith("vit"):
+    return dict(name=name, drop_path_rate=tau, drop_path_schedule="uniform")
   return dict(name=name, drop_path_rate=tau, drop_path_schedule="uniform",
               stochastic_depth="esd", layerscale_init=1e-4, qkv_bias=True, head="token",
               pos_embed_cls=False, head_zeroinit=False)
@@ -87,7 +95,7 @@ def base(arg: ml_collections.ConfigDict, *, tau: float, train_augment: str,
     config.eval_every_steps = 200
     config.ckpt_every_steps = 200
   else:
-    config.data.image_size = 224
+    config.data.image_size = arg.res if arg.res > 0 else PAPER_RES
     config.data.train_augment = train_augment
     config.data.num_workers = 16
     config.batch_size = BASE_BATCH
@@ -101,13 +109,23 @@ def base(arg: ml_collections.ConfigDict, *, tau: float, train_augment: str,
 def parse(arg, **extra):
   """The recipe args shared by the cosub configs (plus `extra` ones)."""
   return config_lib.parse_arg(arg, dataset="demo", data_dir="", model="", tau=-1.0,
-                              submodels=2, **extra)
+                              submodels=2, res=-1, **extra)
 
 
-def resolve_tau(arg, key: str) -> float:
-  """arg.tau if given (>= 0), the demo's 0.5, or Table A.1's value for the model size."""
+def more_regularization(arg) -> bool:
+  """Whether A.1's tau + 0.05 applies for the resolution: above 224 at paper scale."""
+  return arg.dataset != "demo" and arg.res > PAPER_RES
+
+
+def resolve_tau(arg, key: str, more_reg: bool = False) -> float:
+  """arg.tau if given (>= 0), the demo's 0.5, or Table A.1's value for the model size, plus
+  MORE_REG_TAU when `more_reg` or a large resolution asks for it (A.1)."""
   if arg.tau >= 0:
     return arg.tau
   if arg.dataset == "demo" and not arg.model:
-    return DEMO_TAU
-  return TABLE_A1[vit_size(arg.model or "vit_b16")][key]
+    tau = DEMO_TAU
+  else:
+    tau = TABLE_A1[vit_size(arg.model or "vit_b16")][key]
+  if more_reg or more_regularization(arg):
+    tau += MORE_REG_TAU
+  return round(tau, 4)

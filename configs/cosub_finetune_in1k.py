@@ -38,7 +38,8 @@ The 21k checkpoint's head has the 21k classes: model_init keeps arrays whose sha
 (and those matching config.model_init_skip) freshly initialised, so the 1k head starts anew.
 
 Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
-tau (-1 = DeiT-III's fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
+res (image size; -1: 224; above 224 adds A.1's 0.05 to tau), tau (-1 = DeiT-III's
+fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
 the demo uses 0.75), layer_decay_convention (cosub | mae), submodels (2).
 """
 from configs import cosub_common
@@ -60,6 +61,8 @@ def get_config(arg=None):
     tau = cosub_common.DEMO_TAU
   else:
     tau = FINETUNE_TAU[cosub_common.vit_size(arg.model or "vit_b16")]
+    if cosub_common.more_regularization(arg):  # A.1: + 0.05 at large resolutions.
+      tau = round(tau + cosub_common.MORE_REG_TAU, 4)
   config = cosub_common.base(arg, tau=tau,
                              train_augment="simple_random_crop|three_augment|flip",
                              demo_train_augment="simple_random_crop|flip")

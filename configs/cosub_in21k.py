@@ -42,9 +42,11 @@ Recipe (supplement A.1 on DeiT-III): LAMB as DeiT-III runs it (see configs/cosub
 lr = 1e-3 * sqrt(batch / 2048), weight decay 0.02, 5 warm-up epochs from 1e-6 then cosine
 down to 1e-5; softmax CE with label smoothing 0.1 (applied by the cutmix step);
 cutmix 1.0, no mixup; Simple Random Crop + 3-Augment + flip; 90 or 270 epochs; tau from
-Table A.1 ("Imnet21k pre-train" row), + 0.05 for 270 epochs (A.1: "more regularization").
+Table A.1 ("Imnet21k pre-train" row), + 0.05 for 270 epochs or a resolution above 224 (A.1:
+"more regularization"; once if both).
 
-Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model, epochs (90 or 270),
+Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model, res (image size; -1:
+224), epochs (90 or 270),
 tau (-1 = Table A.1; the demo uses 0.5), submodels (2; 1 = no cosub), regime (demo only: short =
 400 steps over all of train; long = 30 epochs over a 10% per-class subset, tau + 0.05).
 """
@@ -66,10 +68,10 @@ def get_config(arg=None):
   if long_demo and arg.dataset != "demo":
     raise ValueError(f"regime=long is a demo setting; with dataset={arg.dataset!r} set the "
                      "length with epochs= (270 is the paper's long schedule).")
-  tau = cosub_common.resolve_tau(arg, "tau_in21k")
-  if arg.tau < 0 and (long_demo or (arg.dataset != "demo" and arg.epochs > 90)):
-    tau += 0.05  # Long schedules get more stochastic depth (A.1: "more regularization").
-  config = cosub_common.base(arg, tau=round(tau, 4),
+  # Long schedules get more stochastic depth (A.1: "more regularization").
+  tau = cosub_common.resolve_tau(
+      arg, "tau_in21k", more_reg=long_demo or (arg.dataset != "demo" and arg.epochs > 90))
+  config = cosub_common.base(arg, tau=tau,
                              train_augment="simple_random_crop|three_augment|flip",
                              demo_train_augment="simple_random_crop|flip")
   config.objective.kind = "ce"

@@ -2,8 +2,9 @@ r"""ImageNet-21K semantic softmax pretraining (Ridnik et al., "ImageNet-21K Pret
 Masses", NeurIPS 2021, section 3.3) — bigpretrain's headline recipe.
 
 One softmax per WordNet hierarchy level; an image activates the levels of its label and its
-ancestors; level k is weighted by W_k = O_0 / O_k capped at 20 (the authors' released code;
-the paper writes W_k = 1/O_k, which differs only by the constant O_0 and the cap).
+ancestors; level k is weighted by W_k = O_0 / O_k capped at 20 (objective.max_weight, the authors'
+released code); `--config.objective.max_weight=0` gives the paper's uncapped equation 2,
+W_k = 1/O_k up to the constant factor O_0.
 
 Demo (no arg; the embedded `demo` dataset, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/semantic_softmax.py --workdir=/tmp/ss_demo
@@ -47,6 +48,7 @@ Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model (registry name
 init (checkpoint -> config.model_init), epochs (paper scale, -1: 80 with init, else 140).
 """
 from bigpretrain import config_lib
+from bigpretrain.semantic import tree as tree_lib
 from configs import common_fewshot
 from input_pipeline import pipeline
 
@@ -69,7 +71,8 @@ def get_config(arg=None):
   """Semantic softmax config; `arg` e.g. 'dataset=imagenet21k_p,data_dir=/data,model=vit_b16'."""
   arg = parse(arg)
   config = config_lib.base_config()
-  config.objective = dict(name="semantic_softmax", label_smoothing=0.2, max_weight=20.0)
+  config.objective = dict(name="semantic_softmax", label_smoothing=0.2,
+                          max_weight=tree_lib.MAX_LEVEL_WEIGHT)
   config.data = pipeline.data_defaults()
   config.data.name = arg.dataset
   config.data.dir = arg.data_dir

@@ -32,23 +32,33 @@ mentioned), no weight decay, mixup alpha 0.1 on every dataset, sync BatchNorm (t
 batch statistics are global), eval by resizing the shorter side to the image size and taking
 the centre crop (`shorter_center_crop`). Length by the train split's size N: 500 steps for
 N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,000 above ("large"); a few-shot
-draw counts as its own N (1% of ImageNet-1k is small, 10% medium). EMA of the weights with
-"decay 1e-4", i.e. momentum 0.9999 (ClassyVision's hook averages params and BatchNorm
-statistics), used for eval; the paper uses it for ImageNet-1k only, so here it is on for
-"large" datasets and off otherwise unless `ema=` says (0.9999 over 500 steps would leave the
-EMA at 95% of the starting weights).
+draw counts as its own N (1% of ImageNet-1k is small, 10% medium); ViTs on the whole of
+ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned ViTs for 28 epochs on
+ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum 0.9999 (ClassyVision's
+hook averages params and BatchNorm statistics), used for eval; the paper uses it for
+ImageNet-1k only, so here it is on for "large" datasets and off otherwise unless `ema=` says
+(0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
+Resolution (section 4.1, Table 1 "Fine." column): RegNetY and ViT B/16 at 384, ViT L/16 at
+512, ViT H/14 at 518 (FINETUNE_RES); Table 2's runs (few-shot draws and the zero-shot-
+initialised head) are "at 224x224", the pre-training's, as is any model the paper does not
+list. `res=` overrides. A ViT checkpoint's position embeddings are resized by model_init.
+lr (appendix D, Table 8, base lr per model and task at the paper's batch of 512, scaled
+linearly with the batch): the IG 3.6B rows in Table 1's order (the extracted table lost its
+model column), columns ImageNet-1k, ImageNet-5k, iNaturalist, Places365, CUB-2011; `task=`
+picks the column (auto: from the tfds name; anything else gets ImageNet-1k's, pass `lr=`).
+The fine-tuned ViT drops the hashtag model's tanh representation layer (pre_logits): Table 5
+counts ViT B/16, L/16, H/14 at 86.6 / 304.3 / 632.0M parameters with a 1k head, which is
+without it; with `zs_head` it is kept, since the zero-shot head is defined on its output.
 Choices the paper leaves open: momentum 0.9 with Nesterov (the pre-training's SGD; BiT, which
-the paper follows, uses momentum 0.9); lr = Table 8's ImageNet-1k value for the IG 3.6B
-models, 6e-3, read as the lr at the paper's batch of 512 and scaled linearly with the batch
-(the paper grid-searched it per model and task: pass `lr=` for other datasets); random-resized
-crop + flip for training, the pre-training's augmentation; train at the checkpoint's image size
-(the paper's 384-518 px fine-tuning needs position-embedding resizing for ViTs).
+the paper follows, uses momentum 0.9); random-resized crop + flip for training, the
+pre-training's augmentation.
 
 Args: dataset, data_dir, init (checkpoint dir -> config.model_init; its meta sets the model,
-image size and normalisation), model (without init; default regnety_demo on the demo,
-regnety_16gf otherwise), fewshot (data.subset_frac: 0.01, 0.1; 1 = all), fewshot_seed, zs_head
-(config.model_init_head='zero_shot'), ema (-1: by size as above), lr (-1: as above; at
-config.batch_size), size (auto | small | medium | large).
+normalisation and pre-training image size), model (without init; default regnety_demo on the
+demo, regnety_16gf otherwise), fewshot (data.subset_frac: 0.01, 0.1; 1 = all), fewshot_seed,
+zs_head (config.model_init_head='zero_shot'), ema (-1: by size as above), lr (-1: Table 8 as
+above; at config.batch_size), size (auto | small | medium | large), res (-1: as above; pixels
+otherwise), task (auto | in1k | in5k | inat | places | cub).
 """
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
@@ -57,11 +67,30 @@ from input_pipeline import datasets
 from input_pipeline import pipeline
 
 PAPER_BATCH = 512
-PAPER_LR = 6e-3  # Table 8, IG 3.6B models on ImageNet-1k, at PAPER_BATCH.
 MIXUP_ALPHA = 0.1
 EMA_MOMENTUM = 0.9999  # "decay rate of 1e-4".
 STEPS = {"small": 500, "medium": 10_000, "large": 20_000}
 SMALL_MAX, MEDIUM_MAX = 20_000, 500_000  # N <= 20k small, <= 500k medium, else large.
+VIT_IN1K_EPOCHS = 28  # Section 4.1: ViTs on ImageNet-1k.
+IN1K_TRAIN = 1_281_167  # ImageNet-1k's train split (for eval/ckpt intervals of the 28 epochs).
+TABLE2_RES = 224  # Section 4.2: "We report results using images of size 224x224 pixels".
+# Section 4.1 / Table 1 "Fine." column: the fine-tuning resolution of each IG 3.6B model.
+FINETUNE_RES = {"regnety_16gf": 384, "regnety_32gf": 384, "regnety_128gf": 384,
+                "vit_b16": 384, "vit_l16": 512, "vit_h14": 518}
+TASKS = ("in1k", "in5k", "inat", "places", "cub")  # Table 8's columns.
+# Table 8, IG 3.6B rows (in Table 1's order), base lr at PAPER_BATCH per task in TASKS.
+TABLE8_LR = {
+    "vit_h14": (6e-3, 2.4e-2, 1.2e-2, 3e-3, 6e-3),
+    "vit_l16": (6e-3, 2.4e-2, 1.2e-2, 3e-3, 3e-3),
+    "vit_b16": (6e-3, 2.4e-2, 1.2e-2, 3e-3, 3e-3),
+    "regnety_128gf": (6e-3, 2.4e-2, 1.2e-2, 6e-3, 3e-3),
+    "regnety_32gf": (6e-3, 1.2e-2, 1.2e-2, 1.2e-2, 6e-3),
+    "regnety_16gf": (6e-3, 1.2e-2, 1.2e-2, 1.2e-2, 6e-3),
+}
+PAPER_LR = 6e-3  # Table 8's ImageNet-1k column (every IG 3.6B model): the default elsewhere.
+# tfds names of Table 8's datasets (ImageNet-5k has none).
+TFDS_TASKS = {"imagenet2012": "in1k", "i_naturalist2018": "inat", "places365_small": "places",
+              "caltech_birds2011": "cub"}
 TRAIN_AUGMENT = "inception_crop|flip"
 DEMO_MODEL, PAPER_MODEL = "regnety_demo", "regnety_16gf"  # As configs/swag_regnety.py.
 DEMO_BATCH, DEMO_STEPS, DEMO_LR, DEMO_IMAGE_SIZE = 64, 300, 0.01, 32
@@ -74,12 +103,28 @@ def size_of(num_train: int) -> str:
   return "medium" if num_train <= MEDIUM_MAX else "large"
 
 
+def task_of(dataset: str) -> str:
+  """Table 8's column for a dataset name ('tfds:imagenet2012' -> 'in1k'); '' if not listed."""
+  name = dataset.split(":", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+  return TFDS_TASKS.get(name, "")
+
+
+def table8_lr(model: str, task: str) -> float:
+  """Table 8's base lr (at PAPER_BATCH) for a model and task; PAPER_LR where it has none."""
+  if task not in TASKS:
+    return PAPER_LR
+  return TABLE8_LR.get(model, (PAPER_LR,) * len(TASKS))[TASKS.index(task)]
+
+
 def get_config(arg=None):
   """SWAG fine-tuning; `arg` e.g. 'init=/runs/swag_regnety,fewshot=0.01,zs_head'."""
   arg = config_lib.parse_arg(arg, dataset="demo", data_dir="", init="", model="",
                              fewshot=1.0, fewshot_seed=0, zs_head=False, ema=-1.0, lr=-1.0,
-                             size="auto")
+                             size="auto", res=-1, task="auto")
   demo = arg.dataset == "demo"
+  if arg.task not in ("auto",) + TASKS:
+    raise ValueError(f"task={arg.task!r} must be auto or one of {TASKS}.")
+  task = task_of(arg.dataset) if arg.task == "auto" else arg.task
   config = config_lib.base_config()
   config.data = pipeline.data_defaults()
   config.data.name = arg.dataset
@@ -89,7 +134,7 @@ def get_config(arg=None):
   config.data.train_augment = TRAIN_AUGMENT
   config.data.eval_resize = "shorter_center_crop"
   config.data.normalize = "imagenet"  # ClassyVision's; a checkpoint's own wins below.
-  config.data.image_size = DEMO_IMAGE_SIZE if demo else 224
+  pretrain_res = DEMO_IMAGE_SIZE if demo else TABLE2_RES
   if arg.init:
     if arg.model:
       raise ValueError(f"model={arg.model!r} and init={arg.init!r}: the checkpoint sets the "
@@ -97,11 +142,21 @@ def get_config(arg=None):
     meta = checkpoint.read_meta(arg.init)
     config.model = dict(meta["model"])
     config.data.normalize = meta["data"]["normalize"]
-    config.data.image_size = meta["data"]["image_size"]
+    pretrain_res = meta["data"]["image_size"]
+    if config.model.get("pre_logits") and not arg.zs_head:
+      config.model.pre_logits = False  # Table 5's fine-tuned ViTs have no tanh layer.
   else:
     config.model = dict(name=arg.model or (DEMO_MODEL if demo else PAPER_MODEL))
     if config.model.name.startswith("regnety"):  # As the hashtag RegNetYs (swag_regnety.py).
       config.model.zero_init_residual = False
+  model = config.model.name
+  table2 = arg.fewshot != 1.0 or arg.zs_head
+  if arg.res > 0:
+    config.data.image_size = arg.res
+  elif demo or table2:
+    config.data.image_size = pretrain_res
+  else:
+    config.data.image_size = FINETUNE_RES.get(model, pretrain_res)
   config.model_init = arg.init
   config.model_init_head = "zero_shot" if arg.zs_head else ""
   config.objective = dict(name="softmax", label_smoothing=0.0)
@@ -131,13 +186,17 @@ def get_config(arg=None):
       info = datasets.get_dataset({"name": arg.dataset, "dir": arg.data_dir}).info
       size = size_of(round(info.num_examples[config.data.train_split] * arg.fewshot))
     config.batch_size = PAPER_BATCH
-    config.total_steps = STEPS[size]
-    lr_at_batch, lr_batch = PAPER_LR, PAPER_BATCH
+    lr_at_batch, lr_batch = table8_lr(model, task), PAPER_BATCH
     config.compute_dtype = "bfloat16"
     config.data.num_workers = 16
     config.log_every_steps = 50
-    config.eval_every_steps = max(STEPS[size] // 4, 250)
     config.ckpt_every_steps = 1_000
+    if model.startswith("vit") and task == "in1k" and arg.fewshot == 1.0:
+      config.num_epochs = float(VIT_IN1K_EPOCHS)
+      steps = -(-VIT_IN1K_EPOCHS * IN1K_TRAIN // PAPER_BATCH)
+    else:
+      config.total_steps = steps = STEPS[size]
+    config.eval_every_steps = max(steps // 4, 250)
     ema = EMA_MOMENTUM if size == "large" else 0.0
   config.ema.momentum = ema if arg.ema < 0 else arg.ema
   if arg.lr > 0:

@@ -29,6 +29,9 @@ from tensorflow_datasets.core import read_only_builder
 
 IMAGE_SIZE = 224
 JPEG_QUALITY = 75
+# How min_images is read (stored with a prepared dataset's parameters, so that one prepared
+# under the earlier "more than min_images" rule is not reused as if it were the same).
+CLASS_RULE = "files >= min_images"
 COUNTER_NAMESPACE = "bigpretrain_images"  # Beam counters of every job in this module.
 REPORT_FILE = "preparation_report.json"  # Written by the pipeline, folded into the metadata.
 _CORRUPT = "corrupt"  # Tag of the Beam side output of unreadable files.
@@ -233,15 +236,15 @@ def choose_classes(sources: Sequence[ClassSource], counts: Sequence[tuple[int, s
                    min_images: int) -> tuple[list[str], dict[str, int], dict[str, str]]:
   """-> (kept class names sorted, dropped {name: files}, unreadable {name: error}).
 
-  A class (all its sources together) is kept iff it has more than `min_images` files.
+  A class (all its sources together) is kept iff it has at least `min_images` files.
   """
   total, errors = {}, {}
   for source, (count, error) in zip(sources, counts):
     total[source.class_name] = total.get(source.class_name, 0) + count
     if error:
       errors[source.class_name] = error
-  kept = sorted(c for c, n in total.items() if n > min_images)
-  dropped = {c: total[c] for c in sorted(total) if total[c] <= min_images}
+  kept = sorted(c for c, n in total.items() if n >= min_images)
+  dropped = {c: total[c] for c in sorted(total) if total[c] < min_images}
   return kept, dropped, dict(sorted(errors.items()))
 
 

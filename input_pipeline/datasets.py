@@ -294,11 +294,14 @@ def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[
   subset.py) and of every data.mix entry, with their weights.
 
   Mixed datasets are looked up like data.name (same data.dir) and must have the same classes
-  in the same order, so that one label means one class everywhere.
+  in the same order, so that one label means one class everywhere. A source with a
+  `configure(data_cfg)` method is replaced by what it returns (its own data.* options, e.g.
+  the hashtag sources' data.resample_alpha).
   """
   split = data_cfg.get("train_split", "train")
   mix = parse_mix(data_cfg.get("mix", ""))
-  sources = [subset.apply(dataset.source(split), data_cfg, dataset.info.name)]
+  sources = [_configured(subset.apply(dataset.source(split), data_cfg, dataset.info.name),
+                         data_cfg)]
   weights = [1.0 - sum(w for _, w in mix)]
   for name, weight in mix:
     other = get_dataset({"name": name, "dir": _data_dir(data_cfg)})
@@ -309,6 +312,11 @@ def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[
           f"data.mix dataset {name!r} has {other.info.num_classes} classes "
           f"({other.info.class_names[:3]}...), {info.name!r} has {info.num_classes} "
           f"({info.class_names[:3]}...): mixed datasets need the same class list.")
-    sources.append(other.source(split))
+    sources.append(_configured(other.source(split), data_cfg))
     weights.append(weight)
   return sources, weights
+
+
+def _configured(source, data_cfg):
+  configure = getattr(source, "configure", None)
+  return source if configure is None else configure(data_cfg)

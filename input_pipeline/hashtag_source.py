@@ -4,8 +4,9 @@
 - class_names: the dataset's vocabulary (canonical hashtags, sorted; id = index);
 - records: 'image' (encoded bytes), 'hashtag_ids' (sorted vocabulary ids, shipped as a padded
   id list), 'hashtags' (raw tags), 'file_name';
-- train has an index_sampler: head/tail resampling (appendix A "Image Sampling"), alpha 0.7,
-  epochs of as many samples as train images, tail threshold = the one the dataset was
+- train has an index_sampler: head/tail resampling (appendix A "Image Sampling"), head share
+  alpha = config.data.resample_alpha (default ALPHA = 0.7, the paper's; its Table 4 ablates
+  0.5 and 0.3), epochs of as many samples as train images, tail threshold = the one the dataset was
   prepared with (--tail_threshold, default the paper's 5,000), kept in its metadata;
 - info.stats: the job's counts (skipped images by reason, raw tags, head/tail).
 
@@ -28,7 +29,8 @@ FIELD = "hashtag_ids"
 BUILDER_NAME = "bigpretrain_hashtags"
 LABEL_INDEX = "hashtag_ids-{split}.npz"  # Written by hashtag_job.prepare beside the shards.
 PREFIX = "hashtags:"
-ALPHA = 0.7  # Head share of the samples (appendix A).
+ALPHA = 0.7  # Head share of the samples (appendix A); config.data.resample_alpha.
+ALPHA_KEY = "resample_alpha"
 DEMO_NAME = "demo"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 
@@ -47,7 +49,7 @@ class HashtagSource:
   """
 
   def __init__(self, source, labels: list[np.ndarray] | None, *,
-               tail_threshold: int | None = None):
+               tail_threshold: int | None = None, alpha: float = ALPHA):
     self._source = source
     self.split = source.split
     if tail_threshold is not None and labels is not None and len(labels) != len(source):
@@ -55,6 +57,16 @@ class HashtagSource:
                        f"split {len(source)}; re-run the preparation to rewrite it")
     self._labels = labels
     self._tail_threshold = tail_threshold
+    self.alpha = alpha
+
+  def configure(self, data_cfg) -> "HashtagSource":
+    """This split read with config.data.resample_alpha (datasets.train_sources' hook)."""
+    alpha = data_cfg.get(ALPHA_KEY, ALPHA)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+      raise ValueError(f"config.data.{ALPHA_KEY}={alpha!r} must be in [0, 1] (the head share "
+                       "of the resampled samples).")
+    return HashtagSource(self._source, self._labels, tail_threshold=self._tail_threshold,
+                         alpha=float(alpha))
 
   def __len__(self) -> int:
     return len(self._source)
@@ -72,7 +84,7 @@ class HashtagSource:
     if self._tail_threshold is None:
       raise ValueError(f"split {self.split!r} is read as it is, without resampling")
     weights, is_tail = resampling.importance(self._labels, self._tail_threshold)
-    return resampling.ResampledIndices(weights, is_tail, alpha=ALPHA, num_samples=len(self),
+    return resampling.ResampledIndices(weights, is_tail, alpha=self.alpha, num_samples=len(self),
                                        seed=seed)
 
   def index_sampler(self, seed: int, process_index: int, process_count: int):
@@ -85,7 +97,7 @@ class HashtagSource:
     counts = np.bincount(np.concatenate([np.asarray(ids, np.int64) for ids in self._labels]))
     return resampling.host_sampler(
         self._labels[start:stop], num_images=len(self), label_counts=counts,
-        tail_threshold=self._tail_threshold, alpha=ALPHA, num_samples=len(self), seed=seed,
+        tail_threshold=self._tail_threshold, alpha=self.alpha, num_samples=len(self), seed=seed,
         process_index=process_index, process_count=process_count, log_epochs=True)
 
 

@@ -12,7 +12,8 @@ With --val_per_class=K and no validation folder, K images per class move from tr
 `validation` by the imagenet21k_p hash rule (smallest sha256('class/name')).
 
 Classes: the class folder names of all splits, sorted (label = index). A class with
-`min_images` or fewer files over all splits is dropped and reported (default 0: empty folders).
+fewer than `min_images` files over all splits is dropped and reported (default 1: empty
+folders).
 Images are kept as they are (decodable JPEG/PNG bytes unchanged, other formats re-encoded as
 JPEG) unless --image_size squishes them as for imagenet21k_p. Corrupt files are skipped and
 listed in the metadata, as for imagenet21k_p.
@@ -119,15 +120,15 @@ def _splits_of(sources: Sequence[job.ClassSource]) -> tuple[str, ...]:
 
 def prepare(manual_dir, data_dir, name: str, *, beam_runner=None,
             beam_options: Sequence[str] | None = None, val_per_class: int = 0,
-            min_images: int = 0, image_size: int | None = None,
+            min_images: int = 1, image_size: int | None = None,
             jpeg_quality: int = job.JPEG_QUALITY) -> tfds.core.DatasetBuilder:
   """Converts the ImageFolder tree manual_dir into `bigpretrain_folder/NAME` in data_dir (or
   reuses a finished one); returns a builder to read it with."""
   check_name(name)
   job.check_params(min_images, val_per_class, image_size, jpeg_quality)
   params = {"raw_dir": str(manual_dir), "min_images": min_images,
-            "val_per_class": val_per_class, "image_size": image_size,
-            "jpeg_quality": jpeg_quality}
+            "class_rule": job.CLASS_RULE, "val_per_class": val_per_class,
+            "image_size": image_size, "jpeg_quality": jpeg_quality}
   full_name = f"{BUILDER_NAME}/{name}"
   prepared = job.find_prepared(full_name, data_dir)
   if prepared is not None:
@@ -139,7 +140,7 @@ def prepare(manual_dir, data_dir, name: str, *, beam_runner=None,
                            beam_options=beam_options)
   kept, dropped, unreadable = job.choose_classes(sources, counts, min_images)
   if not kept:
-    raise ValueError(f"No class folder in {manual_dir} has more than {min_images} files.")
+    raise ValueError(f"No class folder in {manual_dir} has {min_images} files or more.")
   kept_set = set(kept)
   kept_sources = [s for s in sources if s.class_name in kept_set]
   totals = {}

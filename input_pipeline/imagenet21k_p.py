@@ -12,9 +12,10 @@ Input (detected): RAW (or RAW/train) holds either one folder of images per wnid 
 name is not a wnid are ignored and listed in the report.
 
 The job follows the paper's three steps:
-  1. Classes with `min_images` (500) or fewer listed files are dropped; a class is kept only if
-     it has MORE than 500 files (corrupt files included in that count, as they are files of
-     the release). Dropped wnids and their counts go to the metadata.
+  1. Classes with fewer than `min_images` (500) listed files are dropped ("removing
+     infrequent classes, with less than 500 labels"); a class with 500 or more is kept
+     (corrupt files included in that count, as they are files of the release). Dropped wnids
+     and their counts go to the metadata.
   2. Validation split, `val_per_class` (50) images per kept class. The rule: rank the class's
      files by sha256 of the UTF-8 string 'wnid/name' (hex digest, ties by name) and send the
      first 50 to `validation`, the rest to `train`. It depends on the file names only, so the
@@ -60,7 +61,7 @@ from bigpretrain.semantic import wordnet
 from input_pipeline import beam_images as job
 
 NAME = "imagenet21k_p"
-MIN_IMAGES = 500  # A class is kept only with more files than this.
+MIN_IMAGES = 500  # A class is kept only with at least this many files.
 VAL_PER_CLASS = 50
 IMAGE_SIZE = 224  # Squish-resized to 224x224 (section 2.1).
 
@@ -101,7 +102,7 @@ def detect_layout(raw_dir) -> tuple[str, list[job.ClassSource], list[str]]:
 
 
 class Imagenet21kP(job.BeamImageBuilder):
-  """ImageNet-21K-P: ImageNet-21K without classes of 500 or fewer images, a 50-per-class
+  """ImageNet-21K-P: ImageNet-21K without classes of fewer than 500 images, a 50-per-class
   validation split, images squished to 224x224 (Ridnik et al., 2021, section 2.1)."""
 
   name = NAME
@@ -128,12 +129,12 @@ def prepare(manual_dir, data_dir, *, beam_runner=None, beam_options: Sequence[st
   job.check_params(min_images, val_per_class, image_size, jpeg_quality)
   if image_size is None:
     raise ValueError("imagenet21k_p always squishes images; image_size must be an int.")
-  if val_per_class > min_images:
-    raise ValueError(f"val_per_class={val_per_class} > min_images={min_images} would leave "
+  if val_per_class >= min_images:
+    raise ValueError(f"val_per_class={val_per_class} >= min_images={min_images} would leave "
                      "kept classes without train images.")
   params = {"raw_dir": str(manual_dir), "min_images": min_images,
-            "val_per_class": val_per_class, "image_size": image_size,
-            "jpeg_quality": jpeg_quality}
+            "class_rule": job.CLASS_RULE, "val_per_class": val_per_class,
+            "image_size": image_size, "jpeg_quality": jpeg_quality}
   prepared = job.find_prepared(NAME, data_dir)
   if prepared is not None:
     job.reuse(prepared, params)
@@ -145,9 +146,9 @@ def prepare(manual_dir, data_dir, *, beam_runner=None, beam_options: Sequence[st
   kept, dropped, unreadable = job.choose_classes(sources, counts, min_images)
   if not kept:
     largest = max(n for n, _ in counts)
-    raise ValueError(f"No class in {manual_dir} has more than min_images={min_images} files "
+    raise ValueError(f"No class in {manual_dir} has min_images={min_images} files or more "
                      f"(largest: {largest}).")
-  logging.info("Step 1: keeping %d classes, dropping %d with <= %d files", len(kept),
+  logging.info("Step 1: keeping %d classes, dropping %d with < %d files", len(kept),
                len(dropped), min_images)
   count_of = {s.class_name: n for s, (n, _) in zip(sources, counts)}
   tree = tree_lib.SemanticTree.from_wnids(kept)  # Fails now, not after hours, on a bad wnid.

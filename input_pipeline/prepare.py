@@ -5,7 +5,7 @@ and the semi-supervised selection index.
       [--beam_runner=...] [--min_images=500] [--val_per_class=50] [--image_size=224] \
       [--jpeg_quality=75]
   python -m input_pipeline.prepare folder --manual_dir=RAW --data_dir=OUT --name=NAME \
-      [--val_per_class=0] [--min_images=0] [--image_size=S] [--jpeg_quality=75]
+      [--val_per_class=0] [--min_images=1] [--image_size=S] [--jpeg_quality=75]
   python -m input_pipeline.prepare selection --predictions=DIR --k=K --data_dir=OUT \
       [--variant=balanced_ranked|unbalanced_ranked|balanced_with_tags] \
       [--class_sizes=SIZES.json | --zipf_total=T [--zipf_exponent=1.0]] [--seed=0] \
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam_runner", default=None,
                    help="Beam runner (default: DirectRunner on this machine).")
     p.add_argument("--min_images", type=int, default=min_images,
-                   help="Keep a class only if it has MORE files than this.")
+                   help="Keep a class only if it has at least this many files.")
     p.add_argument("--val_per_class", type=int, default=val_per_class,
                    help="Validation images per class (sha256 rule).")
     p.add_argument("--image_size", type=_size, default=image_size,
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
   p21k = sub.add_parser("imagenet21k_p", help="ImageNet-21K-P from the raw ImageNet-21K.")
   common(p21k, imagenet21k_p.MIN_IMAGES, imagenet21k_p.VAL_PER_CLASS, imagenet21k_p.IMAGE_SIZE)
   pfolder = sub.add_parser("folder", help="Any ImageFolder tree, as folder:NAME.")
-  common(pfolder, 0, 0, None)
+  common(pfolder, 1, 0, None)
   pfolder.add_argument("--name", required=True, help="Dataset name (read as folder:NAME).")
 
   psel = sub.add_parser("selection", help="Top-K per class selection of D-hat from teacher "
@@ -170,7 +170,7 @@ def summary(builder) -> str:
       f"Dataset {builder.info.full_name} in {builder.data_dir}",
       f"  examples: {splits}",
       f"  classes: {builder.info.features['label'].num_classes} kept; {len(dropped)} dropped "
-      f"with <= {params.get('min_images')} files"
+      f"with {'<' if params.get('class_rule') else '<='} {params.get('min_images')} files"
       + (f", e.g. {dict(list(dropped.items())[:5])}" if dropped else ""),
       f"  corrupt/unreadable files skipped: {len(corrupt)}"
       + (f", e.g. {corrupt[:3]}" if corrupt else ""),

@@ -308,3 +308,19 @@ def test_bad_sample_ids():
     sampler[np.array([0.5])]
   with pytest.raises(IndexError, match=">= 0"):
     sampler.for_host(0, 2)[-1]
+
+
+def test_resample_alpha_is_a_config_value():
+  """SWAG appendix A's head share, config.data.resample_alpha (Table 4 ablates 0.5, 0.3)."""
+  from configs import swag_regnety  # pylint: disable=import-outside-toplevel
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  config = swag_regnety.get_config()
+  assert config.data.resample_alpha == 0.7
+  ds = datasets.get_dataset(config.data)
+  for alpha in (0.7, 0.5, 0.3):
+    cfg = {**config.data.to_dict(), "resample_alpha": alpha}
+    source = datasets.train_sources(cfg, ds)[0][0]
+    sampler = source.resampler(seed=0)
+    assert sampler.num_head_samples == round(alpha * len(source))
+  with pytest.raises(ValueError, match="resample_alpha"):
+    datasets.train_sources({**config.data.to_dict(), "resample_alpha": 1.5}, ds)

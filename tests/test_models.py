@@ -431,8 +431,9 @@ def test_small_resnet_forward_and_batch_norm_modes():
   # One training step moves the running mean 10% of the way to the batch mean.
   np.testing.assert_allclose(model.stem_bn.mean[...], 0.1 * conv_out.mean(axis=(0, 1, 2)),
                              rtol=1e-4, atol=1e-6)
-  with pytest.raises(ValueError, match="drop_path_rate"):
-    resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0), stage_sizes=(1,), drop_path_rate=0.1)
+  with pytest.raises(ValueError, match="'mask' only"):
+    resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0), stage_sizes=(1,), drop_path_rate=0.1,
+                  stochastic_depth="esd")
   bf16 = _materialize(lambda: resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0),
                                             stage_sizes=(1, 1), dtype=jnp.bfloat16,
                                             drop_path_rate=0.0))

@@ -402,8 +402,8 @@ def test_regnet_bad_parameters_are_named():
     regnet.regnet_stages(4, 12, 8.0, 2.0, 8)
   with pytest.raises(ValueError, match="w_m > 1"):
     regnet.regnet_stages(4, 8, 8.0, 1.0, 8)
-  with pytest.raises(ValueError, match="drop_path_rate"):
-    _abstract("regnety_8gf", num_classes=10, drop_path_rate=0.1)
+  with pytest.raises(ValueError, match="'mask' only"):
+    _abstract("regnety_8gf", num_classes=10, drop_path_rate=0.1, stochastic_depth="esd")
   with pytest.raises(TypeError, match="fixed by the architecture"):
     _abstract("regnety_8gf", num_classes=10, w_0=64)
 

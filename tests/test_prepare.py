@@ -35,11 +35,11 @@ from input_pipeline import prepare
 
 pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
 
-MIN_IMAGES = 4  # Keep a class only with MORE than 4 files.
+MIN_IMAGES = 5  # Keep a class only with at least 5 files.
 VAL = 2
 ANIMAL, BIRD, MAMMAL, DOG = "n00015388", "n01503061", "n01861778", "n02084071"
 TENCH, TABLE, CAT = "n01440764", "n04379243", "n02121808"
-# Files per class (corrupt ones included): dog has 5 (> 4, kept), tench exactly 4 (dropped).
+# Files per class (corrupt ones included): dog has exactly 5 (kept), tench 4 (dropped).
 COUNTS = {ANIMAL: 7, BIRD: 6, MAMMAL: 6, DOG: 5, TENCH: 4, TABLE: 2}
 KEPT = sorted([ANIMAL, BIRD, MAMMAL, DOG])
 CORRUPT = f"{ANIMAL}/{ANIMAL}_3.JPEG"
@@ -195,12 +195,14 @@ def test_corrupt_bytes_raise():
     beam_images.verified_image(b"GIF89a garbage")
 
 
-def test_choose_classes_threshold_is_strict():
-  sources = [beam_images.ClassSource(w, f"/x/{w}", "dir") for w in ("n1", "n2", "n3", "n4")]
-  counts = [(501, ""), (500, ""), (0, "ReadError: bad tar"), (900, "")]
+def test_choose_classes_keeps_500_or_more():
+  # Paper 001 section 2.1: "removing infrequent classes, with less than 500 labels".
+  sources = [beam_images.ClassSource(w, f"/x/{w}", "dir")
+             for w in ("n1", "n2", "n3", "n4", "n5")]
+  counts = [(501, ""), (500, ""), (0, "ReadError: bad tar"), (900, ""), (499, "")]
   kept, dropped, unreadable = beam_images.choose_classes(sources, counts, 500)
-  assert kept == ["n1", "n4"]
-  assert dropped == {"n2": 500, "n3": 0}
+  assert kept == ["n1", "n2", "n4"]
+  assert dropped == {"n3": 0, "n5": 499}
   assert unreadable == {"n3": "ReadError: bad tar"}
 
 
@@ -232,8 +234,8 @@ def test_list_files_tar_offsets(raw):
 
 
 def test_bad_parameters(tmp_path):
-  with pytest.raises(ValueError, match="val_per_class=5 > min_images=4"):
-    i21k.prepare(tmp_path, tmp_path, min_images=4, val_per_class=5)
+  with pytest.raises(ValueError, match="val_per_class=5 >= min_images=5"):
+    i21k.prepare(tmp_path, tmp_path, min_images=5, val_per_class=5)
   with pytest.raises(ValueError, match="jpeg_quality"):
     i21k.prepare(tmp_path, tmp_path, jpeg_quality=0)
   with pytest.raises(ValueError, match="must be letters"):
@@ -300,7 +302,8 @@ def test_metadata_report(prepared, raw, layout):
     assert meta["class_counts"][split] == per_class
     assert builder.info.splits[split].num_examples == len(keys)
   assert meta["params"] == {"raw_dir": str(raw[layout]), "min_images": MIN_IMAGES,
-                            "val_per_class": VAL, "image_size": 224, "jpeg_quality": 75}
+                            "class_rule": "files >= min_images", "val_per_class": VAL,
+                            "image_size": 224, "jpeg_quality": 75}
 
 
 def test_semantic_tree(prepared):

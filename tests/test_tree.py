@@ -261,3 +261,14 @@ def test_imagenet21k_p_tree_is_hash_seed_independent_with_11_levels():
     synset = wordnet.synset_from_wnid(wnids[c])
     ancestors = set(synset.closure(lambda s: s.hypernyms() + s.instance_hypernyms()))
     assert wordnet.synset_from_wnid(wnids[tree.parent[c]]) in ancestors
+
+
+def test_level_weights_cap_and_the_papers_uncapped_equation_2():
+  # 24 top-level classes and one child: O = [25, 1]. Equation 2: W = 1 / O, times O_0 = 25.
+  tree = SemanticTree.from_parents([-1] * 24 + [0])
+  np.testing.assert_allclose(tree.level_weights(max_weight=0), [1.0, 25.0], rtol=1e-6)
+  np.testing.assert_allclose(tree.level_weights(), [1.0, 20.0], rtol=1e-6)  # The code's cap.
+  with pytest.raises(ValueError, match="max_weight"):
+    tree.level_weights(max_weight=-1.0)
+  from configs import semantic_softmax  # pylint: disable=import-outside-toplevel
+  assert semantic_softmax.get_config().objective.max_weight == 20.0

@@ -159,3 +159,23 @@ def test_platt_fit_bad_input(probs, match):
 def test_platt_apply_bad_shapes():
   with pytest.raises(ValueError, match="w and b must be"):
     zero_shot.platt_apply(np.ones((2, 3)), np.ones(2), np.ones(3))
+
+
+def test_zero_shot_reads_images_at_pretraining_size_shorter_side_then_centre_crop():
+  """SWAG sections 4.1/4.4: pre-training resolution, shorter side resized to the final size
+  and a centre crop, whatever crop the hashtag run evaluated with (not 87.5%)."""
+  from PIL import Image
+  from input_pipeline import augment_spec
+  from configs import swag_regnety, swag_vit
+  meta_data = {"image_size": 32, "normalize": "imagenet", "eval_resize": "center_crop"}
+  cfg = zero_shot.eval_data_config(meta_data, num_workers=2)
+  assert cfg["image_size"] == 32 and cfg["normalize"] == "imagenet" and cfg["num_workers"] == 2
+  rng = np.random.default_rng(0)
+  image = rng.integers(0, 256, (40, 60, 3), np.uint8)
+  got = np.asarray(augment_spec.EVAL_RESIZES[cfg["eval_resize"]](image, 32))
+  # By hand: 40x60 -> 32x48 (shorter side 32), then columns 8..40.
+  want = np.asarray(Image.fromarray(image).resize((48, 32), Image.BILINEAR))[:, 8:40]
+  assert got.shape == (32, 32, 3)
+  assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+  for recipe in (swag_regnety, swag_vit):
+    assert recipe.get_config().data.eval_resize == "shorter_center_crop"

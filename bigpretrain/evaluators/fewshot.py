@@ -1,6 +1,7 @@
 """Transfer probes on frozen features during (or instead of) training: `fewshot` (k-shot
-ridge regression, big_vision's few-shot evaluator) and `linear` (the same closed-form
-classifier on a whole train split). The math is in bigpretrain/linear_probe.py.
+ridge regression, big_vision's few-shot evaluator) and `linear` (a classifier on a whole
+train split: the same closed-form ridge by default, or `classifier='logistic'`, L-BFGS
+logistic regression). The math is in bigpretrain/linear_probe.py.
 
   config.evals.fewshot = dict(type='fewshot', datasets={'demo': ('demo', 'train',
       'validation')}, shots=(1, 5, 10, 25), seeds=3)
@@ -100,16 +101,19 @@ class FewShot(base.Evaluator):
 
 @base.EVALUATORS.register("linear")
 class Linear(base.Evaluator):
-  """The ridge classifier on the features of a whole train split (a linear probe in closed
-  form), scored on `split`. Settings: train_split (config.data.train_split), l2_reg,
+  """A linear classifier on the features of a whole train split, scored on `split`.
+  Settings: classifier (linear_probe.CLASSIFIERS: 'ridge', closed form, the default; or
+  'logistic'), train_split (config.data.train_split), l2_reg (the classifier's default),
   train_records (0: the whole split; N: its first N records). Logs '<name>/top1' and
   '<name>/num_train'. Keeps the train features in host memory (N x D float32)."""
-  KEYS = ("train_split", "l2_reg", "train_records")
+  KEYS = ("classifier", "train_split", "l2_reg", "train_records")
 
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
     where = f"config.evals.{name}"
-    self.l2 = float(cfg.get("l2_reg", linear_probe.L2_REG))
+    self.classifier = str(cfg.get("classifier", "ridge"))
+    default_l2 = linear_probe.CLASSIFIERS.get(self.classifier).default_l2
+    self.l2 = float(cfg.get("l2_reg", default_l2))
     if not self.l2 > 0:
       raise ValueError(f"{where}.l2_reg={self.l2} must be > 0.")
     train_split = cfg.get("train_split", "") or exp.config.data.train_split
@@ -128,5 +132,6 @@ class Linear(base.Evaluator):
     kw = dict(batch_size=config.batch_size, mesh=self.exp.mesh)
     x_train = linear_probe.features(self.step, state, p.pool, config.data, **kw)
     x_test = linear_probe.features(self.step, state, p.test, config.data, **kw)
-    acc = linear_probe.ridge_accuracy(x_train, p.y_pool, x_test, p.y_test, p.num_classes, self.l2)
+    acc = linear_probe.accuracy(x_train, p.y_pool, x_test, p.y_test, p.num_classes,
+                                classifier=self.classifier, l2=self.l2)
     return {f"{self.name}/top1": acc, f"{self.name}/num_train": float(len(x_train))}

@@ -93,7 +93,10 @@ def data_shards() -> int:
 def esd_kept_rows(rate: float, rows: int) -> int:
   """Rows of a local batch of `rows` whose branch ESD computes: floor((1 - rate) * rows).
 
-  A tiny tolerance keeps float error from flooring an exact product one row too low (e.g.
+  The kept rows round down, so the dropped rows round up to ceil(rate * rows) and the rate
+  applied is never below the requested one (cosub supplement C.1, LBS_ESD = floor(tau x LBS),
+  with tau there the kept share: 0.5 over 5 rows drops 3, an effective 0.6). A tiny
+  tolerance keeps float error from flooring an exact product one row too low (e.g.
   (1 - 0.9) * 10 is 0.999... in binary floating point).
   """
   if not 0.0 <= rate <= 1.0:

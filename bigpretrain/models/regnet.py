@@ -23,6 +23,9 @@ all-reduces over the data axis (tests/test_swag.py checks outputs and running st
 an 8-device step against one device on the whole batch, and that per-device statistics
 differ).
 
+Stochastic depth on each block's residual branch (drop_path_rate, drop_path_schedule; masked
+only) as resnet.py, for cosub (supplement Table B.1: RegNet-16GF).
+
 Init: convs He-normal (fan_out) as torchvision, SE biases zero, zero head, and the last
 BatchNorm scale of each block zero (zero_init_residual, as for our ResNets; SWAG's released
 code initialises it to one: pass zero_init_residual=False for that).
@@ -83,7 +86,8 @@ class ResBottleneckBlock(nnx.Module):
 
   def __init__(self, in_ch: int, out_ch: int, *, stride: int, group_width: int,
                se_ratio: float | None, dtype, param_dtype, rngs: nnx.Rngs,
-               zero_init_residual: bool = True):
+               zero_init_residual: bool = True, drop_path_rate: float = 0.0):
+    self.drop_path_rate = float(drop_path_rate)
     if out_ch % group_width:
       raise ValueError(f"block width {out_ch} is not divisible by group_width {group_width}")
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -100,7 +104,7 @@ class ResBottleneckBlock(nnx.Module):
     else:
       self.proj_conv = self.proj_bn = None
 
-  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, train: bool, rng: jax.Array | None = None) -> jax.Array:
     ura = not train
     y = jax.nn.relu(self.bn_a(self.conv_a(x), use_running_average=ura))
     y = jax.nn.relu(self.bn_b(self.conv_b(y), use_running_average=ura))
@@ -109,7 +113,7 @@ class ResBottleneckBlock(nnx.Module):
     y = self.bn_c(self.conv_c(y), use_running_average=ura)
     if self.proj_conv is not None:
       x = self.proj_bn(self.proj_conv(x), use_running_average=ura)
-    return jax.nn.relu(x + y)
+    return resnet.residual_sum(x, y, self.drop_path_rate, train, rng)
 
 
 class RegNet(base.Classifier):
@@ -123,10 +127,9 @@ class RegNet(base.Classifier):
                w_m: float, group_width: int, se_ratio: float | None = 0.25,
                stem_width: int = 32, image_size=224, dtype=jnp.float32,
                param_dtype=jnp.float32, drop_path_rate: float = 0.0,
+               drop_path_schedule: str = "linear", stochastic_depth: str = "mask",
                zero_init_residual: bool = True):
-    if drop_path_rate:
-      raise ValueError(f"RegNet does not implement stochastic depth; got drop_path_rate="
-                       f"{drop_path_rate!r} (only 0 is accepted)")
+    resnet.check_convnet_stochastic_depth(stochastic_depth)
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.num_classes = num_classes
     self.image_size = image_size  # informational: the network is resolution-agnostic
@@ -137,11 +140,15 @@ class RegNet(base.Classifier):
     self.stem_bn = resnet.batch_norm(stem_width, **kw)
     blocks = []
     in_ch = stem_width
+    self.drop_path_rates = layers.drop_path_rates(
+        drop_path_rate, sum(num for _, num, _ in self.stages), drop_path_schedule)
     for width, num, gw in self.stages:
       for i in range(num):
         blocks.append(ResBottleneckBlock(in_ch, width, stride=2 if i == 0 else 1,
                                          group_width=gw, se_ratio=se_ratio,
-                                         zero_init_residual=zero_init_residual, **kw))
+                                         zero_init_residual=zero_init_residual,
+                                         drop_path_rate=self.drop_path_rates[len(blocks)],
+                                         **kw))
         in_ch = width
     self.blocks = nnx.List(blocks)
     self.depth = self.num_blocks = len(blocks)
@@ -151,12 +158,12 @@ class RegNet(base.Classifier):
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
     """Globally average-pooled final features [B, num_features] in float32 (head input)."""
-    del rng  # nothing stochastic
+    layers.check_rng(train, self.drop_path_rates, rng, "RegNet")
     x = self.stem_bn(self.stem_conv(images.astype(self.dtype)), use_running_average=not train)
     # Activations stay split by rows under FSDP (see layers.constrain_batch).
     x = layers.constrain_batch(jax.nn.relu(x))
-    for block in self.blocks:
-      x = layers.constrain_batch(block(x, train=train))
+    for i, block in enumerate(self.blocks):
+      x = layers.constrain_batch(block(x, train=train, rng=layers.fold_rng(rng, i)))
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
 

@@ -13,6 +13,13 @@ Init: convs He-normal (fan_out), the last BatchNorm scale of every residual bran
 (Goyal et al. 2017, so each block starts as the identity; zero_init_residual=False gives
 torchvision's default of one), zero head.
 Padding is symmetric (k // 2), as in torchvision, so PyTorch weights would give equal outputs.
+
+Stochastic depth (drop_path_rate; cosub supplement Table B.1 trains ResNet-152 and RegNet-16GF
+with cosub): each block's residual branch is zeroed per sample with its rate (drop_path_schedule
+'linear', timm's per-block rule, or 'uniform', cosub's) and the kept rows scaled by 1 / (1 -
+rate), before the sum and its ReLU; the shortcut is never dropped. Only the masked form:
+efficient stochastic depth would run the branch's BatchNorms on a row subset, changing their
+batch statistics.
 """
 import functools
 
@@ -41,6 +48,21 @@ def conv(in_ch, out_ch, kernel, *, stride=1, groups=1, dtype, param_dtype, rngs,
                   conv_general_dilated=layers.batch_local_conv)
 
 
+def residual_sum(x: jax.Array, y: jax.Array, rate: float, train: bool,
+                 rng: jax.Array | None) -> jax.Array:
+  """relu(x + DP(y)): the residual branch y stochastically dropped per sample when training."""
+  if train and rate > 0.0:
+    y = layers.drop_path(y, rate, rng)
+  return jax.nn.relu(x + y)
+
+
+def check_convnet_stochastic_depth(stochastic_depth: str) -> None:
+  if layers.check_stochastic_depth_mode(stochastic_depth) != "mask":
+    raise ValueError(f"stochastic_depth={stochastic_depth!r}: convnets take 'mask' only "
+                     "(efficient stochastic depth would run the branch's BatchNorms on a row "
+                     "subset and change their batch statistics).")
+
+
 def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
   """BatchNorm with PyTorch's defaults (momentum 0.1 = Flax 0.9, eps 1e-5)."""
   return nnx.BatchNorm(ch, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
@@ -54,7 +76,8 @@ class BasicBlock(nnx.Module):
   expansion = 1
 
   def __init__(self, in_ch: int, planes: int, *, stride: int, dtype, param_dtype,
-               rngs: nnx.Rngs, zero_init_residual: bool = True):
+               rngs: nnx.Rngs, zero_init_residual: bool = True, drop_path_rate: float = 0.0):
+    self.drop_path_rate = float(drop_path_rate)
     out_ch = planes * self.expansion
     cv = functools.partial(conv, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     bn = functools.partial(batch_norm, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -66,13 +89,13 @@ class BasicBlock(nnx.Module):
     else:
       self.downsample_conv = self.downsample_bn = None
 
-  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, train: bool, rng: jax.Array | None = None) -> jax.Array:
     ura = not train
     y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
     y = self.bn2(self.conv2(y), use_running_average=ura)
     if self.downsample_conv is not None:
       x = self.downsample_bn(self.downsample_conv(x), use_running_average=ura)
-    return jax.nn.relu(x + y)
+    return residual_sum(x, y, self.drop_path_rate, train, rng)
 
 
 class Bottleneck(nnx.Module):
@@ -83,7 +106,8 @@ class Bottleneck(nnx.Module):
 
   def __init__(self, in_ch: int, planes: int, *, stride: int, dtype, param_dtype,
                rngs: nnx.Rngs, groups: int = 1, width_per_group: int = 64,
-               zero_init_residual: bool = True):
+               zero_init_residual: bool = True, drop_path_rate: float = 0.0):
+    self.drop_path_rate = float(drop_path_rate)
     width = int(planes * (width_per_group / 64.0)) * groups
     out_ch = planes * self.expansion
     cv = functools.partial(conv, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -97,14 +121,14 @@ class Bottleneck(nnx.Module):
     else:
       self.downsample_conv = self.downsample_bn = None
 
-  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, *, train: bool, rng: jax.Array | None = None) -> jax.Array:
     ura = not train
     y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
     y = jax.nn.relu(self.bn2(self.conv2(y), use_running_average=ura))
     y = self.bn3(self.conv3(y), use_running_average=ura)
     if self.downsample_conv is not None:
       x = self.downsample_bn(self.downsample_conv(x), use_running_average=ura)
-    return jax.nn.relu(x + y)
+    return residual_sum(x, y, self.drop_path_rate, train, rng)
 
 
 _BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
@@ -120,10 +144,9 @@ class ResNet(base.Classifier):
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, stage_sizes: tuple[int, ...],
                block: str = "bottleneck", groups: int = 1, width_per_group: int = 64,
                image_size=224, dtype=jnp.float32, param_dtype=jnp.float32,
-               drop_path_rate: float = 0.0, zero_init_residual: bool = True):
-    if drop_path_rate:
-      raise ValueError(f"ResNet does not implement stochastic depth; got drop_path_rate="
-                       f"{drop_path_rate!r} (only 0 is accepted)")
+               drop_path_rate: float = 0.0, drop_path_schedule: str = "linear",
+               stochastic_depth: str = "mask", zero_init_residual: bool = True):
+    check_convnet_stochastic_depth(stochastic_depth)
     if block not in _BLOCKS:
       raise ValueError(f"block must be one of {sorted(_BLOCKS)}, got {block!r}")
     if groups < 1 or width_per_group < 1:
@@ -146,11 +169,14 @@ class ResNet(base.Classifier):
     self.stem_bn = batch_norm(64, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     blocks = []
     in_ch = 64
+    self.drop_path_rates = layers.drop_path_rates(drop_path_rate, sum(stage_sizes),
+                                                  drop_path_schedule)
     for stage, num in enumerate(stage_sizes):
       planes = 64 * 2**stage
       for i in range(num):
         stride = 2 if (i == 0 and stage > 0) else 1
-        blocks.append(block_cls(in_ch, planes, stride=stride, **block_kw))
+        blocks.append(block_cls(in_ch, planes, stride=stride,
+                                drop_path_rate=self.drop_path_rates[len(blocks)], **block_kw))
         in_ch = planes * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.depth = self.num_blocks = len(blocks)
@@ -160,12 +186,12 @@ class ResNet(base.Classifier):
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
     """Globally average-pooled final features [B, num_features] in float32 (head input)."""
-    del rng  # nothing stochastic
+    layers.check_rng(train, self.drop_path_rates, rng, "ResNet")
     x = self.stem_bn(self.stem_conv(images.astype(self.dtype)), use_running_average=not train)
     x = jax.nn.relu(x)
     x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
-    for block in self.blocks:
-      x = block(x, train=train)
+    for i, block in enumerate(self.blocks):
+      x = block(x, train=train, rng=layers.fold_rng(rng, i))
     return jnp.mean(x.astype(jnp.float32), axis=(1, 2))
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from bigpretrain import losses
 from bigpretrain.objectives import base
 from bigpretrain.semantic import metrics as semantic_metrics
+from bigpretrain.semantic import tree as tree_lib
 
 
 @base.OBJECTIVES.register("semantic_softmax")
@@ -24,7 +25,8 @@ class SemanticSoftmax(base.Objective):
       raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
                        f"{cfg.name} needs them to build the semantic tree.")
     self.label_smoothing = float(cfg.get("label_smoothing", 0.2))
-    self.max_weight = float(cfg.get("max_weight", 20.0))
+    self.max_weight = float(cfg.get("max_weight", tree_lib.MAX_LEVEL_WEIGHT))
+    self.tree.level_weights(self.max_weight)  # A bad max_weight fails here, not in the step.
     self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.
 
   def loss(self, model, batch, rng, frozen=None):

@@ -97,6 +97,11 @@ def _frozen(a: np.ndarray) -> np.ndarray:
   return a
 
 
+# The level-weight cap of the authors' code (semantic softmax / KD); 0 = the paper's uncapped
+# equation 2.
+MAX_LEVEL_WEIGHT = 20.0
+
+
 class SemanticTree:
   """An immutable forest over classes 0..C-1 with per-level tables.
 
@@ -195,10 +200,16 @@ class SemanticTree:
       raise ValueError(f"label {int(bad[0])} is outside [0, {self.num_classes}).")
     return self.target_table[labels]
 
-  def level_weights(self, max_weight: float = 20.0) -> np.ndarray:
-    """W_k = min(O_0 / O_k, max_weight), O_k = classes at level k or deeper; float32 [L]."""
+  def level_weights(self, max_weight: float = MAX_LEVEL_WEIGHT) -> np.ndarray:
+    """W_k = min(O_0 / O_k, max_weight), O_k = classes at level k or deeper; float32 [L].
+
+    max_weight 0 = no cap: the paper's equation 2, W_k = 1 / O_k, times the constant O_0 (so
+    W_0 = 1); the cap of 20 is the authors' released code's."""
+    if not max_weight >= 0:
+      raise ValueError(f"max_weight={max_weight!r} must be >= 0 (0 = uncapped, equation 2).")
     occurrences = np.cumsum(self.level_sizes[::-1])[::-1].astype(np.float64)
-    return np.minimum(occurrences[0] / occurrences, max_weight).astype(np.float32)
+    weights = occurrences[0] / occurrences
+    return (weights if max_weight == 0 else np.minimum(weights, max_weight)).astype(np.float32)
 
   def to_json(self) -> str:
     """Serialises the tree (parents and wnids), e.g. to store next to a prepared dataset."""

@@ -2,6 +2,7 @@
 
   python -m bigpretrain.tools.zero_shot --workdir=DIR --dataset=NAME [--data_dir=...]
       [--split=validation] [--aggregation=sum|mean|max_split] [--platt=on|off|both] [--json]
+      [--eval_resize=shorter_center_crop|center_crop|squish]
 
 What it computes and why: bigpretrain/zero_shot.py.
 """
@@ -26,6 +27,9 @@ def define_flags() -> None:
                     "Hashtag -> class aggregation; '' = the paper's per model and Platt mode.")
   flags.DEFINE_enum("platt", "both", zero_shot.PLATT_MODES,
                     "Top-1 with Platt scaling, without, or both.")
+  flags.DEFINE_string("eval_resize", zero_shot.EVAL_RESIZE,
+                      "Image resize at the checkpoint's size (input_pipeline.augment_spec."
+                      "EVAL_RESIZES); default the paper's shorter side + centre crop.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
   flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
@@ -39,7 +43,8 @@ def main(argv):
   with cli.user_errors():
     result = zero_shot.run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
                            aggregation=f.aggregation, platt=f.platt,
-                           batch_size=f.batch_size, num_workers=f.num_workers)
+                           batch_size=f.batch_size, num_workers=f.num_workers,
+                           eval_resize=f.eval_resize)
   if jax.process_index() != 0:
     return
   if f.json:

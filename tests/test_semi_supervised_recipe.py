@@ -1,0 +1,125 @@
+"""configs/semi_supervised.py against Yalniz et al. 2019: the standard ImageNet recipe of the
+teacher and baseline, deduplication as a runner stage (supplement section 5), and the `step`
+schedule's decay_at. Config and file checks only (the dedup search itself: test_dedup.py)."""
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from bigpretrain import config_lib
+from bigpretrain import dedup
+from bigpretrain import optim
+from bigpretrain import semi_supervised
+from configs import semi_supervised as recipe
+from input_pipeline import exclusions
+from input_pipeline import selection_formats
+
+IN1K = 1_281_167
+
+
+def _lr(section, total):
+  return optim.make_schedule(section.optim.schedule, lr=section.optim.lr, total_steps=total)
+
+
+@pytest.mark.parametrize("stage", ["teacher", "baseline"])
+def test_paper_teacher_and_baseline_use_the_standard_imagenet_recipe(stage):
+  c = recipe.get_config("scale=paper")[stage]
+  optim.validate_optim_config(c.optim)
+  total = config_lib.resolve_total_steps(c, IN1K)
+  assert total == math.ceil(90 * IN1K / 1536)  # 90 epochs, not the student's 1B images.
+  lr = _lr(c, total)
+  warmup = round(5 * IN1K / 1536)
+  assert float(lr(0)) == pytest.approx(0.1) and float(lr(warmup)) == pytest.approx(0.6)
+  for epoch, value in ((30, 0.06), (60, 0.006), (80, 0.0006)):  # x0.1 at epochs 30, 60, 80.
+    b = round(epoch / 90 * total)
+    assert float(lr(b - 1)) == pytest.approx(value * 10, rel=1e-5), epoch
+    assert float(lr(b)) == pytest.approx(value, rel=1e-5), epoch
+  if stage == "baseline":
+    assert c.model.name == "resnet50"
+
+
+def test_long_baseline_is_the_student_recipe_for_pretraining_plus_finetuning_steps():
+  c = recipe.get_config("scale=paper,baseline=long")
+  assert c.baseline.total_steps == -1 and c.baseline.num_epochs == -1
+  assert c.baseline.optim.schedule.to_dict() == c.student.optim.schedule.to_dict()
+  assert recipe.get_config().baseline.total_steps == -1  # The demo keeps equal steps.
+  with pytest.raises(ValueError, match="baseline="):
+    recipe.get_config("baseline=short")
+
+
+def test_dedup_is_on_at_paper_scale_against_the_validation_set():
+  paper = recipe.get_config("scale=paper")
+  assert paper.dedup.against == "tfds:imagenet2012:validation"
+  assert paper.dedup.top_n == 5000 and paper.dedup.model == ""
+  assert dedup.parse_sets(paper.dedup.against, "against") == [("tfds:imagenet2012",
+                                                                "validation")]
+  assert recipe.get_config().dedup.against == ""  # Off on the demo.
+  assert recipe.get_config("dedup=demo:validation").dedup.against == "demo:validation"
+  assert recipe.get_config("scale=paper,dedup=off").dedup.against == ""
+
+
+def _predictions(folder, split, n):
+  folder.mkdir(parents=True)
+  index = np.arange(n)
+  selection_formats.write_predictions(folder / "a.parquet", "demo", split, index,
+                                      np.zeros((n, 1)), np.full((n, 1), 0.5))
+  selection_formats.write_info(folder, class_names=["a", "b"], top_p=1, dataset="demo",
+                               splits=[split], num_records=n)
+
+
+def test_dedup_stage_removes_its_records_from_the_pool(tmp_path, monkeypatch):
+  config = recipe.get_config("dedup=demo:validation")
+  calls = []
+
+  def fake_run(model, pool, against, out, **kw):  # The search is test_dedup.py's.
+    calls.append((model, pool, against, kw["top_n"], kw["max_distance"]))
+    exclusions.write(f"{out}/{dedup.EXCLUSIONS_FILE}",
+                     [("demo", "unlabeled", 3), ("demo", "unlabeled", 7), ("other", "x", 1)])
+    return {}
+
+  monkeypatch.setattr(dedup, "run", fake_run)
+  removed = semi_supervised.dedup_stage(config, "/teacher", "unlabeled",
+                                        tmp_path / "dedup" / "unlabeled")
+  assert calls == [("/teacher", "demo:unlabeled", "demo:validation", 20, None)]
+  np.testing.assert_array_equal(removed, [3, 7])
+
+  preds = tmp_path / "preds"
+  _predictions(preds, "unlabeled", 10)
+  semi_supervised.pool_stage({"unlabeled": preds}, {"unlabeled": removed}, ["a", "b"],
+                             tmp_path / "pool")
+  kept = pq.read_table(tmp_path / "pool" / "a.parquet").column("index").to_numpy()
+  np.testing.assert_array_equal(kept, [0, 1, 2, 4, 5, 6, 8, 9])
+  # The same exclusions: reused; others (dedup switched off): refused, not silently reused.
+  semi_supervised.pool_stage({"unlabeled": preds}, {"unlabeled": removed}, ["a", "b"],
+                             tmp_path / "pool")
+  with pytest.raises(ValueError, match="other exclusions"):
+    semi_supervised.pool_stage({"unlabeled": preds}, {}, ["a", "b"], tmp_path / "pool")
+
+
+def test_step_schedule_decay_at_is_checked():
+  cfg = optim.optim_defaults()
+  cfg.schedule.name = "step"
+  cfg.schedule.decay_at = (0.5, 0.25)
+  with pytest.raises(ValueError, match="decay_at"):
+    optim.validate_optim_config(cfg)
+  cfg.schedule.decay_at = (0.5, 1.0)
+  with pytest.raises(ValueError, match="decay_at"):
+    optim.validate_optim_config(cfg)
+  cfg.schedule.decay_at = (0.05,)
+  cfg.schedule.warmup_steps = 10
+  optim.validate_optim_config(cfg)
+  with pytest.raises(ValueError, match="inside the 10-step warm-up"):
+    optim.make_schedule(cfg.schedule, lr=1.0, total_steps=100)
+
+
+def test_resume_check_reads_decay_at_as_saved():
+  """config.json stores the tuple as a list: the same decay_at is no schedule change."""
+  import json  # pylint: disable=import-outside-toplevel
+  c = recipe.get_config("scale=paper").teacher
+  saved = json.loads(json.dumps(c.to_dict()))
+  assert config_lib.schedule_changes(saved, c) == []
+  c.optim.schedule.decay_at = (0.5,)
+  assert config_lib.schedule_changes(saved, c) == [
+      "optim.schedule.decay_at: [0.3333333333333333, 0.6666666666666666, 0.8888888888888888]"
+      " -> (0.5,)"]

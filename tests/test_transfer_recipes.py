@@ -1,0 +1,115 @@
+"""Paper 002's transfer pieces: the 'logistic' fc-only probe of bigpretrain/linear_probe.py
+(checked against an independent numpy objective) and configs/transfer.py's semisup_cub
+recipe (supplement Table 13). Cheap: numpy on tiny problems and config checks."""
+import math
+
+import numpy as np
+import pytest
+
+from bigpretrain import checkpoint
+from bigpretrain import config_lib
+from bigpretrain import linear_probe
+from bigpretrain import optim
+from configs import transfer
+
+
+def _problem(seed=0, n=40, d=3, c=3):
+  rng = np.random.default_rng(seed)
+  y = np.arange(n) % c
+  x = rng.normal(size=(n, d)) + 1.5 * np.eye(c, d)[y] + 3.0  # Offset: whitening matters.
+  return x, y
+
+
+def _objective(w_unit, x, y, l2):
+  """sum_i CE + l2/2 ||W||^2 (bias row free), W on whitened features with a bias of 1."""
+  xs = (x - x.mean(0)) / (x.std(0) + 1e-5)
+  logits = xs @ w_unit[:-1] + w_unit[-1]
+  m = logits.max(1, keepdims=True)
+  lse = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
+  return np.sum(lse - logits[np.arange(len(y)), y]) + 0.5 * l2 * np.sum(w_unit[:-1] ** 2)
+
+
+def test_logistic_fit_is_the_regularised_optimum():
+  x, y = _problem()
+  l2 = 1.0
+  model = linear_probe.logistic_fit(x, y, 3, l2)
+  w = model["w"].copy()
+  w[-1] *= linear_probe.BIAS_CONSTANT  # Back to a bias feature of 1.
+  base = _objective(w, x, y, l2)
+  eps = 1e-5
+  for i in range(w.shape[0]):  # Central differences of the independent objective: ~0.
+    for j in range(w.shape[1]):
+      e = np.zeros_like(w)
+      e[i, j] = eps
+      g = (_objective(w + e, x, y, l2) - _objective(w - e, x, y, l2)) / (2 * eps)
+      assert abs(g) < 1e-3, (i, j, g)
+  # And it is a minimum: random moves only increase the objective (convex).
+  rng = np.random.default_rng(1)
+  for _ in range(5):
+    assert _objective(w + 1e-2 * rng.normal(size=w.shape), x, y, l2) > base
+  # ridge_predict scores the model: its argmax is the logistic prediction.
+  xs = (x - x.mean(0)) / (x.std(0) + 1e-5)
+  np.testing.assert_allclose(linear_probe.ridge_predict(model, x), xs @ w[:-1] + w[-1],
+                             rtol=1e-9, atol=1e-9)
+
+
+def test_logistic_loss_gradient_matches_finite_differences():
+  x, y = _problem(seed=2, n=12)
+  xb = np.pad((x - x.mean(0)) / x.std(0), ((0, 0), (0, 1)), constant_values=1.0)
+  w = np.random.default_rng(3).normal(size=xb.shape[1] * 3)
+  _, grad = linear_probe.logistic_loss_and_grad(w, xb, y, 3, 0.7)
+  eps = 1e-6
+  num = [(linear_probe.logistic_loss_and_grad(w + eps * e, xb, y, 3, 0.7)[0]
+          - linear_probe.logistic_loss_and_grad(w - eps * e, xb, y, 3, 0.7)[0]) / (2 * eps)
+         for e in np.eye(len(w))]
+  np.testing.assert_allclose(grad, num, rtol=1e-5, atol=1e-6)
+
+
+def test_accuracy_by_classifier_name():
+  x, y = _problem(seed=4, n=90)
+  for name in ("ridge", "logistic"):
+    acc = linear_probe.accuracy(x, y, x, y, 3, classifier=name)
+    assert 0.7 < acc <= 1.0, name  # Chance is 1/3.
+  assert linear_probe.accuracy(x, y, x, y, 3) == linear_probe.ridge_accuracy(x, y, x, y, 3)
+  with pytest.raises(ValueError, match="logistc"):
+    linear_probe.accuracy(x, y, x, y, 3, classifier="logistc")
+
+
+@pytest.fixture
+def meta(monkeypatch):
+  monkeypatch.setattr(checkpoint, "read_meta", lambda path: {
+      "model": {"name": "resnet50"}, "data": {"image_size": 224, "normalize": "imagenet"}})
+
+
+def test_transfer_linear_names_its_classifier(meta):
+  assert transfer.get_config("mode=linear,init=/c").evals.linear.classifier == "ridge"
+  c = transfer.get_config("mode=linear,init=/c,classifier=logistic")
+  assert c.evals.linear.classifier == "logistic"
+  with pytest.raises(ValueError, match="classifier="):
+    transfer.get_config("mode=linear,init=/c,classifier=svm")
+
+
+def test_semisup_cub_recipe_is_table_13(meta):
+  c = config_lib.validate(transfer.get_config(
+      "mode=finetune,init=/c,recipe=semisup_cub,dataset=tfds:caltech_birds2011"))
+  assert c.batch_size == 768 and c.optim.name == "sgd"
+  assert c.optim.lr == pytest.approx(0.0025 / 256 * 768)
+  assert c.optim.weight_decay == 0.001 and c.num_epochs == 300
+  assert c.model_init == "/c" and c.data.image_size == 224
+  n = 5994  # CUB-2011's train split (section 5.2).
+  total = config_lib.resolve_total_steps(c, n)
+  assert total == math.ceil(300 * n / 768)
+  lr = optim.make_schedule(c.optim.schedule, lr=c.optim.lr, total_steps=total)
+  for epochs, factor in ((0, 1.0), (99, 1.0), (101, 0.1), (199, 0.1), (201, 0.01), (299, 0.01)):
+    step = int(epochs / 300 * total)
+    assert float(lr(step)) == pytest.approx(c.optim.lr * factor, rel=1e-5), epochs
+
+
+def test_swag_transfer_drops_the_vit_tanh_layer(monkeypatch):
+  monkeypatch.setattr(checkpoint, "read_meta", lambda path: {
+      "model": {"name": "vit_b16", "pre_logits": True},
+      "data": {"image_size": 224, "normalize": "imagenet"}})
+  swag = transfer.get_config("mode=finetune,init=/c,recipe=swag")
+  assert swag.model.pre_logits is False and swag.data.image_size == 224
+  linear = transfer.get_config("mode=linear,init=/c")
+  assert linear.model.pre_logits is True  # A frozen probe reads the model as trained.
