@@ -82,7 +82,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   runner = common.Runner(config)
-  host_batch = common.synthetic_batch(runner.exp)
+  host_batch = runner.rows
   runs = {m: [] for m in MODES}
   for _ in range(_ROUNDS.value):
     for mode in MODES:
