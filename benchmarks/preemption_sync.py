@@ -80,6 +80,9 @@ def main(argv):
   del argv
   distributed.initialize_from_flags()
   logging.set_verbosity(logging.WARNING)
+  # Opens the processes' CPU collective context while they are in step: opened by the first
+  # step instead, a compile that ends > 30 s apart on a loaded machine times it out.
+  preemption.allgather_any(False)
   config = _CONFIG.value
   runner = common.Runner(config)
   host_batch = runner.rows
