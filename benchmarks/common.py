@@ -31,11 +31,15 @@ def synthetic_batch(exp) -> dict:
 class Runner:
   """A compiled train step on a fixed batch, ready to time."""
 
-  def __init__(self, config):
+  def __init__(self, config, dataset=None):
+    """`dataset` replaces config.data's (e.g. bigpretrain.plan's stand-in: a step needs only
+    the dataset's info)."""
     self.config = config
-    self.exp = train.build(config)
+    self.exp = train.build(config, dataset=dataset)
     self.state = self.exp.init_state()
-    self.batch = sharding.global_batch(synthetic_batch(self.exp), self.exp.mesh)
+    self.rows = synthetic_batch(self.exp)  # This process's, with the trainer's '_skipped'.
+    self.rows["_skipped"] = np.zeros(len(self.rows["image"]), np.int32)
+    self.batch = sharding.global_batch(self.rows, self.exp.mesh)
     t0 = time.perf_counter()
     with jax.set_mesh(self.exp.mesh):
       self.step = self.exp.train_step().lower(self.state, self.batch, self.exp.frozen).compile()

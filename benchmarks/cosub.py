@@ -33,22 +33,27 @@ from benchmarks import common
 from bigpretrain.models import layers
 from configs import cosub_in1k
 
-_MODEL = flags.DEFINE_string("model", "vit_s16", "Registry ViT name.")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", 112, "Image side.")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "Global batch (images, before cosub's copies).")
-_TAU = flags.DEFINE_float("tau", 0.5, "Stochastic depth rate.")
-_STEPS = flags.DEFINE_integer("steps", 1, "Steps per timed round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 7, "Alternated rounds per variant.")
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (other benchmarks import this module)."""
+  flags.DEFINE_string("model", "vit_s16", "Registry ViT name.")
+  flags.DEFINE_integer("image_size", 112, "Image side.")
+  flags.DEFINE_integer("batch_size", 64, "Global batch (images, before cosub's copies).")
+  flags.DEFINE_float("tau", 0.5, "Stochastic depth rate.")
+  flags.DEFINE_integer("steps", 1, "Steps per timed round.")
+  flags.DEFINE_integer("rounds", 7, "Alternated rounds per variant.")
+
 
 # name -> (stochastic_depth, num_submodels)
 VARIANTS = {"masked": ("mask", 1), "plain": ("esd", 1), "cosub": ("esd", 2)}
 
 
-def variant_config(mode: str, submodels: int):
-  config = cosub_in1k.get_config(f"model={_MODEL.value},tau={_TAU.value},submodels={submodels}")
+def variant_config(mode: str, submodels: int, model: str, image_size: int, batch_size: int,
+                   tau: float):
+  config = cosub_in1k.get_config(f"model={model},tau={tau},submodels={submodels}")
   config.model.stochastic_depth = mode
-  config.data.image_size = config.model.image_size = _IMAGE_SIZE.value
-  config.batch_size = _BATCH.value
+  config.data.image_size = config.model.image_size = image_size
+  config.batch_size = batch_size
   config.data.repeated_augment = 1  # Unused (synthetic batch); frees the batch from x3.
   config.compute_dtype = "float32"
   return config
@@ -60,14 +65,16 @@ def memory_bytes(runner) -> tuple[int, int]:
   return int(mem.temp_size_in_bytes), int(mem.output_size_in_bytes)
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)  # The per-parameter sharding log, three times over.
-  runners = {name: common.Runner(variant_config(*spec)) for name, spec in VARIANTS.items()}
+def measure(model: str, image_size: int, batch_size: int, tau: float, steps: int,
+            rounds: int) -> dict:
+  """The benchmark's line (see the module docstring) for `model` at `image_size`, global
+  `batch_size` and stochastic depth rate `tau`: `rounds` alternated rounds of `steps` steps."""
+  runners = {name: common.Runner(variant_config(*spec, model, image_size, batch_size, tau))
+             for name, spec in VARIANTS.items()}
   times = {k: [] for k in runners}
-  for _ in range(_ROUNDS.value):
+  for _ in range(rounds):
     for name, runner in runners.items():
-      times[name].append(runner.run(_STEPS.value))
+      times[name].append(runner.run(steps))
   step_s = {k: statistics.median(v) for k, v in times.items()}
   # Ratios within each round (variants run back to back), then their median: a load change
   # between rounds cancels out.
@@ -79,7 +86,7 @@ def main(argv):
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   out = common.report(plain.config, step_s["plain"], plain.compile_s)
   out.update({
-      "tau": _TAU.value,
+      "tau": tau,
       "esd_memory_ratio": total["plain"] / total["masked"],
       "esd_temp_memory_ratio": mem["plain"][0] / mem["masked"][0],
       "esd_time_ratio": per_round("plain", "masked"),
@@ -88,11 +95,20 @@ def main(argv):
       "step_time_ms_by_variant": {k: 1e3 * v for k, v in step_s.items()},
       "cosub_time_ratio_rounds": [c / p for c, p in zip(times["cosub"], times["plain"])],
       "memory_mb_by_variant": {k: v / 2**20 for k, v in total.items()},
-      "esd_effective_drop": {k: layers.esd_effective_rate(_TAU.value, n * _BATCH.value // shards)
+      "esd_effective_drop": {k: layers.esd_effective_rate(tau, n * batch_size // shards)
                              for k, n in (("plain", 1), ("cosub", 2))},
   })
+  return out
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # The per-parameter sharding log, three times over.
+  f = flags.FLAGS
+  out = measure(f.model, f.image_size, f.batch_size, f.tau, f.steps, f.rounds)
   print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
+  define_flags()
   sys.exit(app.run(main))

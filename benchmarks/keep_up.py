@@ -23,34 +23,39 @@ from ml_collections import config_flags
 from benchmarks import common
 from bigpretrain import train
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
-_BATCHES = flags.DEFINE_integer("batches", 100, "Timed pipeline batches.")
-_WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed pipeline batches first.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed train steps.")
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (other benchmarks import this module)."""
+  config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
+  flags.DEFINE_integer("batches", 100, "Timed pipeline batches.")
+  flags.DEFINE_integer("warmup", 5, "Untimed pipeline batches first.")
+  flags.DEFINE_integer("steps", 20, "Timed train steps.")
 
 
-def pipeline_rate(config) -> float:
-  """Records/s of this host's train pipeline for `config`."""
+def pipeline_rate(config, batches: int, warmup: int) -> float:
+  """Records/s of this host's train pipeline for `config` over `batches` batches, after
+  `warmup` untimed ones."""
   it = train.make_train_iterator(train.build(config))
   try:
-    for _ in range(_WARMUP.value):
+    for _ in range(warmup):
       next(it)
     t0 = time.perf_counter()
-    for _ in range(_BATCHES.value):
+    for _ in range(batches):
       next(it)
     elapsed = time.perf_counter() - t0
   finally:
     if hasattr(it, "close"):
       it.close()
-  return _BATCHES.value * config.batch_size // jax.process_count() / elapsed
+  return batches * config.batch_size // jax.process_count() / elapsed
 
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  records = pipeline_rate(config)
+  f = flags.FLAGS
+  config = f.config
+  records = pipeline_rate(config, f.batches, f.warmup)
   runner = common.Runner(config)
-  step = common.report(config, runner.run(_STEPS.value), runner.compile_s)
+  step = common.report(config, runner.run(f.steps), runner.compile_s)
   print(json.dumps({
       "benchmark": "keep_up", "config": step["config"], "model": step["model"],
       "dataset": config.data.name, "augment": config.data.train_augment,
@@ -62,4 +67,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   sys.exit(app.run(main))

@@ -30,11 +30,14 @@ from ml_collections import config_flags
 
 from benchmarks import common
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (after one warm-up step).")
-_MODELS = flags.DEFINE_list("models", [], "Registered model names to compare (the first is "
-                            "the reference); empty: the config's model alone.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternated rounds per model with --models.")
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (other benchmarks import this module)."""
+  config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
+  flags.DEFINE_integer("steps", 20, "Timed steps (after one warm-up step).")
+  flags.DEFINE_list("models", [], "Registered model names to compare (the first is the "
+                    "reference); empty: the config's model alone.")
+  flags.DEFINE_integer("rounds", 3, "Alternated rounds per model with --models.")
 
 
 def measure(config, steps: int) -> dict:
@@ -50,13 +53,14 @@ def with_model(config, name: str):
   return out
 
 
-def compare(config, names: list[str], steps: int, rounds: int) -> dict:
-  """Step times of `names` under `config`'s recipe, timed in alternated rounds."""
+def compare(config, names: list[str], steps: int, rounds: int, dataset=None) -> dict:
+  """Step times of `names` under `config`'s recipe, timed in alternated rounds (`dataset`:
+  see common.Runner)."""
   if len(set(names)) != len(names) or rounds < 1:
     raise ValueError(f"--models must name distinct models and --rounds be >= 1; got "
                      f"{names}, {rounds}")
   configs = {n: with_model(config, n) for n in names}
-  runners = {n: common.Runner(c) for n, c in configs.items()}
+  runners = {n: common.Runner(c, dataset) for n, c in configs.items()}
   times = {n: [] for n in names}
   for _ in range(rounds):
     for name, runner in runners.items():
@@ -76,12 +80,14 @@ def compare(config, names: list[str], steps: int, rounds: int) -> dict:
 
 def main(argv):
   del argv
-  if _MODELS.value:
-    out = compare(_CONFIG.value, _MODELS.value, _STEPS.value, _ROUNDS.value)
+  f = flags.FLAGS
+  if f.models:
+    out = compare(f.config, f.models, f.steps, f.rounds)
   else:
-    out = measure(_CONFIG.value, _STEPS.value)
+    out = measure(f.config, f.steps)
   print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
+  define_flags()
   sys.exit(app.run(main))

@@ -8,7 +8,6 @@ holds non-parameter model state such as BatchNorm statistics), plus 'ema' ({'par
 """
 import dataclasses
 import os
-import signal
 import time
 
 from absl import logging
@@ -27,41 +26,12 @@ from bigpretrain import model_init
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
+from bigpretrain import preemption as preemption_lib
 from bigpretrain import preprocess
 from bigpretrain import sharding
 from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline import stream_position
-
-
-class Preemption:
-  """Turns SIGTERM into a flag the loop checks each step (then saves and exits 0)."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning("SIGTERM received: saving a checkpoint and exiting.")
-    self.requested = True
-
-  def __exit__(self, *exc):
-    signal.signal(signal.SIGTERM, self._previous)
-
-  def agreed(self) -> bool:
-    """True on every process once any process got SIGTERM, so all save the same step.
-
-    With several processes this is a tiny all-gather per step, which waits for the step just
-    dispatched: the device then idles for one dispatch latency (milliseconds) per step."""
-    if jax.process_count() == 1:
-      return self.requested
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    flags = multihost_utils.process_allgather(np.array(self.requested, np.int32))
-    return bool(np.max(flags))
 
 
 def rules_of(config) -> tuple:
@@ -397,7 +367,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   bar = metric_writers.progress_bar(total_steps, start, enabled=is_main)
   results = {}
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
-  with Preemption() as preemption, jax.set_mesh(mesh):
+  with preemption_lib.Preemption() as preemption, jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
       with timer.excluded():
         profiler.before_step(step)
@@ -415,11 +385,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
       pending.add(step, step_metrics, config.batch_size)
       timer.steps += 1
       bar.update(1)
+      log = _every(step, config.log_every_steps, total_steps)
       with timer.blocked():
-        stop = preemption.agreed()
+        stop = preemption.agreed(log)
       with timer.excluded():
         profiler.after_step(step, step_metrics)
-      if _every(step, config.log_every_steps, total_steps) or stop:
+      if log or stop:
         row = pending.flush(timer)
         row.update(perf.metrics())
         if compile_s is not None:

@@ -18,6 +18,7 @@ from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain import pool_predictions
 from bigpretrain import optim
+from bigpretrain import preemption
 from bigpretrain import semi_supervised
 from bigpretrain import train
 from configs import semi_supervised as recipe
@@ -162,13 +163,14 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
     if workdir.endswith("student"):
       calls = {"n": 0}
 
-      def agreed(self):
+      def agreed(self, log_step):
+        del log_step
         calls["n"] += 1
         if calls["n"] == 3:
           os.kill(os.getpid(), signal.SIGTERM)  # The trainer's own handler catches it.
         return self.requested
 
-      monkeypatch.setattr(train.Preemption, "agreed", agreed)
+      monkeypatch.setattr(preemption.Preemption, "agreed", agreed)
     return real_train(cfg, workdir)
 
   monkeypatch.setattr(train, "train_and_evaluate", sigterm_student_at_step_3)

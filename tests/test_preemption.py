@@ -1,0 +1,73 @@
+"""bigpretrain.preemption: how the loop learns of a SIGTERM on one and on several processes
+(a whole 2-process run, SIGTERMed and resumed, is tests/test_topology_resume.py's)."""
+import os
+import signal
+
+import jax
+from jax.experimental import multihost_utils
+import pytest
+
+from bigpretrain import preemption
+
+
+def _no_allgather(*args, **kwargs):
+  raise AssertionError("a device all-gather (it waits for the step just dispatched)")
+
+
+def test_one_process_sigterm_sets_the_flag_and_the_handler_is_restored():
+  before = signal.getsignal(signal.SIGTERM)
+  with preemption.Preemption() as p:
+    assert not p.agreed(log_step=False)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert p.agreed(log_step=False)  # At once, not only at a log step.
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_several_processes_ask_the_runtime_each_step_and_never_gather(monkeypatch):
+  """With the runtime's sync manager: a host-side call per step with a rising counter, True
+  where the runtime says so; no Python handler over the runtime's, no device all-gather."""
+  calls = []
+
+  def reached(n):
+    calls.append(n)
+    return n == 5  # The runtime's sync point.
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", reached)
+  monkeypatch.setattr(multihost_utils, "process_allgather", _no_allgather)
+  monkeypatch.setattr(preemption, "_calls", 2)  # Two steps of an earlier loop.
+  before = signal.getsignal(signal.SIGTERM)
+  with preemption.Preemption() as p:
+    assert signal.getsignal(signal.SIGTERM) is before
+    got = [p.agreed(log_step=s % 2 == 0) for s in range(1, 5)]
+  assert got == [False, False, True, False]
+  # The probe at entry repeats the last counter; then one call per step, continuing it.
+  assert calls == [2, 3, 4, 5, 6]
+
+
+def test_without_the_sync_manager_the_flag_is_gathered_at_log_steps_only(monkeypatch):
+  def no_manager(n):
+    raise RuntimeError("Preemption sync manager has not been initialized.")
+
+  gathered = []
+
+  def allgather(x):
+    gathered.append(int(x))
+    return x.reshape(1)
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", no_manager)
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  with preemption.Preemption() as p:
+    assert [p.agreed(log_step=False), p.agreed(log_step=True)] == [False, False]
+    os.kill(os.getpid(), signal.SIGTERM)  # Caught by the Python handler.
+    assert not p.agreed(log_step=False)  # Not gathered between log steps.
+    assert p.agreed(log_step=True)
+  assert gathered == [0, 1]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_sync_manager_running_needs_several_processes(monkeypatch, count):
+  monkeypatch.setattr(jax, "process_count", lambda: count)
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda n: False)
+  assert preemption.sync_manager_running() == (count > 1)
