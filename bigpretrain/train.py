@@ -354,12 +354,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
   else:
     start = 0
     if config.model_init:
-      loaded, fresh = ckpt_lib.init_from(
+      loaded, fresh, resized = ckpt_lib.init_from(
           config.model_init, {"params": state["params"], "extra": state["extra"]},
           skip=config.model_init_skip)
       state = {**state, **loaded}
-      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
-            flush=True)
+      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
+            f"resized: {resized or 'nothing'}", flush=True)
       if config.model_init_head == "zero_shot":
         from bigpretrain import head_init  # pylint: disable=import-outside-toplevel
         state = {**state, "params": head_init.zero_shot_init(
