@@ -13,6 +13,7 @@ to `<dir>_corrupt/` and the previous one used. Consumers of the weights (model_i
 load_pretrained) read the 'ema' item when there is one: the weights the run evaluated.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import sys
 from absl import logging
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from input_pipeline import stream_position
@@ -328,13 +330,20 @@ def _paths(tree) -> dict:
   return {jax.tree_util.keystr(p, simple=True, separator="/"): v for p, v in flat}
 
 
-def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[str]]:
+# The classifier head: with another class count it starts fresh (fine-tuning on new classes).
+HEAD_PATTERN = r"^params/head/"
+
+
+def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[str], list[str]]:
   """Initialises {'params', 'extra'} from a checkpoint whose model may differ (fine-tuning).
 
-  Arrays whose path matches the `skip` regex, or whose shape differs (a 21k head loaded into a
-  1k model), keep their fresh initialisation; everything else is loaded with `state`'s
-  shardings (the EMA weights when the checkpoint has them). Returns the new tree and the
-  paths kept fresh.
+  Arrays whose path matches the `skip` regex, or absent from the checkpoint, keep their fresh
+  initialisation, as does a classifier head (HEAD_PATTERN) whose class count differs. A ViT
+  position embedding of another grid size (a new image size) is resized to this model's
+  grid as SWAG / torchvision and timm do (models.vit.resize_pos_embed; the class token's row
+  kept). Any other shape difference is refused, naming the arrays: a changed backbone is
+  never silently re-initialised. Loaded arrays get `state`'s shardings (the EMA weights when
+  the checkpoint has them). Returns the new tree, the paths kept fresh and the paths resized.
   """
   directory = os.path.abspath(checkpoint_dir(directory))
   with ocp.CheckpointManager(directory) as manager:
@@ -356,16 +365,51 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
     abstract = jax.tree_util.tree_map_with_path(target, saved)
     loaded = _paths(manager.restore(step, args=ocp.args.Composite(
         **{item: ocp.args.StandardRestore(abstract)}))[item])
-  fresh = []
+  fresh, resized, refused = [], [], []
+  has_class_token = "params/cls_token" in ours
 
   def pick(path, mine):
     name = jax.tree_util.keystr(path, simple=True, separator="/")
     value = loaded.get(name)
-    if value is None or value.shape != mine.shape or (pattern and pattern.search(name)):
+    if value is None or (pattern and pattern.search(name)):
       fresh.append(name)
       return mine
-    return value
+    if value.shape == mine.shape:
+      return value
+    if re.search(HEAD_PATTERN, name):
+      fresh.append(name)
+      return mine
+    if name.endswith("/pos_embed"):
+      grown = _resized_pos_embed(value, mine.shape, has_class_token)
+      if grown is not None:
+        resized.append(f"{name} {tuple(value.shape)} -> {tuple(mine.shape)}")
+        sharding = getattr(mine, "sharding", None)
+        grown = grown.astype(mine.dtype)
+        return jax.device_put(grown, sharding) if sharding is not None else grown
+    refused.append(f"{name} {tuple(value.shape)} -> {tuple(mine.shape)}")
+    return mine
 
   out = jax.tree_util.tree_map_with_path(pick, state)
-  logging.info("Initialised from %s step %d; kept fresh: %s", directory, step, fresh)
-  return out, fresh
+  if refused:
+    raise ValueError(
+        f"model_init={directory}: the checkpoint's arrays {refused} have other shapes than "
+        "this model's. Match the model to the checkpoint, or start these arrays fresh with "
+        "config.model_init_skip (a regex over these paths).")
+  logging.info("Initialised from %s step %d; kept fresh: %s; resized: %s", directory, step,
+               fresh, resized)
+  return out, fresh, resized
+
+
+def _resized_pos_embed(value, shape, has_class_token: bool):
+  """A [1, prefix + g*g, D] position embedding resized to `shape`'s square grid, or None when
+  the shapes are no such pair. The prefix (the class token's row) is 1 when the model has a
+  class token and both grids are square with it, else 0 (DeiT-III gives the token no row)."""
+  if len(shape) != 3 or value.ndim != 3 or value.shape[::2] != tuple(shape)[::2]:
+    return None
+  from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
+  for prefix in ((1, 0) if has_class_token else (0,)):
+    old, new = math.isqrt(value.shape[1] - prefix), math.isqrt(shape[1] - prefix)
+    if old * old == value.shape[1] - prefix and new * new == shape[1] - prefix and old and new:
+      return vit.resize_pos_embed(jnp.asarray(value, jnp.float32), (old, old), (new, new),
+                                  num_prefix=prefix)
+  return None

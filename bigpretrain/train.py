@@ -325,12 +325,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
   else:
     start = 0
     if config.model_init:
-      loaded, fresh = ckpt_lib.init_from(
+      loaded, fresh, resized = ckpt_lib.init_from(
           config.model_init, {"params": state["params"], "extra": state["extra"]},
           skip=config.model_init_skip)
       state = {**state, **loaded}
-      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
-            flush=True)
+      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
+            f"resized: {resized or 'nothing'}", flush=True)
       if config.model_init_head:
         hook = model_init.HOOKS.get(config.model_init_head)
         state = {**state, "params": hook(config.model_init, state["params"],

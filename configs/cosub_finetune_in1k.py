@@ -34,8 +34,8 @@ LayerDecay follows the supplement's own rule, the one C_LD = 2 was set for: bloc
 lr x LD^(L - l), "all layers except the final block" affected, the head x 1, the embeddings
 x LD^L. layer_decay_convention=mae selects BEiT/MAE's LD^(L + 1 - l) (last block x LD).
 
-The 21k checkpoint's head has the 21k classes: model_init keeps arrays whose shape differs
-(and those matching config.model_init_skip) freshly initialised, so the 1k head starts anew.
+The 21k checkpoint's head has the 21k classes: model_init keeps a head of another class count
+(and arrays matching config.model_init_skip) freshly initialised, so the 1k head starts anew.
 
 Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
 res (image size; -1: 224; above 224 adds A.1's 0.05 to tau), tau (-1 = DeiT-III's

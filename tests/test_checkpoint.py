@@ -1,6 +1,7 @@
 """Checkpoint helpers: initialising a model from a checkpoint of a different model."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bigpretrain import checkpoint
 
@@ -19,11 +20,56 @@ def test_init_from_keeps_mismatched_and_skipped_arrays_fresh(tmp_path):
   fresh_state = _state(head_classes=3, body_value=0.0)  # A 3-class fine-tuning model.
   target = {"params": fresh_state["params"], "extra": fresh_state["extra"]}
 
-  out, fresh = checkpoint.init_from(str(tmp_path), target)
+  out, fresh, _ = checkpoint.init_from(str(tmp_path), target)
   assert fresh == ["params/head/kernel"]  # Shape (4, 10) vs (4, 3): left at its init.
   np.testing.assert_array_equal(out["params"]["blocks"][0]["w"], np.ones(3))
   np.testing.assert_array_equal(out["params"]["head"]["kernel"], np.full((4, 3), 7.0))
 
-  out, fresh = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
+  out, fresh, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
   assert sorted(fresh) == ["params/blocks/0/w", "params/head/kernel"]
   np.testing.assert_array_equal(out["params"]["blocks"][0]["w"], np.zeros(3))
+
+
+def _save(path, params):
+  saver = checkpoint.Checkpointer(str(path), async_save=False)
+  saver.save(1, {"step": jnp.zeros((), jnp.int32), "opt_state": {},
+                 "skipped_records": jnp.zeros(()), "params": params, "extra": {}})
+  saver.close()
+
+
+def _bilinear_np(grid, new):
+  """Half-pixel-centre bilinear resize of a [g, g, D] grid to [new, new, D] (torch's
+  F.interpolate(mode='bilinear', align_corners=False) upsampling), in numpy."""
+  old = grid.shape[0]
+  pos = np.clip((np.arange(new) + 0.5) * old / new - 0.5, 0, old - 1)
+  lo = np.floor(pos).astype(int)
+  hi = np.minimum(lo + 1, old - 1)
+  w = pos - lo
+  rows = grid[lo] * (1 - w)[:, None, None] + grid[hi] * w[:, None, None]
+  return rows[:, lo] * (1 - w)[None, :, None] + rows[:, hi] * w[None, :, None]
+
+
+def test_init_from_resizes_position_embeddings_keeping_the_class_token(tmp_path):
+  rs = np.random.RandomState(0)
+  pos = rs.randn(1, 1 + 4 * 4, 3).astype(np.float32)  # Class-token row, then a 4x4 grid.
+  _save(tmp_path, {"cls_token": jnp.ones((1, 1, 3)), "pos_embed": jnp.asarray(pos)})
+  target = {"params": {"cls_token": jnp.zeros((1, 1, 3)), "pos_embed": jnp.zeros((1, 37, 3))},
+            "extra": {}}  # A 6x6 grid: a larger image size.
+  out, fresh, resized = checkpoint.init_from(str(tmp_path), target)
+  assert fresh == [] and resized == ["params/pos_embed (1, 17, 3) -> (1, 37, 3)"]
+  got = np.asarray(out["params"]["pos_embed"])
+  np.testing.assert_array_equal(got[0, 0], pos[0, 0])
+  want = _bilinear_np(pos[0, 1:].reshape(4, 4, 3).astype(np.float64), 6).reshape(36, 3)
+  np.testing.assert_allclose(got[0, 1:], want, rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_refuses_other_shape_changes_naming_them(tmp_path):
+  _save(tmp_path, {"blocks": {"0": {"kernel": jnp.ones((4, 8))}},
+                   "head": {"kernel": jnp.ones((8, 10))}})
+  target = {"params": {"blocks": {"0": {"kernel": jnp.zeros((4, 6))}},
+                       "head": {"kernel": jnp.zeros((8, 3))}}, "extra": {}}
+  with pytest.raises(ValueError, match=r"params/blocks/0/kernel \(4, 8\) -> \(4, 6\)"):
+    checkpoint.init_from(str(tmp_path), target)
+  out, fresh, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
+  assert sorted(fresh) == ["params/blocks/0/kernel", "params/head/kernel"]
+  np.testing.assert_array_equal(out["params"]["blocks"]["0"]["kernel"], np.zeros((4, 6)))

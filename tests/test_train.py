@@ -20,11 +20,12 @@ def _losses(config, devices, steps=3):
                                global_batch_size=config.batch_size, seed=config.seed,
                                process_index=0, process_count=1)
   out = []
-  for _ in range(steps):
-    batch = next(it)
-    batch.pop("_skipped")
-    state, m = step_fn(state, sharding.global_batch(batch, exp.mesh), exp.frozen)
-    out.append(float(m["train/loss"]))
+  with jax.set_mesh(exp.mesh):  # As train_and_evaluate runs its steps.
+    for _ in range(steps):
+      batch = next(it)
+      batch.pop("_skipped")
+      state, m = step_fn(state, sharding.global_batch(batch, exp.mesh), exp.frozen)
+      out.append(float(m["train/loss"]))
   return np.array(out)
 
 

@@ -157,19 +157,36 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   summed over the batch axes, in float32 (a bfloat16 sum loses precision, and XLA:CPU aborts
   compiling one). Ungrouped convolutions, which XLA partitions by rows itself, and batches
   that are not split run as they are. Pass it as nnx.Conv's `conv_general_dilated`.
+
+  Under a multi-device mesh the output (and so its cotangent) is pinned to rows: batch on
+  the batch axes, channels whole (see _pin_rows). Left free, XLA may split conv activations
+  on their channels over 'tensor' (following the kernels' 'conv_out' axis); with the batch
+  split over both 'data' and 'fsdp' and 'tensor' > 1, XLA's SPMD partitioner then
+  miscompiled the input gradient of a 1x1 conv feeding a 3x3 conv and BatchNorm (the
+  forward was right; RegNetY's early blocks got wrong gradients on a data:2,fsdp:2,tensor:2
+  mesh). Kernels keep their sharded storage and are gathered whole, as FSDP intends.
   """
   conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
   if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
-    return conv(lhs, rhs)
+    return _pin_rows(conv(lhs, rhs))
 
   def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.
     return conv(x, jax.lax.pcast(k, axes, to="varying").astype(rhs.dtype))
 
   rows = jax.sharding.PartitionSpec(axes)
-  return jax.shard_map(local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
-                       axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype,
-                                                                               jnp.float32)))
+  return _pin_rows(jax.shard_map(
+      local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
+      axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
+
+
+def _pin_rows(x: jax.Array) -> jax.Array:
+  """Pins `x` to rows split over the batch axes and every other axis whole, under an Auto
+  mesh of more than one device (a no-op otherwise, so one device compiles the plain step)."""
+  axes = _auto_batch_axes(x.shape[0])
+  if not axes or jax.sharding.get_abstract_mesh().size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
 
 
 def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: float,

@@ -71,8 +71,11 @@ class SqueezeExcite(nnx.Module):
   def __init__(self, ch: int, squeeze: int, *, dtype, param_dtype, rngs: nnx.Rngs):
     init = layers.partitioned(nnx.initializers.variance_scaling(2.0, "fan_out", "normal"),
                               (None, None, "conv_in", "conv_out"))
+    # Through batch_local_conv like every conv here: under a tensor axis the gate's
+    # activations must stay split by rows (see its docstring).
     conv = functools.partial(nnx.Conv, kernel_size=(1, 1), kernel_init=init, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs)
+                             param_dtype=param_dtype, rngs=rngs,
+                             conv_general_dilated=layers.batch_local_conv)
     self.fc1 = conv(ch, squeeze)
     self.fc2 = conv(squeeze, ch)
 
