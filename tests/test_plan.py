@@ -1,4 +1,5 @@
-"""The ahead-of-time plan: its figures against a real compile, flat per-device memory, CLI."""
+"""The ahead-of-time plan: its figures against a real compile, flat per-device memory, the
+HLO collective parser, topologies, CLI."""
 import json
 import math
 import subprocess
@@ -8,7 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from bigpretrain import plan as plan_lib
+from bigpretrain import accelerators
+from bigpretrain import aot_plan as plan_lib
+from bigpretrain import goodput
+from bigpretrain import hlo_collectives
+from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train
 from tests import helpers
@@ -35,7 +40,7 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
       "%t = (f32[5]{0}, s32[2]{0}) all-reduce(f32[5]{0} %a, s32[2]{0} %b)",
       "%f = f32[8]{0} fusion(f32[8]{0} %all-reduce.1), kind=kLoop",  # Not a collective.
   ])
-  out = plan_lib.collectives(hlo)
+  out = hlo_collectives.collectives(hlo)
   assert out["all-reduce"] == {"count": 2, "bytes": 16 * 8 * 4 + 5 * 4 + 2 * 4}
   assert out["all-gather"] == {"count": 1, "bytes": 32 * 2}  # The output, not the operand.
   assert out["reduce-scatter"] == {"count": 1, "bytes": 2 * 3 * 4}
@@ -127,7 +132,7 @@ def test_bad_mesh_and_accelerator_are_clear_errors():
 
 
 def test_cli_sets_its_device_count_and_prints_one_json_line():
-  args = [sys.executable, "-m", "bigpretrain.plan",
+  args = [sys.executable, "-m", "bigpretrain.tools.plan",
           f"--config={helpers.ROOT / 'configs' / 'single_label.py'}", "--devices=4",
           "--mesh=data:1,fsdp:4,tensor:1", "--accelerator=h100", "--json",
           "--config.batch_size=8", "--config.data.image_size=16",
@@ -141,3 +146,95 @@ def test_cli_sets_its_device_count_and_prints_one_json_line():
   assert p["devices"] == 4 and p["mesh"]["fsdp"] == 4 and p["batch_per_device"] == 2
   assert p["accelerator"] == "h100" and p["fits"] is True
   assert np.isclose(p["margin_bytes"], 80 * 2**30 - p["total_bytes"])
+  assert p["compiler"].startswith("XLA:CPU")
+
+
+# The forms the TPU and GPU compilers write, as in their compiled HLO (layouts trimmed).
+_ACCELERATOR_HLO = """
+%all-reduce-scatter.17 (input_0: f32[16,8], input_1: f32[8]) -> (f32[4,8], f32[2]) {
+  %input_0 = f32[16,8]{1,0:T(8,128)} parameter(0)
+  %input_1 = f32[8]{0} parameter(1)
+  %all-reduce.160 = (f32[16,8]{1,0:T(8,128)}, f32[8]{0}) all-reduce(%input_0, %input_1), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  %gte.0 = f32[16,8]{1,0} get-tuple-element(%all-reduce.160), index=0
+  %ds.0 = f32[4,8]{1,0:T(8,128)S(1)} dynamic-slice(%gte.0, %o, %z), dynamic_slice_sizes={4,8}
+  %gte.1 = f32[8]{0} get-tuple-element(%all-reduce.160), index=1
+  %ds.1 = f32[2]{0} dynamic-slice(%gte.1, %o), dynamic_slice_sizes={2}
+  ROOT %tuple.77 = (f32[4,8]{1,0:T(8,128)S(1)}, f32[2]{0}) tuple(%ds.0, %ds.1)
+}
+
+%fused_computation.1242 (param_0.4022: bf16[32,256]) -> (bf16[32,256], bf16[128,256], /*index=2*/u32[]) {
+  %param_0.4022 = bf16[32,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %all-gather.193 = bf16[128,256]{1,0:T(8,128)(2,1)} all-gather(%param_0.4022), channel_id=7, dimensions={0}
+  ROOT %custom-call.41 = (bf16[32,256]{1,0}, bf16[128,256]{1,0}, /*index=2*/u32[]{:S(2)}) custom-call(%all-gather.193), custom_call_target="AsyncCollectiveStart"
+}
+
+%fused_computation.1244 (param_0.4032: bf16[32,256], param_1.5225: bf16[128,256]) -> bf16[128,256] {
+  %param_0.4032 = bf16[32,256]{1,0} parameter(0)
+  %all-gather.197 = bf16[128,256]{1,0:T(8,128)(2,1)} all-gather(%param_0.4032), channel_id=7, dimensions={0}
+  ROOT %custom-call.43 = bf16[128,256]{1,0} custom-call(%param_0.4032, %param_1.5225, %all-gather.197), custom_call_target="AsyncCollectiveDone"
+}
+
+%wrapped_all_to_all (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %a2a = f32[4,4]{1,0} all-to-all(%p), channel_id=11, dimensions={0}
+}
+
+ENTRY %main.1 (p0: f32[16,8], p1: f32[8], p2: bf16[32,256], p3: f32[4,4], p4: f32[256,64]) -> f32[64,64] {
+  %fusion.524 = (f32[4,8]{1,0:T(8,128)S(1)}, f32[2]{0}) fusion(%p0, %p1), kind=kCustom, calls=%all-reduce-scatter.17, backend_config={"collective_algorithm_config":{"emitter":"AllReduceScatterFusion"}}
+  %start = (bf16[32,256]{1,0}, bf16[128,256]{1,0}, u32[]) fusion(%p2), kind=kCustom, calls=%fused_computation.1242
+  %done = bf16[128,256]{1,0} fusion(%p2, %start), kind=kCustom, calls=%fused_computation.1244
+  %as = ((f32[4,4]{1,0}), f32[4,4]{1,0}) async-start(%p3), calls=%wrapped_all_to_all
+  %ad = f32[4,4]{1,0} async-done(%as)
+  %rs = ((f32[256,64]{1,0}), f32[64,64]{1,0}) reduce-scatter-start(%p4), channel_id=3, dimensions={0}
+  ROOT %rsd = f32[64,64]{1,0} reduce-scatter-done(%rs)
+}
+"""
+
+
+def test_tpu_and_gpu_collective_forms_are_counted_once():
+  out = hlo_collectives.collectives(_ACCELERATOR_HLO)
+  # The fused all-reduce + slice is one (combined) reduce-scatter of the fusion's outputs; its
+  # inner all-reduce is not an all-reduce; XLA:GPU's async reduce-scatter counts its output.
+  assert out["reduce-scatter"] == {"count": 2, "bytes": (4 * 8 + 2) * 4 + 64 * 64 * 4}
+  assert out["all-reduce"] == {"count": 0, "bytes": 0}
+  # The start and done sides hold the same all-gather (channel 7): one op.
+  assert out["all-gather"] == {"count": 1, "bytes": 128 * 256 * 2}
+  assert out["all-to-all"] == {"count": 1, "bytes": 4 * 4 * 4}
+
+
+def test_topology_spellings_and_errors():
+  t = accelerators.parse_topology("tpu:v5p:4x4x4")
+  assert t.accelerator.name == "v5p" and t.num_devices == 64 and t.spec == "tpu:v5p:4x4x4"
+  g = accelerators.parse_topology("gpu:h100:4x8")
+  assert g.accelerator.platform == "gpu" and g.num_devices == 32
+  for bad in ("v5e:2x2", "tpu:v5e:2by2", "gpu:v5e:2x2", "tpu:h100:2x2", "tpu:tpu9:2x2",
+              "gpu:h100:32"):
+    with pytest.raises(ValueError, match="topology"):
+      accelerators.parse_topology(bad)
+
+
+def test_one_accelerator_table_for_fit_and_mfu():
+  """The plan's HBM and perf/mfu's peak come from the same entry, found by device kind."""
+  v5e = accelerators.by_device_kind("TPU v5 lite")
+  assert v5e is accelerators.get("v5e") and v5e.hbm_bytes == 16 * 2**30
+  assert goodput.peak_flops("TPU v5 lite", "bfloat16") == v5e.peak_bf16 == 197e12
+  h100 = accelerators.by_device_kind("NVIDIA H100 80GB HBM3")
+  assert goodput.peak_flops(h100.device_kinds[0], "float32") == h100.peak_f32 == 494.5e12
+  assert accelerators.by_device_kind("cpu") is None
+
+
+@pytest.mark.parametrize("recipe,model,size", [("semantic_softmax", "vit_demo", 16),
+                                               ("swag_regnety", "regnety_demo", 32)])
+def test_the_step_is_made_and_compiled_without_a_device_op(recipe, model, size):
+  """Compile-only devices (a TPU slice or GPU cluster from accelerators.topology_devices) run
+  nothing: making and compiling the step must not transfer to or run on a device (its RNG key
+  was once made eagerly: under a topology mesh, AttributeError 'local_devices')."""
+  config = _config(batch_size=16, recipe=recipe)
+  config.model, config.data.image_size, config.data.name = dict(name=model), size, "tfds:x"
+  probe = plan_lib.planning_dataset(config, (), num_classes=10)
+  reads = objectives.get_objective(config.objective, probe.info).reads
+  exp = train.build(config, dataset=plan_lib.planning_dataset(config, reads, num_classes=10))
+  state, batch = exp.abstract_state(), plan_lib.abstract_batch(exp)
+  with jax.transfer_guard("disallow"), jax.set_mesh(exp.mesh):
+    compiled = exp.train_step().lower(state, batch, exp.frozen).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
