@@ -223,18 +223,29 @@ def test_one_accelerator_table_for_fit_and_mfu():
   assert accelerators.by_device_kind("cpu") is None
 
 
-@pytest.mark.parametrize("recipe,model,size", [("semantic_softmax", "vit_demo", 16),
-                                               ("swag_regnety", "regnety_demo", 32)])
-def test_the_step_is_made_and_compiled_without_a_device_op(recipe, model, size):
+@pytest.mark.parametrize("recipe,model,size,classes", [("semantic_softmax", "vit_demo", 16, None),
+                                                       ("swag_regnety", "regnety_demo", 32, 10)])
+def test_the_step_is_made_and_compiled_without_a_device_op(recipe, model, size, classes):
   """Compile-only devices (a TPU slice or GPU cluster from accelerators.topology_devices) run
   nothing: making and compiling the step must not transfer to or run on a device (its RNG key
   was once made eagerly: under a topology mesh, AttributeError 'local_devices')."""
   config = _config(batch_size=16, recipe=recipe)
-  config.model, config.data.image_size, config.data.name = dict(name=model), size, "tfds:x"
-  probe = plan_lib.planning_dataset(config, (), num_classes=10)
+  config.model, config.data.image_size = dict(name=model), size
+  probe = plan_lib.planning_dataset(config, (), classes)
   reads = objectives.get_objective(config.objective, probe.info).reads
-  exp = train.build(config, dataset=plan_lib.planning_dataset(config, reads, num_classes=10))
+  exp = train.build(config, dataset=plan_lib.planning_dataset(config, reads, classes))
   state, batch = exp.abstract_state(), plan_lib.abstract_batch(exp)
   with jax.transfer_guard("disallow"), jax.set_mesh(exp.mesh):
     compiled = exp.train_step().lower(state, batch, exp.frozen).compile()
   assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_a_compiler_that_does_not_match_jax_says_what_to_install(monkeypatch):
+  pin = accelerators._jax_requirement("tpu", "libtpu")  # jax's own: 'libtpu==0.0.42.*' for 0.10.2.
+  assert pin and pin.startswith("libtpu==")
+  monkeypatch.setattr(accelerators, "_version", lambda p: {"jax": "0.10.2"}.get(p, "0.0.1"))
+  assert f"pip install '{pin}'" in accelerators.compiler_problem("tpu")
+  problem = accelerators.compiler_problem("gpu")
+  assert "'jax-cuda13-plugin==0.10.2'" in problem and "'jax-cuda13-pjrt==0.10.2'" in problem
+  monkeypatch.setattr(accelerators, "_version", lambda p: None)
+  assert "libtpu is not installed" in accelerators.compiler_problem("tpu")
