@@ -191,6 +191,18 @@ def _advice(p: dict) -> str:
           f"(the per-chip batch, and its activations, shrink), or activation remat")
 
 
+def _collectives(col: dict) -> str:
+  short = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A",
+           "collective-permute": "CP"}
+  parts = []
+  for kind, name in short.items():
+    c = col[kind]
+    if c["count"]:
+      w = f" ({c['windowed']} windowed)" if c.get("windowed") else ""
+      parts.append(f"{name} {c['count']}{w}")
+  return ", ".join(parts) or "none"
+
+
 def render(results: dict) -> str:
   by_name = {r.name: r for r in RECIPES}
   global_flops = {}
@@ -207,17 +219,21 @@ def render(results: dict) -> str:
       "PJRT plugin with XLA's H100 target description for GPU nodes. Memory is per chip, from",
       "the compiler's memory analysis (arguments + outputs - aliased + temporaries); margin is",
       "against the chip's HBM (bigpretrain.accelerators). Collectives: counts in the compiled",
-      "HLO (AG all-gather, AR all-reduce, RS reduce-scatter, A2A, CP collective-permute).",
+      "HLO (AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, CP",
+      "collective-permute; 'windowed': collective matmuls, the TPU compiler's large FSDP",
+      "gathers and gradient reduce-scatters as loops of collective-permutes overlapping the",
+      "dot, see bigpretrain/hlo_collectives.py).",
       "",
       f"Cost to reproduce: steps = the paper's samples / batch. **At {MFU:.0%} MFU** (a stated",
       "assumption): steps x per-chip step FLOPs / (chip bf16 peak x MFU). XLA:GPU reports no",
       "FLOPs: GPU rows (marked *) use the same step's global FLOPs from its TPU compile over the",
       "GPUs. **Compiler's estimate** (TPU only): steps x the compiled step's `optimal_seconds`,",
-      "the TPU compiler's own roofline time for the step: a lower bound, not a measurement.",
+      "the TPU compiler's own roofline time for the step: a lower bound, not a measurement",
+      "(libtpu 0.0.42 gave a negative, i.e. no, estimate for the paper-scale steps: n/a).",
       "Hours are wall-clock for the whole slice; chip-hours multiply by the chips.",
       "",
       "| recipe | hardware | batch/chip | compiler | GiB per chip (HBM) | fits, margin | "
-      "collectives AG/AR/RS/A2A/CP | compile s | TFLOP/chip/step | cost at 40% MFU: h "
+      "collectives | compile s | TFLOP/chip/step | cost at 40% MFU: h "
       "(chip-h) | compiler's estimate: h (chip-h) | paper's samples | paper's hardware time |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
@@ -228,10 +244,7 @@ def render(results: dict) -> str:
       missing.append((name, recipe, topology, mesh, (r or {}).get("error")))
       continue
     p, c = r["plan"], costs(r, recipe, global_flops.get(recipe.name))
-    col = p["collectives"]
-    counts = "/".join(str(col[k]["count"]) for k in ("all-gather", "all-reduce",
-                                                      "reduce-scatter", "all-to-all",
-                                                      "collective-permute"))
+    counts = _collectives(p["collectives"])
     fit = (f"yes, {_gib(p['margin_bytes'])} GiB" if p["fits"] else
            f"**no** ({_advice(p)})")
     star = "*" if c.get("flops_from") == "tpu compile" else ""

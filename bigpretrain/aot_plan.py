@@ -45,6 +45,10 @@ from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import demo
 
+# XLA:GPU with no GPU cannot autotune, and its default Triton GEMM tiling fails on some
+# shapes ("Couldn't find output tile sizes", e.g. ViT-B/16's bf16[12608,768] dot): a
+# compile-only plan emits GEMMs as cuBLAS calls instead (memory and collectives unchanged).
+GPU_COMPILE_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # Known datasets' class lists, shipped with the package.
 _SEMANTIC_DATA = pathlib.Path(__file__).parent / "semantic" / "data"
 
@@ -128,16 +132,20 @@ def compile_step(config, num_classes: int | None = None, devices=None):
   exp = train.build(config, devices, dataset=planning_dataset(config, reads, num_classes))
   state = exp.abstract_state()
   # Compile-only devices have no client to load a cached executable into: no cache for them.
-  cache = exp.mesh.devices.flat[0].platform == jax.default_backend()
+  platform = exp.mesh.devices.flat[0].platform
+  cache = platform == jax.default_backend()
+  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
   with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
-    compiled = exp.train_step().lower(state, abstract_batch(exp), exp.frozen).compile()
+    lowered = exp.train_step().lower(state, abstract_batch(exp), exp.frozen)
+    compiled = lowered.compile(compiler_options=options)
   return exp, state, compiled
 
 
 def cost_estimate(compiled) -> dict:
-  """The compiler's own step estimate where it gives one (the TPU compiler does; XLA:CPU and
-  XLA:GPU give none): 'optimal_seconds', its roofline time for the compiled step, and
-  'bytes_accessed', the HBM traffic it assumes. Absent keys mean no estimate."""
+  """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
+  large ones it returned a negative optimal_seconds here; XLA:CPU and XLA:GPU give none):
+  'optimal_seconds', its roofline time for the compiled step, and 'bytes_accessed', the HBM
+  traffic it assumes. Absent keys mean no estimate."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out = {}
@@ -229,7 +237,8 @@ def describe(p: dict) -> str:
                  "(the compiler's roofline estimate)")
   for kind, c in p["collectives"].items():
     if c["count"]:
-      lines.append(f"  {kind:22s}{c['count']:5d} ops {_gb(c['bytes'])}")
+      windowed = f" ({c['windowed']} as collective matmuls)" if c.get("windowed") else ""
+      lines.append(f"  {kind:22s}{c['count']:5d} ops {_gb(c['bytes'])}{windowed}")
   if "accelerator" in p:
     verdict = "fits" if p["fits"] else "does NOT fit"
     lines.append(f"{p['accelerator']} ({p['hbm_bytes'] / 2**30:.0f} GiB): {verdict}, margin "

@@ -12,6 +12,12 @@ Forms counted (each collective once, its bytes the op's result per device):
                        whose result is then dynamic-sliced to this device's part (its
                        AllReduceScatterFusion): a reduce-scatter, the fusion's result its
                        bytes (the all-reduce inside is not counted again);
+  collective matmuls   SPMD's windowed einsum: a while loop whose body is
+                       'windowed_dot_general_body_ag' (an all-gather) or '..._rs' (a
+                       reduce-scatter) overlaps a dot with a ring of collective-permutes; each
+                       loop counts once under its kind and in its 'windowed' count, its bytes
+                       under collective-permute (the ring's ops, counted as written). The TPU
+                       compiler turns large FSDP gathers and gradient reduce-scatters into these.
   TPU async calls      a fused computation ending in an AsyncCollectiveStart custom call
                        holds the collective; the one ending in its AsyncCollectiveDone holds
                        a clone of it (the same channel_id): an op is counted once per
@@ -31,6 +37,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(")
 # A computation's header, unindented: '%name (params) -> shape {' or 'ENTRY %name ... {'.
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_WINDOWED = re.compile(r"\bbody=%?[\w.\-]*windowed_dot_general_body_(ag|rs)\b")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _CALLS = re.compile(r"\b(?:calls|called_computations)=\{?%?([\w.\-]+)")
 
@@ -102,13 +109,19 @@ def _is_scatter_fusion(body) -> bool:
 
 
 def collectives(hlo_text: str) -> dict:
-  """{kind: {'count', 'bytes'}} of the collectives in compiled HLO text (see the module
-  docstring for the forms); bytes are each op's result per device."""
-  out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+  """{kind: {'count', 'bytes', 'windowed'}} of the collectives in compiled HLO text (see the
+  module docstring for the forms); bytes are each op's result per device; 'windowed' is how
+  many of 'count' are collective-matmul loops."""
+  out = {k: {"count": 0, "bytes": 0, "windowed": 0} for k in COLLECTIVES}
   comps = _parse(hlo_text)
   fused_scatter = set()  # Computations counted through the fusion that calls them.
   for body in comps.values():
     for _, result, opcode, line in body:
+      windowed = _WINDOWED.search(line) if opcode == "while" else None
+      if windowed:
+        kind = {"ag": "all-gather", "rs": "reduce-scatter"}[windowed.group(1)]
+        out[kind]["count"] += 1
+        out[kind]["windowed"] += 1
       called = _CALLS.search(line)
       if opcode == "fusion" and called and _is_scatter_fusion(comps.get(called.group(1), ())):
         fused_scatter.add(called.group(1))

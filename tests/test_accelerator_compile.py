@@ -1,6 +1,10 @@
 """The train step compiled by the accelerators' own compilers with no accelerator attached:
 libtpu for a TPU v5e 2x2 slice, the CUDA plugin for two nodes of 4 H100s. Skipped, with the
 install command, where the extras (bigpretrain[tpu], bigpretrain[cuda]) are absent."""
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -10,7 +14,6 @@ import pytest
 from bigpretrain import accelerators
 from bigpretrain import aot_plan
 from bigpretrain import hlo_collectives
-from bigpretrain import sharding
 from tests import helpers
 
 pytestmark = pytest.mark.compile
@@ -38,7 +41,7 @@ def test_fsdp_gradient_is_one_reduce_scatter_of_the_shard(topology, _):
   x = jax.ShapeDtypeStruct((16 * n, 512), jnp.float32, sharding=fsdp)
   grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)), out_shardings=fsdp)
   out = hlo_collectives.collectives(grad.lower(w, x).compile().as_text())
-  assert out["reduce-scatter"] == {"count": 1, "bytes": 512 // n * 256 * 4}, out
+  assert out["reduce-scatter"] == {"count": 1, "bytes": 512 // n * 256 * 4, "windowed": 0}, out
   assert out["all-reduce"]["count"] == 0, out  # Not an all-reduce and a slice.
   assert out["all-gather"]["count"] == 1, out  # The weight, gathered for the forward.
 
@@ -63,9 +66,25 @@ def test_demo_recipe_plans_on_the_accelerator_compiler(demo_config, topology, co
   # The state's shards are the shardings', whatever the compiler.
   for key in ("num_params", "params_bytes", "opt_state_bytes"):
     assert p[key] == cpu[key], key
-  # FSDP gradients are reduce-scattered: most float32 parameter bytes leave as shards.
+  # FSDP gradients are reduce-scattered: most float32 parameter bytes leave as shards (at this
+  # size as plain or fused reduce-scatters, not windowed-einsum loops).
   rs = p["collectives"]["reduce-scatter"]
   assert rs["count"] >= 1 and rs["bytes"] >= 0.5 * p["params_bytes"], p["collectives"]
+  assert p["collectives"]["all-reduce"]["bytes"] < 0.5 * p["params_bytes"], p["collectives"]
   assert p["fits"] and p["margin_bytes"] == p["hbm_bytes"] - p["total_bytes"]
   if topology.startswith("tpu"):  # The TPU compiler's own roofline estimate of the step.
     assert 0 < p["optimal_seconds"] < 1 and p["flops_per_device"] > 0
+
+
+def test_cli_plans_a_gpu_cluster_with_its_compiler():
+  _devices("gpu:h100:1x2")
+  args = [sys.executable, "-m", "bigpretrain.tools.plan",
+          f"--config={helpers.ROOT / 'configs' / 'semantic_softmax.py'}:model=vit_demo",
+          "--topology=gpu:h100:1x2", "--mesh=data:1,fsdp:2,tensor:1", "--json",
+          "--config.batch_size=16", "--config.data.image_size=16"]
+  env = helpers.env(1)
+  out = subprocess.run(args, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                       timeout=600, check=True)
+  p = json.loads(out.stdout.strip().splitlines()[-1])
+  assert p["compiler"].startswith("XLA:GPU") and p["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert p["devices"] == 2 and p["accelerator"] == "h100" and p["fits"]

@@ -40,11 +40,15 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
       "%t = (f32[5]{0}, s32[2]{0}) all-reduce(f32[5]{0} %a, s32[2]{0} %b)",
       "%f = f32[8]{0} fusion(f32[8]{0} %all-reduce.1), kind=kLoop",  # Not a collective.
   ])
-  out = hlo_collectives.collectives(hlo)
-  assert out["all-reduce"] == {"count": 2, "bytes": 16 * 8 * 4 + 5 * 4 + 2 * 4}
-  assert out["all-gather"] == {"count": 1, "bytes": 32 * 2}  # The output, not the operand.
-  assert out["reduce-scatter"] == {"count": 1, "bytes": 2 * 3 * 4}
-  assert out["all-to-all"] == out["collective-permute"] == {"count": 0, "bytes": 0}
+  out = _counts(hlo_collectives.collectives(hlo))
+  assert out["all-reduce"] == (2, 16 * 8 * 4 + 5 * 4 + 2 * 4)
+  assert out["all-gather"] == (1, 32 * 2)  # The output, not the operand.
+  assert out["reduce-scatter"] == (1, 2 * 3 * 4)
+  assert out["all-to-all"] == out["collective-permute"] == (0, 0)
+
+
+def _counts(out: dict) -> dict:
+  return {kind: (c["count"], c["bytes"]) for kind, c in out.items()}
 
 
 def test_plan_matches_the_compiled_step_of_the_allocated_state():
@@ -186,7 +190,17 @@ ENTRY %main.1 (p0: f32[16,8], p1: f32[8], p2: bf16[32,256], p3: f32[4,4], p4: f3
   %as = ((f32[4,4]{1,0}), f32[4,4]{1,0}) async-start(%p3), calls=%wrapped_all_to_all
   %ad = f32[4,4]{1,0} async-done(%as)
   %rs = ((f32[256,64]{1,0}), f32[64,64]{1,0}) reduce-scatter-start(%p4), channel_id=3, dimensions={0}
-  ROOT %rsd = f32[64,64]{1,0} reduce-scatter-done(%rs)
+  %rsd = f32[64,64]{1,0} reduce-scatter-done(%rs)
+  %w = (f32[64,64]{1,0}, u32[]) tuple(%rsd, %i)
+  ROOT %loop = (f32[64,64]{1,0}, u32[]) while(%w), condition=%wide.windowed_dot_general_cond_rs.2.clone, body=%wide.windowed_dot_general_body_rs.2.clone.sunk
+}
+
+%wide.windowed_dot_general_body_rs.2.clone.sunk (wide.param: (f32[64,64], u32[])) -> (f32[64,64], u32[]) {
+  %wide.param = (f32[64,64]{1,0}, u32[]) parameter(0)
+  %acc = f32[64,64]{1,0} get-tuple-element(%wide.param), index=0
+  %cp = (f32[64,64]{1,0}, f32[64,64]{1,0}, u32[], u32[]) collective-permute-start(%acc), channel_id=21, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[64,64]{1,0} collective-permute-done(%cp)
+  ROOT %t = (f32[64,64]{1,0}, u32[]) tuple(%cpd, %i)
 }
 """
 
@@ -194,12 +208,16 @@ ENTRY %main.1 (p0: f32[16,8], p1: f32[8], p2: bf16[32,256], p3: f32[4,4], p4: f3
 def test_tpu_and_gpu_collective_forms_are_counted_once():
   out = hlo_collectives.collectives(_ACCELERATOR_HLO)
   # The fused all-reduce + slice is one (combined) reduce-scatter of the fusion's outputs; its
-  # inner all-reduce is not an all-reduce; XLA:GPU's async reduce-scatter counts its output.
-  assert out["reduce-scatter"] == {"count": 2, "bytes": (4 * 8 + 2) * 4 + 64 * 64 * 4}
-  assert out["all-reduce"] == {"count": 0, "bytes": 0}
+  # inner all-reduce is not an all-reduce; XLA:GPU's async reduce-scatter counts its output;
+  # the windowed-einsum loop is one more, its bytes under its ring's collective-permute.
+  assert out["reduce-scatter"] == {"count": 3, "bytes": (4 * 8 + 2) * 4 + 64 * 64 * 4,
+                                   "windowed": 1}
+  assert out["collective-permute"] == {"count": 1, "bytes": 64 * 64 * 4, "windowed": 0}
+  counts = _counts(out)
+  assert counts["all-reduce"] == (0, 0)
   # The start and done sides hold the same all-gather (channel 7): one op.
-  assert out["all-gather"] == {"count": 1, "bytes": 128 * 256 * 2}
-  assert out["all-to-all"] == {"count": 1, "bytes": 4 * 4 * 4}
+  assert counts["all-gather"] == (1, 128 * 256 * 2)
+  assert counts["all-to-all"] == (1, 4 * 4 * 4)
 
 
 def test_topology_spellings_and_errors():
