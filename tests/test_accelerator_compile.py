@@ -77,11 +77,13 @@ def test_demo_recipe_plans_on_the_accelerator_compiler(demo_config, topology, co
 
 
 def test_cli_plans_a_gpu_cluster_with_its_compiler():
+  """Two images per GPU: XLA:GPU's default Triton GEMM tiling failed on this step's f32[10,128]
+  dot with no GPU to autotune on (aot_plan.GPU_COMPILE_ONLY_OPTIONS)."""
   _devices("gpu:h100:1x2")
   args = [sys.executable, "-m", "bigpretrain.tools.plan",
           f"--config={helpers.ROOT / 'configs' / 'semantic_softmax.py'}:model=vit_demo",
           "--topology=gpu:h100:1x2", "--mesh=data:1,fsdp:2,tensor:1", "--json",
-          "--config.batch_size=16", "--config.data.image_size=16"]
+          "--config.batch_size=4", "--config.data.image_size=16"]
   env = helpers.env(1)
   out = subprocess.run(args, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
                        timeout=600, check=True)
