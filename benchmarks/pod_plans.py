@@ -200,6 +200,9 @@ def _collectives(col: dict) -> str:
     if c["count"]:
       w = f" ({c['windowed']} windowed)" if c.get("windowed") else ""
       parts.append(f"{name} {c['count']}{w}")
+  if any("windowed" not in c for c in col.values()):  # Kept from an older parser.
+    parts.append("counted before collective matmuls were recognised (their reduce-scatters "
+                 "are in CP): rerun the row with --redo")
   return ", ".join(parts) or "none"
 
 
