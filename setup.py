@@ -9,7 +9,8 @@ setuptools.setup(
     "billion-scale semi-supervised teacher/student.",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
-    package_data={"bigpretrain.semantic": ["data/*.txt"], "input_pipeline": ["demo_wnids.txt"]},
+    package_data={"bigpretrain.semantic": ["data/*.txt"], "bigpretrain": ["gpu_specs/*.txtpb"],
+                  "input_pipeline": ["demo_wnids.txt"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",
@@ -49,5 +50,16 @@ setuptools.setup(
         # build (about 5.6 GB with its nvidia-* wheels), which also runs on a CPU.
         # safetensors reads and writes .safetensors through numpy, without torch.
         "interop": ["torch==2.14.1", "torchvision==0.29.1", "timm>=1.0", "safetensors>=0.4"],
+        # Plans compiled by the accelerators' own compilers with no accelerator attached
+        # (bigpretrain.tools.plan --topology=...). tpu: libtpu at the installed jax's own pin
+        # (jax's 'tpu' extra); accelerators.compiler_problem says what to install when they
+        # disagree.
+        "tpu": ["jax[tpu]>=0.10"],
+        # cuda: the CUDA PJRT plugin at the installed jax's version (jax's 'cuda13-local'
+        # extra) and only the CUDA wheels a deviceless compile uses: nvidia-cuda-nvcc (ptxas
+        # and nvlink; it brings nvidia-cuda-runtime's libcudart and nvidia-nvvm's libdevice).
+        # cuDNN, cuBLAS, NCCL and the rest are for running on a GPU: jax[cuda13] there.
+        "cuda": ["jax[cuda13-local]>=0.10", "nvidia-cuda-nvcc>=13.0.48,<14",
+                 "nvidia-cuda-runtime>=13.0.48,<14", "nvidia-nvvm>=13.0.48,<14"],
     },
 )

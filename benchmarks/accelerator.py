@@ -17,7 +17,7 @@ Figures (each line's `figure`):
   keep_up                the train pipeline's records/s on this host's cores (all of them as
                          grain workers) over the ViT-B/16 step's images/s, per host; the demo
                          dataset's small PNGs at 224 px with the recipe's augmentations
-  plan_vs_measured       bigpretrain.plan's prediction for the ViT-B/16 step, compiled for these
+  plan_vs_measured       the plan's prediction for the ViT-B/16 step, compiled for these
                          devices (memory; step time at peak FLOP/s, and the compiler's own
                          estimate where the plan gives one) over what the device measured
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
@@ -43,9 +43,10 @@ from benchmarks import common
 from benchmarks import cosub
 from benchmarks import keep_up
 from benchmarks import train_step
+from bigpretrain import accelerators
+from bigpretrain import aot_plan
 from bigpretrain import goodput
 from bigpretrain import objectives
-from bigpretrain import plan as plan_lib
 from configs import semantic_softmax
 from configs import swag_regnety
 
@@ -61,32 +62,26 @@ FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "esd_
            "keep_up", "plan_vs_measured")
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
-# HBM keys of plan.HBM_BYTES by JAX device_kind.
-_HBM_KEY = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
-            "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200",
-            "NVIDIA A100-SXM4-80GB": "a100-80", "NVIDIA A100 80GB PCIe": "a100-80"}
-
-
-# The two calls into bigpretrain.plan (a library module's functions).
 def plan_prediction(config, num_classes=None) -> dict:
-  """bigpretrain.plan's figures for `config`'s train step compiled for this process's devices."""
-  return plan_lib.plan(config, num_classes, devices=jax.devices())
+  """The plan's figures (bigpretrain/aot_plan.py) for `config`'s train step compiled for this
+  process's devices."""
+  return aot_plan.plan(config, num_classes, devices=jax.devices())
 
 
 def standin_dataset(config, num_classes=None):
-  """The dataset stand-in bigpretrain.plan compiles with (class list and fields, no records)."""
+  """The dataset stand-in the plan compiles with (class list and fields, no records)."""
   reads = objectives.get_objective(
-      config.objective, plan_lib.planning_dataset(config, (), num_classes).info).reads
-  return plan_lib.planning_dataset(config, reads, num_classes)
+      config.objective, aot_plan.planning_dataset(config, (), num_classes).info).reads
+  return aot_plan.planning_dataset(config, reads, num_classes)
 
 
 def accelerator(device, compute_dtype: str) -> dict:
   """Peak FLOP/s at `compute_dtype` and HBM bytes of `device` from the accelerator tables
   (None where unknown), and the memory its runtime reports."""
-  hbm_key = _HBM_KEY.get(device.device_kind)
+  chip = accelerators.by_device_kind(device.device_kind)
   stats = device.memory_stats() or {}
   return {"peak_flops": goodput.peak_flops(device.device_kind, compute_dtype),
-          "hbm_bytes": plan_lib.HBM_BYTES.get(hbm_key) if hbm_key else None,
+          "hbm_bytes": chip.hbm_bytes if chip else None,
           "bytes_limit": stats.get("bytes_limit")}
 
 

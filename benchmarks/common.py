@@ -32,7 +32,7 @@ class Runner:
   """A compiled train step on a fixed batch, ready to time."""
 
   def __init__(self, config, dataset=None):
-    """`dataset` replaces config.data's (e.g. bigpretrain.plan's stand-in: a step needs only
+    """`dataset` replaces config.data's (e.g. the plan's stand-in: a step needs only
     the dataset's info)."""
     self.config = config
     self.exp = train.build(config, dataset=dataset)

@@ -29,34 +29,12 @@ from absl import logging
 import jax
 import numpy as np
 
-# Peak dense FLOP/s per JAX device (one chip), as (bfloat16, float32) from the vendors' sheets.
-# float32 columns follow jax.lax.Precision.DEFAULT (what the models' matmuls use): "on TPU,
-# performs float32 computations in bfloat16" (so the bf16 peak), on A100/H100/H200 uses
-# TensorFloat-32 (so the TF32 Tensor Core peak). NVIDIA lists Tensor Core peaks "with
-# sparsity": the dense figures here are half of those.
-PEAK_FLOPS = {
-    # Google Cloud TPU docs, per chip: v4 275 TFLOP/s bf16, v5e 197, v5p 459, v6e 918.
-    "TPU v4": (275e12, 275e12),
-    "TPU v5 lite": (197e12, 197e12),  # v5e.
-    "TPU v5e": (197e12, 197e12),
-    "TPU v5": (459e12, 459e12),  # v5p.
-    "TPU v5p": (459e12, 459e12),
-    "TPU v6 lite": (918e12, 918e12),  # v6e (Trillium).
-    "TPU v6e": (918e12, 918e12),
-    # NVIDIA H100 datasheet: SXM BF16 1,979 / TF32 989; PCIe 1,513 / 756; NVL 1,671 / 835
-    # TFLOP/s with sparsity.
-    "NVIDIA H100 80GB HBM3": (989.5e12, 494.5e12),  # SXM.
-    "NVIDIA H100 PCIe": (756.5e12, 378e12),
-    "NVIDIA H100 NVL": (835.5e12, 417.5e12),
-    # NVIDIA H200 datasheet: SXM BF16 1,979 / TF32 989; NVL 1,671 / 835 with sparsity.
-    "NVIDIA H200": (989.5e12, 494.5e12),  # SXM.
-    "NVIDIA H200 NVL": (835.5e12, 417.5e12),
-    # NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): BF16 312, TF32 156 dense.
-    "NVIDIA A100-SXM4-40GB": (312e12, 156e12),
-    "NVIDIA A100-SXM4-80GB": (312e12, 156e12),
-    "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
-    "NVIDIA A100 80GB PCIe": (312e12, 156e12),
-}
+from bigpretrain import accelerators
+
+# Peak dense FLOP/s per JAX device kind (one chip), as (bfloat16, float32): a view of
+# bigpretrain.accelerators' table, the one the plan's fit reads too.
+PEAK_FLOPS = {kind: (a.peak_bf16, a.peak_f32) for a in accelerators.ACCELERATORS.values()
+              for kind in a.device_kinds}
 STRAGGLER_RATIO = 1.2  # Issue 11: warn when the slowest process is > 20% above the median.
 # Test and rehearsal hook: 'SECONDS' or 'SECONDS@PROCESS' delays every train batch by SECONDS
 # (on process PROCESS only), e.g. to rehearse a slow-input host on launch/local.sh.

@@ -86,11 +86,12 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
   With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
   mixed; `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
   """
-  base_rng = jax.random.key(seed)
   use_mixup = objectives.mixup_enabled(mixup_cfg)
 
   def train_step(state, batch, frozen):
-    rng = jax.random.fold_in(base_rng, state["step"])
+    # The key is made inside the step: an eager one would need a device to run on, which
+    # the compile-only devices of an ahead-of-time plan (bigpretrain.accelerators) are not.
+    rng = jax.random.fold_in(jax.random.key(seed), state["step"])
     batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
     if use_mixup:
       from bigpretrain import mixup  # pylint: disable=import-outside-toplevel
@@ -217,8 +218,8 @@ class Experiment(ModelSetup):
 
   def abstract_state(self) -> dict:
     """The train state as jax.ShapeDtypeStructs with their shardings: nothing is allocated
-    (ahead-of-time compilation, bigpretrain.plan)."""
-    shapes = jax.eval_shape(self._init, jax.random.key(self.config.seed))
+    (ahead-of-time compilation, bigpretrain.aot_plan)."""
+    shapes = jax.eval_shape(lambda: self._init(jax.random.key(self.config.seed)))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, self.shardings)
 
@@ -242,7 +243,7 @@ class Experiment(ModelSetup):
 
 def build_model(config, devices=None, dataset=None) -> ModelSetup:
   """Validates the config, then builds the mesh, the dataset and the model definition.
-  `dataset` replaces config.data's (e.g. bigpretrain.plan's stand-in, with only its info)."""
+  `dataset` replaces config.data's (e.g. bigpretrain.aot_plan's stand-in, with only its info)."""
   config_lib.validate(config)
   setup_compilation_cache(config)
   mesh = sharding.make_mesh(config.mesh, devices)

@@ -8,6 +8,9 @@ os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain")
 import jax  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
+# CPU whatever accelerator plugins are installed (libtpu, the CUDA plugin: their compile-only
+# devices come from bigpretrain.accelerators, not from the default backend).
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(_ROOT / ".cache" / "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

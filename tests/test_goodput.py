@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+from bigpretrain import aot_plan
 from bigpretrain import config_lib
 from bigpretrain import goodput
 from bigpretrain import metric_writers
-from bigpretrain import plan
 from bigpretrain import train
 from tests import helpers
 
@@ -135,7 +135,7 @@ def test_perf_metrics_in_metrics_jsonl_and_tensorboard(baseline):
 
 def test_mfu_is_step_flops_over_step_time_over_peak(baseline):
   workdir, config = baseline
-  _, _, compiled = plan.compile_step(config)  # The same step, compiled apart from the run.
+  _, _, compiled = aot_plan.compile_step(config)  # The same step, compiled apart from the run.
   cost = compiled.cost_analysis()
   flops = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
   assert flops > 0

@@ -1,4 +1,5 @@
-"""The ahead-of-time plan: its figures against a real compile, flat per-device memory, CLI."""
+"""The ahead-of-time plan: its figures against a real compile, flat per-device memory, the
+HLO collective parser, topologies, CLI."""
 import json
 import math
 import subprocess
@@ -8,7 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from bigpretrain import plan as plan_lib
+from bigpretrain import accelerators
+from bigpretrain import aot_plan as plan_lib
+from bigpretrain import goodput
+from bigpretrain import hlo_collectives
+from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train
 from tests import helpers
@@ -35,11 +40,15 @@ def test_collectives_are_counted_by_kind_with_result_bytes():
       "%t = (f32[5]{0}, s32[2]{0}) all-reduce(f32[5]{0} %a, s32[2]{0} %b)",
       "%f = f32[8]{0} fusion(f32[8]{0} %all-reduce.1), kind=kLoop",  # Not a collective.
   ])
-  out = plan_lib.collectives(hlo)
-  assert out["all-reduce"] == {"count": 2, "bytes": 16 * 8 * 4 + 5 * 4 + 2 * 4}
-  assert out["all-gather"] == {"count": 1, "bytes": 32 * 2}  # The output, not the operand.
-  assert out["reduce-scatter"] == {"count": 1, "bytes": 2 * 3 * 4}
-  assert out["all-to-all"] == out["collective-permute"] == {"count": 0, "bytes": 0}
+  out = _counts(hlo_collectives.collectives(hlo))
+  assert out["all-reduce"] == (2, 16 * 8 * 4 + 5 * 4 + 2 * 4)
+  assert out["all-gather"] == (1, 32 * 2)  # The output, not the operand.
+  assert out["reduce-scatter"] == (1, 2 * 3 * 4)
+  assert out["all-to-all"] == out["collective-permute"] == (0, 0)
+
+
+def _counts(out: dict) -> dict:
+  return {kind: (c["count"], c["bytes"]) for kind, c in out.items()}
 
 
 def test_plan_matches_the_compiled_step_of_the_allocated_state():
@@ -127,7 +136,7 @@ def test_bad_mesh_and_accelerator_are_clear_errors():
 
 
 def test_cli_sets_its_device_count_and_prints_one_json_line():
-  args = [sys.executable, "-m", "bigpretrain.plan",
+  args = [sys.executable, "-m", "bigpretrain.tools.plan",
           f"--config={helpers.ROOT / 'configs' / 'single_label.py'}", "--devices=4",
           "--mesh=data:1,fsdp:4,tensor:1", "--accelerator=h100", "--json",
           "--config.batch_size=8", "--config.data.image_size=16",
@@ -141,3 +150,120 @@ def test_cli_sets_its_device_count_and_prints_one_json_line():
   assert p["devices"] == 4 and p["mesh"]["fsdp"] == 4 and p["batch_per_device"] == 2
   assert p["accelerator"] == "h100" and p["fits"] is True
   assert np.isclose(p["margin_bytes"], 80 * 2**30 - p["total_bytes"])
+  assert p["compiler"].startswith("XLA:CPU")
+
+
+# The forms the TPU and GPU compilers write, as in their compiled HLO (layouts trimmed).
+_ACCELERATOR_HLO = """
+%all-reduce-scatter.17 (input_0: f32[16,8], input_1: f32[8]) -> (f32[4,8], f32[2]) {
+  %input_0 = f32[16,8]{1,0:T(8,128)} parameter(0)
+  %input_1 = f32[8]{0} parameter(1)
+  %all-reduce.160 = (f32[16,8]{1,0:T(8,128)}, f32[8]{0}) all-reduce(%input_0, %input_1), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  %gte.0 = f32[16,8]{1,0} get-tuple-element(%all-reduce.160), index=0
+  %ds.0 = f32[4,8]{1,0:T(8,128)S(1)} dynamic-slice(%gte.0, %o, %z), dynamic_slice_sizes={4,8}
+  %gte.1 = f32[8]{0} get-tuple-element(%all-reduce.160), index=1
+  %ds.1 = f32[2]{0} dynamic-slice(%gte.1, %o), dynamic_slice_sizes={2}
+  ROOT %tuple.77 = (f32[4,8]{1,0:T(8,128)S(1)}, f32[2]{0}) tuple(%ds.0, %ds.1)
+}
+
+%fused_computation.1242 (param_0.4022: bf16[32,256]) -> (bf16[32,256], bf16[128,256], /*index=2*/u32[]) {
+  %param_0.4022 = bf16[32,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %all-gather.193 = bf16[128,256]{1,0:T(8,128)(2,1)} all-gather(%param_0.4022), channel_id=7, dimensions={0}
+  ROOT %custom-call.41 = (bf16[32,256]{1,0}, bf16[128,256]{1,0}, /*index=2*/u32[]{:S(2)}) custom-call(%all-gather.193), custom_call_target="AsyncCollectiveStart"
+}
+
+%fused_computation.1244 (param_0.4032: bf16[32,256], param_1.5225: bf16[128,256]) -> bf16[128,256] {
+  %param_0.4032 = bf16[32,256]{1,0} parameter(0)
+  %all-gather.197 = bf16[128,256]{1,0:T(8,128)(2,1)} all-gather(%param_0.4032), channel_id=7, dimensions={0}
+  ROOT %custom-call.43 = bf16[128,256]{1,0} custom-call(%param_0.4032, %param_1.5225, %all-gather.197), custom_call_target="AsyncCollectiveDone"
+}
+
+%wrapped_all_to_all (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %a2a = f32[4,4]{1,0} all-to-all(%p), channel_id=11, dimensions={0}
+}
+
+ENTRY %main.1 (p0: f32[16,8], p1: f32[8], p2: bf16[32,256], p3: f32[4,4], p4: f32[256,64]) -> f32[64,64] {
+  %fusion.524 = (f32[4,8]{1,0:T(8,128)S(1)}, f32[2]{0}) fusion(%p0, %p1), kind=kCustom, calls=%all-reduce-scatter.17, backend_config={"collective_algorithm_config":{"emitter":"AllReduceScatterFusion"}}
+  %start = (bf16[32,256]{1,0}, bf16[128,256]{1,0}, u32[]) fusion(%p2), kind=kCustom, calls=%fused_computation.1242
+  %done = bf16[128,256]{1,0} fusion(%p2, %start), kind=kCustom, calls=%fused_computation.1244
+  %as = ((f32[4,4]{1,0}), f32[4,4]{1,0}) async-start(%p3), calls=%wrapped_all_to_all
+  %ad = f32[4,4]{1,0} async-done(%as)
+  %rs = ((f32[256,64]{1,0}), f32[64,64]{1,0}) reduce-scatter-start(%p4), channel_id=3, dimensions={0}
+  %rsd = f32[64,64]{1,0} reduce-scatter-done(%rs)
+  %w = (f32[64,64]{1,0}, u32[]) tuple(%rsd, %i)
+  ROOT %loop = (f32[64,64]{1,0}, u32[]) while(%w), condition=%wide.windowed_dot_general_cond_rs.2.clone, body=%wide.windowed_dot_general_body_rs.2.clone.sunk
+}
+
+%wide.windowed_dot_general_body_rs.2.clone.sunk (wide.param: (f32[64,64], u32[])) -> (f32[64,64], u32[]) {
+  %wide.param = (f32[64,64]{1,0}, u32[]) parameter(0)
+  %acc = f32[64,64]{1,0} get-tuple-element(%wide.param), index=0
+  %cp = (f32[64,64]{1,0}, f32[64,64]{1,0}, u32[], u32[]) collective-permute-start(%acc), channel_id=21, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[64,64]{1,0} collective-permute-done(%cp)
+  ROOT %t = (f32[64,64]{1,0}, u32[]) tuple(%cpd, %i)
+}
+"""
+
+
+def test_tpu_and_gpu_collective_forms_are_counted_once():
+  out = hlo_collectives.collectives(_ACCELERATOR_HLO)
+  # The fused all-reduce + slice is one (combined) reduce-scatter of the fusion's outputs; its
+  # inner all-reduce is not an all-reduce; XLA:GPU's async reduce-scatter counts its output;
+  # the windowed-einsum loop is one more, its bytes under its ring's collective-permute.
+  assert out["reduce-scatter"] == {"count": 3, "bytes": (4 * 8 + 2) * 4 + 64 * 64 * 4,
+                                   "windowed": 1}
+  assert out["collective-permute"] == {"count": 1, "bytes": 64 * 64 * 4, "windowed": 0}
+  counts = _counts(out)
+  assert counts["all-reduce"] == (0, 0)
+  # The start and done sides hold the same all-gather (channel 7): one op.
+  assert counts["all-gather"] == (1, 128 * 256 * 2)
+  assert counts["all-to-all"] == (1, 4 * 4 * 4)
+
+
+def test_topology_spellings_and_errors():
+  t = accelerators.parse_topology("tpu:v5p:4x4x4")
+  assert t.accelerator.name == "v5p" and t.num_devices == 64 and t.spec == "tpu:v5p:4x4x4"
+  g = accelerators.parse_topology("gpu:h100:4x8")
+  assert g.accelerator.platform == "gpu" and g.num_devices == 32
+  for bad in ("v5e:2x2", "tpu:v5e:2by2", "gpu:v5e:2x2", "tpu:h100:2x2", "tpu:tpu9:2x2",
+              "gpu:h100:32"):
+    with pytest.raises(ValueError, match="topology"):
+      accelerators.parse_topology(bad)
+
+
+def test_one_accelerator_table_for_fit_and_mfu():
+  """The plan's HBM and perf/mfu's peak come from the same entry, found by device kind."""
+  v5e = accelerators.by_device_kind("TPU v5 lite")
+  assert v5e is accelerators.get("v5e") and v5e.hbm_bytes == 16 * 2**30
+  assert goodput.peak_flops("TPU v5 lite", "bfloat16") == v5e.peak_bf16 == 197e12
+  h100 = accelerators.by_device_kind("NVIDIA H100 80GB HBM3")
+  assert goodput.peak_flops(h100.device_kinds[0], "float32") == h100.peak_f32 == 494.5e12
+  assert accelerators.by_device_kind("cpu") is None
+
+
+@pytest.mark.parametrize("recipe,model,size,classes", [("semantic_softmax", "vit_demo", 16, None),
+                                                       ("swag_regnety", "regnety_demo", 32, 10)])
+def test_the_step_is_made_and_compiled_without_a_device_op(recipe, model, size, classes):
+  """Compile-only devices (a TPU slice or GPU cluster from accelerators.topology_devices) run
+  nothing: making and compiling the step must not transfer to or run on a device (its RNG key
+  was once made eagerly: under a topology mesh, AttributeError 'local_devices')."""
+  config = _config(batch_size=16, recipe=recipe)
+  config.model, config.data.image_size = dict(name=model), size
+  probe = plan_lib.planning_dataset(config, (), classes)
+  reads = objectives.get_objective(config.objective, probe.info).reads
+  exp = train.build(config, dataset=plan_lib.planning_dataset(config, reads, classes))
+  state, batch = exp.abstract_state(), plan_lib.abstract_batch(exp)
+  with jax.transfer_guard("disallow"), jax.set_mesh(exp.mesh):
+    compiled = exp.train_step().lower(state, batch, exp.frozen).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_a_compiler_that_does_not_match_jax_says_what_to_install(monkeypatch):
+  pin = accelerators._jax_requirement("tpu", "libtpu")  # jax's own: 'libtpu==0.0.42.*' for 0.10.2.
+  assert pin and pin.startswith("libtpu==")
+  monkeypatch.setattr(accelerators, "_version", lambda p: {"jax": "0.10.2"}.get(p, "0.0.1"))
+  assert f"pip install '{pin}'" in accelerators.compiler_problem("tpu")
+  problem = accelerators.compiler_problem("gpu")
+  assert "'jax-cuda13-plugin==0.10.2'" in problem and "'jax-cuda13-pjrt==0.10.2'" in problem
+  monkeypatch.setattr(accelerators, "_version", lambda p: None)
+  assert "libtpu is not installed" in accelerators.compiler_problem("tpu")

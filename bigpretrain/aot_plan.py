@@ -1,92 +1,56 @@
-r"""Memory and compile plan of a config's train step, ahead of time, on fake CPU devices.
+"""The ahead-of-time plan of a config's train step: memory, FLOPs and collectives per device,
+from the compiler of the devices it targets, with nothing allocated and no dataset read.
 
-  python -m bigpretrain.plan --config=configs/semantic_softmax.py:model=vit_b16,dataset=imagenet21k_p \
-      --devices=64 --mesh=data:1,fsdp:64,tensor:1 --accelerator=h100 [--json]
+plan(config, devices=...) compiles the real train step (the config's objective, model,
+optimizer, shardings and batch) with abstract state (jax.ShapeDtypeStruct with shardings)
+for the given devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU slice
+(libtpu) or a GPU cluster (the CUDA PJRT plugin) from bigpretrain.accelerators. The class
+lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
+others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
+the compiler's memory analysis (arguments, outputs, aliased, temporaries, generated code),
+FLOPs per step and, where the compiler gives them (the TPU compiler does), its roofline step
+time `optimal_seconds` and `bytes accessed`; the collectives of the compiled HLO by kind
+(bigpretrain.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
+compiler (and version) every figure comes from.
 
-Compiles the real train step (the config's objective, model, optimizer, shardings and batch)
-for `--devices` fake CPU devices with abstract state (jax.ShapeDtypeStruct with shardings:
-nothing is allocated) and without the dataset: the class lists of the known datasets ship
-with the package (DatasetInfo is fabricated from them), others take --num_classes. Prints,
-per device: parameter and optimizer-state bytes (each leaf's shard), XLA's memory analysis
-(arguments, outputs, aliased, temporaries, generated code), FLOPs per step from its cost
-analysis, the collectives of the compiled HLO by kind (count and result bytes), and whether
-the step fits the named accelerator's memory, with the margin.
-
-The figures are XLA:CPU's: a GPU or TPU compile fuses and schedules differently (temporaries
-especially), so treat them as an estimate of the accelerator's, not its measurement. One
-known CPU difference: XLA:CPU all-reduces the gradients of FSDP-sharded weights in full and
-then slices them (the all-reduce bytes equal the float32 parameter bytes, whatever the device
-count), so temp_bytes holds a full gradient per device that a reduce-scatter would not.
+How the compilers differ, measured (jax 0.10.2, libtpu 0.0.42.1; vit_demo, semantic softmax,
+batch 64 at 32 px, mesh fsdp:4; `python benchmarks/pod_plans.py --compare`): parameter and
+optimizer-state bytes are equal (the shardings' shard shapes). XLA:CPU all-reduces the
+gradients of FSDP-sharded weights in full and slices them: 3 all-reduces of 2.28 MB (the
+float32 parameter bytes, whatever the device count), 20 all-gathers, no reduce-scatter,
+15.0 MB of temporaries. libtpu (v5e:2x2) reduce-scatters them: one combined reduce-scatter
+(its AllReduceScatterFusion) of 0.54 MB, the 17 sharded gradients' shards, 4 small
+all-reduces (0.13 MB: replicated biases and norms), 34 all-gathers (each weight gathered
+for the forward and again for the backward, as async start/done pairs), and 17.8 MB of
+temporaries: at this width its tiled layouts pad dimensions to 128, so tiny models read
+larger on TPU; the CPU gradient all-reduce grows with the model instead. Treat XLA:CPU
+figures as an estimate of an accelerator's; plan with --topology for the real ones.
 """
 import dataclasses
-import json
 import math
 import pathlib
 import re
-import sys
+import time
 
-from absl import app
-from absl import flags
-from absl import logging
 import jax
-from ml_collections import config_flags
+from jax._src import config as jax_config  # enable_compilation_cache as a context.
 import numpy as np
 
+from bigpretrain import accelerators
 from bigpretrain import goodput
+from bigpretrain import hlo_collectives
 from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import demo
 
-# Per-chip HBM, in bytes. Vendors' figures: Google Cloud TPU docs (v5e: 16 GiB HBM2 per chip;
-# v5p: 95 GiB HBM2e per chip); NVIDIA datasheets (H100 SXM 80 GB HBM3, H200 141 GB HBM3e,
-# A100 80 GB HBM2e), counted here as GiB as the memory the runtime reports is (nvidia-smi
-# shows ~79.6 GiB on an H100, ~140.4 GiB on an H200: use the margin, not a zero-margin fit).
-HBM_BYTES = {
-    "v5e": 16 * 2**30,
-    "v5p": 95 * 2**30,
-    "h100": 80 * 2**30,
-    "h200": 141 * 2**30,
-    "a100-80": 80 * 2**30,
-}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# Bytes per element of HLO element types.
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
-# One HLO instruction: '%name = <result shape(s)> <opcode>(' (async collectives as '-start').
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+("
-                          + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# XLA:GPU with no GPU cannot autotune, and its default Triton GEMM tiling fails on some
+# shapes ("Couldn't find output tile sizes", e.g. ViT-B/16's bf16[12608,768] dot): a
+# compile-only plan emits GEMMs as cuBLAS calls instead (memory and collectives unchanged).
+GPU_COMPILE_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # Known datasets' class lists, shipped with the package.
 _SEMANTIC_DATA = pathlib.Path(__file__).parent / "semantic" / "data"
-
-
-def shape_bytes(text: str) -> int:
-  """Total bytes of the array shapes in an HLO shape string, e.g. '(f32[8,4]{1,0}, s32[])'."""
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return int(total)
-
-
-def collectives(hlo_text: str) -> dict:
-  """{kind: {'count', 'bytes'}} of the collectives in compiled HLO text; bytes are each op's
-  result per device (an async '-start' counts once, its '-done' not; for an async start the
-  result tuple also holds the operand, so only its last element, the output, is counted)."""
-  out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    result, kind = m.group(1), m.group(2)
-    if f"{kind}-start(" in line:
-      shapes = _SHAPE.findall(result)
-      result = f"{shapes[-1][0]}[{shapes[-1][1]}]" if shapes else ""
-    out[kind]["count"] += 1
-    out[kind]["bytes"] += shape_bytes(result)
-  return out
 
 
 def shard_bytes(abstract_tree) -> int:
@@ -167,20 +131,49 @@ def compile_step(config, num_classes: int | None = None, devices=None):
   reads = objectives.get_objective(config.objective, probe.info).reads
   exp = train.build(config, devices, dataset=planning_dataset(config, reads, num_classes))
   state = exp.abstract_state()
-  with jax.set_mesh(exp.mesh):
-    compiled = exp.train_step().lower(state, abstract_batch(exp), exp.frozen).compile()
+  # Compile-only devices have no client to load a cached executable into: no cache for them.
+  platform = exp.mesh.devices.flat[0].platform
+  cache = platform == jax.default_backend()
+  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
+  with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
+    lowered = exp.train_step().lower(state, abstract_batch(exp), exp.frozen)
+    compiled = lowered.compile(compiler_options=options)
   return exp, state, compiled
+
+
+def cost_estimate(compiled) -> dict:
+  """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
+  large ones it returned a negative optimal_seconds here; XLA:CPU and XLA:GPU give none):
+  'optimal_seconds', its roofline time for the compiled step, and 'bytes_accessed', the HBM
+  traffic it assumes. Absent keys mean no estimate."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  out = {}
+  if cost and cost.get("optimal_seconds", 0) > 0:
+    out["optimal_seconds"] = float(cost["optimal_seconds"])
+  if cost and cost.get("bytes accessed", 0) > 0:
+    out["bytes_accessed"] = float(cost["bytes accessed"])
+  return out
 
 
 def plan(config, num_classes: int | None = None, accelerator: str | None = None,
          devices=None) -> dict:
-  """The plan of `config`'s train step (see the module docstring); all `_bytes` per device."""
-  if accelerator is not None and accelerator not in HBM_BYTES:
-    raise ValueError(f"--accelerator={accelerator!r} is unknown; known: {sorted(HBM_BYTES)}.")
+  """The plan of `config`'s train step on `devices` (default: jax.devices()), as a JSON-ready
+  dict (see the module docstring); all `_bytes` per device. `accelerator` (a key of
+  accelerators.ACCELERATORS) defaults to the table's entry for the devices' kind, if any."""
+  if accelerator is not None:
+    accelerators.get(accelerator)  # A clear error before a long compile.
+  start = time.perf_counter()
   exp, state, compiled = compile_step(config, num_classes, devices)
+  compile_s = time.perf_counter() - start
+  device = exp.mesh.devices.flat[0]
+  if accelerator is None:
+    known = accelerators.by_device_kind(device.device_kind)
+    accelerator = known.name if known else None
   mem = compiled.memory_analysis()
   out = {
       "config": config.objective.name, "model": config.model.name,
+      "compiler": accelerators.compiler_name(device), "device_kind": device.device_kind,
       "devices": exp.mesh.size, "mesh": dict(exp.mesh.shape),
       "batch_size": int(config.batch_size),
       "batch_per_device": int(config.batch_size) // (exp.mesh.shape["data"]
@@ -197,14 +190,16 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "temp_bytes": int(mem.temp_size_in_bytes),
       "generated_code_bytes": int(mem.generated_code_size_in_bytes),
       "flops_per_device": goodput.compiled_flops(compiled),
-      "collectives": collectives(compiled.as_text()),
+      **cost_estimate(compiled),
+      "collectives": hlo_collectives.collectives(compiled.as_text()),
+      "compile_seconds": round(compile_s, 1),
   }
   # Live at the peak: the inputs, the outputs not written in place of a donated input, and
   # the temporaries (XLA's own total, as jax's memory_analysis tests count it).
   out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
                         + out["temp_bytes"])
   if accelerator is not None:
-    hbm = HBM_BYTES[accelerator]
+    hbm = accelerators.get(accelerator).hbm_bytes
     out.update(accelerator=accelerator, hbm_bytes=hbm, fits=out["total_bytes"] <= hbm,
                margin_bytes=hbm - out["total_bytes"])
   return out
@@ -231,15 +226,19 @@ def describe(p: dict) -> str:
   lines = [f"{p['model']} / {p['config']}: {p['devices']} devices, mesh {p['mesh']}, batch "
            f"{p['batch_size']} ({p['batch_per_device']} per device), {p['image_size']}px, "
            f"{p['compute_dtype']}, {p['num_params'] / 1e6:.1f}M params",
-           "per device:"]
+           f"compiler: {p['compiler']}", "per device:"]
   for key in ("params_bytes", "opt_state_bytes", "state_bytes", "argument_bytes",
               "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
               "total_bytes"):
     lines.append(f"  {key:22s}{_gb(p[key])}")
   lines.append(f"  {'flops_per_device':22s}{p['flops_per_device'] / 1e12:8.3f} TFLOP per step")
+  if "optimal_seconds" in p:
+    lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
+                 "(the compiler's roofline estimate)")
   for kind, c in p["collectives"].items():
     if c["count"]:
-      lines.append(f"  {kind:22s}{c['count']:5d} ops {_gb(c['bytes'])}")
+      windowed = f" ({c['windowed']} as collective matmuls)" if c.get("windowed") else ""
+      lines.append(f"  {kind:22s}{c['count']:5d} ops {_gb(c['bytes'])}{windowed}")
   if "accelerator" in p:
     verdict = "fits" if p["fits"] else "does NOT fit"
     lines.append(f"{p['accelerator']} ({p['hbm_bytes'] / 2**30:.0f} GiB): {verdict}, margin "
@@ -247,47 +246,3 @@ def describe(p: dict) -> str:
   return "\n".join(lines)
 
 
-def define_flags() -> None:
-  """The command's flags, defined only when it runs (no clash with other commands' flags when
-  modules are imported together, e.g. by the tests)."""
-  config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
-                                  lock_config=True)
-  flags.DEFINE_integer("devices", None, "Fake CPU devices to plan for.")
-  flags.DEFINE_string("mesh", "", "data:A,fsdp:B,tensor:C (wins over config.mesh).")
-  flags.DEFINE_enum("accelerator", None, sorted(HBM_BYTES),
-                    "Accelerator whose memory the plan is checked against.")
-  flags.DEFINE_integer("num_classes", None, "Classes of a dataset whose class list does not "
-                       "ship with the package.")
-  flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
-  flags.mark_flags_as_required(["config", "devices"])
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  if f.devices < 1:
-    raise app.UsageError(f"--devices={f.devices} must be >= 1.")
-  # Fake CPU devices; must be set before jax's backend starts (nothing above touched it).
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", f.devices)
-  if jax.device_count() != f.devices:
-    raise RuntimeError(f"jax started with {jax.device_count()} devices, not --devices="
-                       f"{f.devices} (XLA_FLAGS' xla_force_host_platform_device_count?).")
-  logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
-  config = f.config
-  try:
-    if f.mesh:
-      config = config.copy_and_resolve_references()
-      with config.unlocked():
-        config.mesh.update(parse_mesh(f.mesh))
-    p = plan(config, f.num_classes, f.accelerator)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
-  print(json.dumps(p) if f.json else describe(p), flush=True)
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

@@ -1,0 +1,89 @@
+r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per device.
+
+  python -m bigpretrain.tools.plan --config=configs/semantic_softmax.py:model=vit_b16,dataset=imagenet21k_p \
+      --topology=tpu:v5p:4x4x4 --mesh=data:1,fsdp:64,tensor:1 [--json]
+  python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:4x8   # 4 nodes of 8 GPUs.
+  python -m bigpretrain.tools.plan --config=... --devices=64 --accelerator=h100  # XLA:CPU.
+
+--topology compiles with the accelerator's own compiler and no accelerator attached (libtpu,
+pip install 'bigpretrain[tpu]'; the CUDA plugin, pip install 'bigpretrain[cuda]'); when it is
+not installed the plan falls back to as many fake CPU devices, says so, and every figure names
+its compiler. See bigpretrain.aot_plan for what is measured and how the compilers differ.
+"""
+import json
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+from bigpretrain import accelerators
+from bigpretrain import aot_plan
+
+
+def define_flags() -> None:
+  """The command's flags, defined only when it runs (no clash with other commands' flags when
+  modules are imported together, e.g. by the tests)."""
+  config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
+                                  lock_config=True)
+  flags.DEFINE_integer("devices", None, "Fake CPU devices to plan for (XLA:CPU).")
+  flags.DEFINE_string("topology", None, "tpu:CHIP:AxB[xC] (a TPU slice) or gpu:CHIP:NODESxGPUS "
+                      "(a GPU cluster): compile with that accelerator's compiler, deviceless.")
+  flags.DEFINE_string("mesh", "", "data:A,fsdp:B,tensor:C (wins over config.mesh).")
+  flags.DEFINE_enum("accelerator", None, sorted(accelerators.ACCELERATORS),
+                    "Accelerator whose memory the plan is checked against (default: the "
+                    "topology's).")
+  flags.DEFINE_integer("num_classes", None, "Classes of a dataset whose class list does not "
+                       "ship with the package.")
+  flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
+  flags.mark_flags_as_required(["config"])
+
+
+def _devices(f):
+  """The devices to plan for: the topology's (or, without its compiler, as many fake CPU
+  devices, with a note on stderr) or --devices fake CPU devices. Before any jax backend starts."""
+  if (f.devices is None) == (f.topology is None):
+    raise app.UsageError("Pass one of --topology=... and --devices=N.")
+  topology = accelerators.parse_topology(f.topology) if f.topology else None
+  if topology is not None:
+    problem = accelerators.compiler_problem(topology.accelerator.platform)
+    if problem is None:
+      jax.config.update("jax_platforms", "cpu")  # The plugins' device checks are not needed.
+      return accelerators.topology_devices(topology), topology.accelerator.name
+    print(f"NOTE: planning {topology.spec} on {topology.num_devices} fake CPU devices "
+          f"(XLA:CPU), not with its compiler: {problem}", file=sys.stderr, flush=True)
+  count = topology.num_devices if topology else f.devices
+  if count < 1:
+    raise app.UsageError(f"--devices={count} must be >= 1.")
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", count)
+  if jax.device_count() != count:
+    raise RuntimeError(f"jax started with {jax.device_count()} devices, not {count} "
+                       "(XLA_FLAGS' xla_force_host_platform_device_count?).")
+  return jax.devices(), topology.accelerator.name if topology else None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
+  config = f.config
+  try:
+    devices, accelerator = _devices(f)
+    if f.mesh:
+      config = config.copy_and_resolve_references()
+      with config.unlocked():
+        config.mesh.update(aot_plan.parse_mesh(f.mesh))
+    p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  print(json.dumps(p) if f.json else aot_plan.describe(p), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

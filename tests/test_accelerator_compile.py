@@ -1,0 +1,92 @@
+"""The train step compiled by the accelerators' own compilers with no accelerator attached:
+libtpu for a TPU v5e 2x2 slice, the CUDA plugin for two nodes of 4 H100s. Skipped, with the
+install command, where the extras (bigpretrain[tpu], bigpretrain[cuda]) are absent."""
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+from bigpretrain import accelerators
+from bigpretrain import aot_plan
+from bigpretrain import hlo_collectives
+from tests import helpers
+
+pytestmark = pytest.mark.compile
+# (topology, its compiler's name as the plan reports it).
+TOPOLOGIES = [("tpu:v5e:2x2", "libtpu"), ("gpu:h100:2x4", "XLA:GPU")]
+
+
+def _devices(topology: str) -> list:
+  problem = accelerators.compiler_problem(accelerators.parse_topology(topology)
+                                          .accelerator.platform)
+  if problem:
+    pytest.skip(problem)
+  return accelerators.topology_devices(topology)
+
+
+@pytest.mark.parametrize("topology,_", TOPOLOGIES)
+def test_fsdp_gradient_is_one_reduce_scatter_of_the_shard(topology, _):
+  """The gradient of an FSDP-sharded weight, kept sharded: each compiler reduce-scatters it
+  (its own form), and the parser counts one reduce-scatter of one shard's bytes."""
+  devices = _devices(topology)
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("fsdp",))
+  fsdp = NamedSharding(mesh, P("fsdp"))
+  w = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=fsdp)
+  x = jax.ShapeDtypeStruct((16 * n, 512), jnp.float32, sharding=fsdp)
+  grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)), out_shardings=fsdp)
+  out = hlo_collectives.collectives(grad.lower(w, x).compile().as_text())
+  assert out["reduce-scatter"] == {"count": 1, "bytes": 512 // n * 256 * 4, "windowed": 0}, out
+  assert out["all-reduce"]["count"] == 0, out  # Not an all-reduce and a slice.
+  assert out["all-gather"]["count"] == 1, out  # The weight, gathered for the forward.
+
+
+@pytest.fixture(scope="module")
+def demo_config():
+  config = helpers.tiny_config("semantic_softmax")
+  config.data.image_size = 16
+  config.batch_size = 8
+  config.mesh = dict(data=1, fsdp=-1, tensor=1)
+  return config
+
+
+@pytest.mark.parametrize("topology,compiler", TOPOLOGIES)
+def test_demo_recipe_plans_on_the_accelerator_compiler(demo_config, topology, compiler):
+  devices = _devices(topology)
+  p = aot_plan.plan(demo_config, devices=devices)
+  cpu = aot_plan.plan(demo_config, devices=jax.devices("cpu")[:len(devices)])
+  assert p["compiler"].startswith(compiler) and cpu["compiler"].startswith("XLA:CPU")
+  assert p["accelerator"] == accelerators.parse_topology(topology).accelerator.name
+  assert p["devices"] == len(devices) and p["mesh"]["fsdp"] == len(devices)
+  # The state's shards are the shardings', whatever the compiler.
+  for key in ("num_params", "params_bytes", "opt_state_bytes"):
+    assert p[key] == cpu[key], key
+  # FSDP gradients are reduce-scattered: most float32 parameter bytes leave as shards (at this
+  # size as plain or fused reduce-scatters, not windowed-einsum loops).
+  rs = p["collectives"]["reduce-scatter"]
+  assert rs["count"] >= 1 and rs["bytes"] >= 0.5 * p["params_bytes"], p["collectives"]
+  assert p["collectives"]["all-reduce"]["bytes"] < 0.5 * p["params_bytes"], p["collectives"]
+  assert p["fits"] and p["margin_bytes"] == p["hbm_bytes"] - p["total_bytes"]
+  if topology.startswith("tpu"):  # The TPU compiler's own roofline estimate of the step.
+    assert 0 < p["optimal_seconds"] < 1 and p["flops_per_device"] > 0
+
+
+def test_cli_plans_a_gpu_cluster_with_its_compiler():
+  """Two images per GPU: XLA:GPU's default Triton GEMM tiling failed on this step's f32[10,128]
+  dot with no GPU to autotune on (aot_plan.GPU_COMPILE_ONLY_OPTIONS)."""
+  _devices("gpu:h100:1x2")
+  args = [sys.executable, "-m", "bigpretrain.tools.plan",
+          f"--config={helpers.ROOT / 'configs' / 'semantic_softmax.py'}:model=vit_demo",
+          "--topology=gpu:h100:1x2", "--mesh=data:1,fsdp:2,tensor:1", "--json",
+          "--config.batch_size=4", "--config.data.image_size=16"]
+  env = helpers.env(1)
+  out = subprocess.run(args, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                       timeout=600, check=True)
+  p = json.loads(out.stdout.strip().splitlines()[-1])
+  assert p["compiler"].startswith("XLA:GPU") and p["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert p["devices"] == 2 and p["accelerator"] == "h100" and p["fits"]
