@@ -22,12 +22,14 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import goodput as goodput_lib
+from bigpretrain import initial_state
 from bigpretrain import metrics as metrics_lib
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
 from bigpretrain import preprocess
 from bigpretrain import sharding
+from bigpretrain import workdir_lock
 from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline import stream_position
@@ -321,7 +323,13 @@ def make_train_iterator(exp: Experiment, position: stream_position.Position | No
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics."""
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
+  Refuses (workdir_lock.WorkdirLocked) while another run uses `workdir`."""
+  with workdir_lock.WorkdirLock(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config, workdir: str) -> dict:
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
@@ -336,35 +344,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
-  if checkpointer.latest_step() is not None:  # Resuming: the schedule must be the same.
-    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
-  restored = checkpointer.restore(state, train_iter)
-  if restored is None and config.resume:
-    with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False)
-    restored = with_resume.restore(state, train_iter)
-    if restored is None:
-      raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
-  if restored is not None:
-    state, start = restored
-    print(f"Resuming from step {start} in {workdir}", flush=True)
-    if "ema" in exp.shardings and "ema" not in state:
-      print("WARNING: the checkpoint has no EMA weights (saved with config.ema off); the EMA "
-            f"starts from the weights of step {start}.", flush=True)
-      state = exp.restart_ema(state)
-  else:
-    start = 0
-    if config.model_init:
-      loaded, fresh = ckpt_lib.init_from(
-          config.model_init, {"params": state["params"], "extra": state["extra"]},
-          skip=config.model_init_skip)
-      state = {**state, **loaded}
-      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}",
-            flush=True)
-      if config.model_init_head == "zero_shot":
-        from bigpretrain import head_init  # pylint: disable=import-outside-toplevel
-        state = {**state, "params": head_init.zero_shot_init(
-            config.model_init, state["params"], dataset.info.class_names)}
-      state = exp.restart_ema(state)
+  state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "
           "the EMA weights.", flush=True)
@@ -372,7 +352,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   step_fn = exp.train_step()
 
   def run_evals(step, state, force=False):
