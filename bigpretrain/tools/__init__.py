@@ -1,0 +1,1 @@
+"""Command-line tools: thin mains over the library."""
