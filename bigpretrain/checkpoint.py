@@ -122,6 +122,16 @@ def run_meta(config, model_config: dict, class_names, num_classes: int) -> dict:
   }
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written (e.g. a full disk); the earlier ones are kept."""
+
+
+def _root_cause(e: BaseException) -> BaseException:
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  return e
+
+
 class CheckpointMismatch(ValueError):
   """The checkpoint is readable but was written for another configuration: the run refuses
   to start rather than train over it (the user's error; nothing is moved or deleted)."""
@@ -179,6 +189,7 @@ class Checkpointer:
                meta: dict | None = None):
     self.directory = os.path.abspath(directory)
     self.meta = meta
+    self._pending = None  # The step of a save that may still be running.
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -206,7 +217,27 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     if self.meta is not None:
       items["meta"] = ocp.args.JsonSave(self.meta)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self.check()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e) from e
+    self._pending = step
+
+  def check(self) -> None:
+    """Raises CheckpointSaveError as soon as the last asynchronous save has failed; cheap
+    (the trainer calls it every step). Nothing while it runs or once it succeeded."""
+    if self._pending is not None and not self.manager.is_saving_in_progress():
+      self.wait()
+
+  def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+    cause = _root_cause(e)
+    kept = [s for s in self.manager.all_steps() if s != step]
+    return CheckpointSaveError(
+        f"saving checkpoint step {step} in {self.directory} failed ({type(cause).__name__}: "
+        f"{cause}); it is not kept, the earlier ones are (latest: "
+        f"{max(kept) if kept else 'none'}). Fix the cause (e.g. free disk space) and re-run "
+        "the same command to resume.")
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
     """Restores the newest readable checkpoint into `state`'s structure and shardings.
@@ -354,7 +385,13 @@ class Checkpointer:
     self.manager.reload()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the last save; raises CheckpointSaveError if it failed."""
+    step, self._pending = self._pending, None
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e) from e
 
   def close(self) -> None:
     self.manager.close()

@@ -51,6 +51,7 @@ def main(argv):
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
+  from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
   from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
   from bigpretrain import workdir_lock  # pylint: disable=import-outside-toplevel
@@ -64,7 +65,7 @@ def main(argv):
   try:
     train.train_and_evaluate(_CONFIG.value, workdir)
   except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
-          workdir_lock.WorkdirLocked) as e:
+          workdir_lock.WorkdirLocked, checkpoint.CheckpointSaveError) as e:
     # Configuration and data errors: one clear line, not a traceback through jit. It
     # starts on a line of its own (a progress bar may be mid-line on the terminal).
     logging.exception("Run failed")

@@ -3,6 +3,7 @@ import json
 import math
 import os
 
+from absl import logging
 import numpy as np
 import tensorboardX
 import tqdm
@@ -42,8 +43,14 @@ class MetricWriter:
       f.write(json.dumps(row) + "\n")
 
   def close(self) -> None:
+    """Flushes and closes the TensorBoard file (again: a no-op). A failing flush (e.g. a
+    full disk, already reported by the run) is logged, not raised."""
     if self.enabled:
-      self.tb.close()
+      self.enabled = False
+      try:
+        self.tb.close()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("Closing the TensorBoard writer failed: %s: %s", type(e).__name__, e)
 
 
 def read_metrics(workdir: str) -> list[dict]:

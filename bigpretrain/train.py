@@ -6,6 +6,7 @@ holds non-parameter model state such as BatchNorm statistics), plus 'ema' ({'par
 'extra'}, sharded alike) when config.ema.momentum > 0, created already sharded on a
 ('data', 'fsdp', 'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
 """
+import contextlib
 import dataclasses
 import os
 import signal
@@ -325,11 +326,11 @@ def make_train_iterator(exp: Experiment, position: stream_position.Position | No
 def train_and_evaluate(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
   Refuses (workdir_lock.WorkdirLocked) while another run uses `workdir`."""
-  with workdir_lock.WorkdirLock(workdir):
-    return _train_and_evaluate(config, workdir)
+  with workdir_lock.WorkdirLock(workdir), contextlib.ExitStack() as cleanup:
+    return _train_and_evaluate(config, workdir, cleanup)
 
 
-def _train_and_evaluate(config, workdir: str) -> dict:
+def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> dict:
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
@@ -349,10 +350,11 @@ def _train_and_evaluate(config, workdir: str) -> dict:
     print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "
           "the EMA weights.", flush=True)
 
-  if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
+  if is_main:  # What `bigpretrain.tools.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  cleanup.callback(writer.close)  # Also when the run stops on an error: nothing left to flush.
   step_fn = exp.train_step()
 
   def run_evals(step, state, force=False):
@@ -374,6 +376,7 @@ def _train_and_evaluate(config, workdir: str) -> dict:
   input_delay = goodput_lib.input_delay()
   compile_s = None  # Logged once, in the first row.
   bar = metrics_lib.progress_bar(total_steps, start, enabled=is_main)
+  cleanup.callback(bar.close)  # Before an error line, not redrawn after it at exit.
   results = {}
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with Preemption() as preemption, jax.set_mesh(mesh):
@@ -400,6 +403,7 @@ def _train_and_evaluate(config, workdir: str) -> dict:
       bar.update(1)
       with timer.blocked():
         stop = preemption.agreed()
+      checkpointer.check()  # A failed asynchronous save stops the run now, not at the next.
       with timer.excluded():
         profiler.after_step(step, step_metrics)
       if _every(step, config.log_every_steps, total_steps) or stop:

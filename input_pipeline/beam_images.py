@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import posixpath
 import re
 import tarfile
 import uuid
@@ -53,23 +52,12 @@ class ClassSource:
   split: str = ""
 
 
-def is_non_image(name: str) -> bool:
-  """True for a file name whose extension no image format PIL reads uses (notes.txt,
-  labels.json, a README.md): such files are ignored, not counted as corrupt images. Names
-  without an extension are tried as images."""
-  suffix = posixpath.splitext(name)[1].lower()
-  if not suffix:
-    return False
-  Image.init()
-  return suffix not in Image.registered_extensions()
-
-
 def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
   """Image files of a class as (name, offset, size), sorted by name.
 
   Folder: regular non-hidden files directly inside, offset = size = -1 (read whole).
   Tar: regular members, name without a leading './', offset/size of the member's data.
-  Files with a non-image extension (`is_non_image`) are left out and logged.
+  Files with a non-image extension (decoding.is_non_image) are left out and logged.
   """
   path = epath.Path(source.path)
   if source.kind == "dir":
@@ -85,11 +73,11 @@ def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
     files.sort()
   else:
     raise ValueError(f"Unknown class source kind {source.kind!r} for {source.path}.")
-  ignored = [f[0] for f in files if is_non_image(f[0])]
+  ignored = [f[0] for f in files if decoding.is_non_image(f[0])]
   if ignored:
     logging.info("Ignoring %d non-image files of %s: %s", len(ignored), source.path,
                  ignored[:5])
-  return [f for f in files if not is_non_image(f[0])]
+  return [f for f in files if not decoding.is_non_image(f[0])]
 
 
 def read_file(path: str, offset: int, size: int) -> bytes:

@@ -7,6 +7,7 @@ than the pixel count suggests). Every failure is a CorruptImageError, which the 
 counts and skips. `to_rgb` scales 16-bit images to 8 bits (PIL's convert clips them).
 """
 import io
+import os
 
 import numpy as np
 from PIL import Image, ImageFile
@@ -24,6 +25,17 @@ class CorruptRecordError(ValueError):
 class UnreadableShardError(ValueError):
   """A whole shard file cannot be read (e.g. its index is gone): the data is broken, not one
   record, and the run stops naming the file."""
+
+
+def is_non_image(name: str) -> bool:
+  """True for a file name whose extension no image format PIL reads uses (notes.txt,
+  labels.json, a README.md): such files are ignored, not counted as corrupt images. Names
+  without an extension are tried as images."""
+  suffix = os.path.splitext(name)[1].lower()
+  if not suffix:
+    return False
+  Image.init()
+  return suffix not in Image.registered_extensions()
 
 
 def open_image(data: bytes) -> Image.Image:

@@ -142,6 +142,12 @@ def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Setti
       repeated_augment=int(cfg["repeated_augment"]))
 
 
+def check_data_config(data_cfg) -> None:
+  """Raises ValueError naming the first bad data.* setting this module reads; cheap, for
+  validating a config before any data is opened."""
+  _settings(data_cfg)
+
+
 def _per_host_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
   """Checks the batch/host arguments and returns the per-host batch size."""
   if not _is_int(process_count) or process_count < 1:

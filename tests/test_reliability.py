@@ -7,6 +7,7 @@ import pathlib
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -266,15 +267,15 @@ def folder_dataset(tmp_path_factory):
 
 
 def test_folder_job_ignores_non_image_files_and_keeps_16bit_pngs(folder_dataset):
-  from input_pipeline import beam_images  # pylint: disable=import-outside-toplevel
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
   from input_pipeline import imagenet21k_p  # pylint: disable=import-outside-toplevel
   raw, out, builder = folder_dataset
   meta = imagenet21k_p.report(builder)
   assert meta["corrupt_files"] == []  # notes.txt is not a corrupt image...
   ds = datasets.get_dataset({"name": "folder:toy", "dir": str(out)})
   assert ds.info.num_examples == {"train": 41}  # ...nor an example.
-  assert beam_images.is_non_image("a/notes.TXT") and not beam_images.is_non_image("x.JPEG")
+  assert decoding.is_non_image("a/notes.TXT") and not decoding.is_non_image("x.JPEG")
   source = ds.source("train")
   deep = next(source[i] for i in range(len(source)) if source[i]["file_name"].endswith("deep.png"))
   want = np.repeat((_gradients()[0] // 256).astype(np.uint8)[..., None], 3, axis=-1)
@@ -347,3 +348,76 @@ def test_a_shard_unreadable_as_a_whole_is_named(folder_dataset, tmp_path):
                                process_index=0, process_count=1)
   with pytest.raises(decoding.UnreadableShardError, match=f"shard {shard} of split 'train'"):
     next(it)
+
+
+# ------------------------------------------------------------------------------------------
+# Faults are reported once, clearly, and when they happen.
+
+
+def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  def full_disk(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=True)
+  saver.save(1, _state(head_classes=3))
+  saver.wait()
+  # Inside the save's background thread, where a write hitting a full disk fails.
+  monkeypatch.setattr(ocp.CheckpointManager, "_finalize_checkpoint", full_disk)
+  saver.save(2, _state(head_classes=3))
+  deadline = time.time() + 60
+  with pytest.raises(checkpoint.CheckpointSaveError) as failure:
+    while time.time() < deadline:  # What the trainer does after every step.
+      saver.check()
+      time.sleep(0.01)
+  message = str(failure.value)
+  assert message.startswith("saving checkpoint step 2 ") and "No space left on device" in message
+  assert "(latest: 1)" in message
+  monkeypatch.undo()
+  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved.
+  saver.close()
+
+
+def test_full_disk_in_the_data_iterator_save_is_one_error_line(tmp_path):
+  # grain's iterator state is written synchronously inside the save; make it hit ENOSPC.
+  code = (
+      "import sys\n"
+      "from grain._src.python.checkpoint import handler\n"
+      "def full(*a, **k):\n"
+      "  raise OSError(28, 'No space left on device')\n"
+      "handler.CheckpointHandler.save = full\n"
+      "from absl import app\n"
+      "from bigpretrain import main\n"
+      "app.run(main.main, argv=['main'] + sys.argv[1:], flags_parser=main.parse_flags)\n")
+  r = subprocess.run(
+      [sys.executable, "-c", code] + helpers.main_args(tmp_path, total_steps=50,
+                                                        ckpt_every_steps=3),
+      env=helpers.env(), cwd=helpers.ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 1
+  lines = r.stderr.strip().splitlines()
+  assert lines[-1].startswith("ERROR: saving checkpoint step 3 ") and (
+      "OSError: [Errno 28] No space left on device" in lines[-1]), r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert max(row["step"] for row in metrics.read_metrics(str(tmp_path))) == 3  # Stopped there.
+  assert not [p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+
+
+def test_unknown_config_key_prints_only_the_suggestion(tmp_path):
+  r = helpers.run_main(helpers.main_args(tmp_path) + ["--config.batchsize=3"], timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip() == ('ERROR: unknown config key --config.batchsize. '
+                              'Did you mean "batch_size" instead of "batchsize"?')
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data.eval_resize", "bogus", "data.eval_resize='bogus'"),
+    ("data.train_augment", "flip|nonsense", "nonsense"),
+    ("data.num_workers", -1, "data.num_workers must be an int >= 0"),
+    ("data.mix", "no_weight", "no_weight"),
+])
+def test_data_settings_are_validated_with_the_other_keys(key, value, message):
+  from bigpretrain import config_lib  # pylint: disable=import-outside-toplevel
+  config = helpers.tiny_config(**{key: value})
+  with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+    config_lib.validate(config)  # Before any dataset is opened (train.build_model's first step).
