@@ -11,8 +11,9 @@ resumes from grain's own state on the same topology and from the global stream p
 another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
 another model, class list or objective, or its arrays do not fit the state) is refused with
 the differing keys named, and nothing is moved; one whose data cannot be read is moved aside
-to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used. Consumers of the weights (model_init, teachers,
-load_pretrained) read the 'ema' item when there is one: the weights the run evaluated.
+to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used. Consumers
+of the weights (model_init, teachers, load_pretrained) read the 'ema' item when there is one:
+the weights the run evaluated.
 """
 import json
 import logging as logging_std
@@ -281,7 +282,8 @@ class Checkpointer:
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
-        self._check_tree(step, weights)  # A tree or shape mismatch is refused, not moved.
+        # A tree or shape mismatch is refused, not moved.
+        self._check_tree(step, {"params": weights, "train": _train_item(state)})
         self._unreadable(step, e)
         continue
       restored = {**out["params"], **out["train"]}
@@ -314,17 +316,20 @@ class Checkpointer:
     if differences:
       self._refuse(step, differences)
 
-  def _check_tree(self, step: int, weights: dict) -> None:
-    """Raises CheckpointMismatch if the saved weights' tree or shapes differ from `weights`'
-    (a checkpoint without 'meta', or a change meta does not show). Unreadable metadata is
-    left to the caller (corruption)."""
-    try:
-      saved = _item_metadata(self.directory, step, "params")
-    except Exception:  # pylint: disable=broad-except
-      return
-    if not any(hasattr(v, "shape") for v in _paths(saved).values()):
-      return  # Orbax returns an empty tree when the metadata itself is unreadable.
-    differences = _tree_differences(saved, weights)
+  def _check_tree(self, step: int, items: dict) -> None:
+    """Raises CheckpointMismatch if the tree or shapes of a saved item ('params': weights,
+    'train': optimizer state) differ from this run's `items` (a checkpoint without 'meta',
+    or a change meta does not show, e.g. another optimizer). Unreadable metadata is left to
+    the caller (corruption)."""
+    differences = []
+    for name, tree in items.items():
+      try:
+        saved = _item_metadata(self.directory, step, name)
+      except Exception:  # pylint: disable=broad-except
+        continue
+      if not any(hasattr(v, "shape") for v in _paths(saved).values()):
+        continue  # Orbax returns an empty tree when the metadata itself is unreadable.
+      differences += [f"{name}: {d}" for d in _tree_differences(saved, tree)]
     if differences:
       self._refuse(step, differences)
 

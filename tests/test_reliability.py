@@ -87,8 +87,8 @@ def test_shape_mismatch_without_meta_is_refused_not_moved(tmp_path):
   saver.close()
   before = _tree(tmp_path / "ckpt")
   reader = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-  with pytest.raises(checkpoint.CheckpointMismatch,
-                     match=r"params/head/kernel: shape \(4, 10\) in the checkpoint, \(4, 3\)"):
+  with pytest.raises(checkpoint.CheckpointMismatch, match=r"params: params/head/kernel: "
+                     r"shape \(4, 10\) in the checkpoint, \(4, 3\) in this run"):
     reader.restore(_state(head_classes=3))
   reader.close()
   assert _tree(tmp_path / "ckpt") == before
@@ -421,3 +421,30 @@ def test_data_settings_are_validated_with_the_other_keys(key, value, message):
   config = helpers.tiny_config(**{key: value})
   with pytest.raises(ValueError, match=message.replace("|", r"\|")):
     config_lib.validate(config)  # Before any dataset is opened (train.build_model's first step).
+
+
+def test_corrupt_checkpoint_of_the_default_model_gives_one_warning_line(tmp_path, capfd,
+                                                                          caplog):
+  # The recipe's own model (regnety_demo, many arrays: Orbax reports each failed read).
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  config = helpers.tiny_config()
+  config.model = {"name": "regnety_demo"}
+  exp = train.build(config)
+  state = exp.init_state()
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  for step in (1, 2):
+    saver.save(step, {**state, "step": jnp.asarray(step, jnp.int32)})
+  saver.close()
+  _truncate_arrays(tmp_path / "ckpt" / "2")
+  capfd.readouterr()
+  reader = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  restored, step = reader.restore(exp.init_state())
+  reader.close()
+  assert step == 1 and int(restored["step"]) == 1
+  out, err = capfd.readouterr()
+  lines = [l for l in (out + err).splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("WARNING: checkpoint step 2 "), lines[:20]
+  assert "is unreadable" in lines[0]
+  noise = [r for r in caplog.records if "Encountered error" in r.getMessage() or (
+      r.exc_info and "Encountered error" in repr(r.exc_info[1]))]
+  assert not noise
