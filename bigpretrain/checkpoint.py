@@ -8,11 +8,15 @@ stream started from) and 'meta' (JSON: the model config, class names, dataset an
 settings, so that a checkpoint path alone rebuilds the model; see `run_meta`). Arrays are
 restored onto the current mesh's shardings, whatever mesh saved them; the train stream
 resumes from grain's own state on the same topology and from the global stream position on
-another (see _data_plan). A checkpoint that fails to restore is moved aside
-to `<dir>_corrupt/` and the previous one used. Consumers of the weights (model_init, teachers,
-load_pretrained) read the 'ema' item when there is one: the weights the run evaluated.
+another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
+another model, class list or objective, or its arrays do not fit the state) is refused with
+the differing keys named, and nothing is moved; one whose data cannot be read is moved aside
+to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used. Consumers
+of the weights (model_init, teachers, load_pretrained) read the 'ema' item when there is one:
+the weights the run evaluated.
 """
 import json
+import logging as logging_std
 import math
 import os
 import re
@@ -42,11 +46,32 @@ def _abstract(tree):
   return jax.tree.map(_target, tree)
 
 
-def _quiet_closed_loop_callbacks() -> None:
-  """After a failed restore, the storage layer's reads still in flight complete into the
-  restore's closed asyncio loop, and each reports 'RuntimeError: Event loop is closed' as an
-  unraisable exception (a traceback each, dozens per failure). The failure itself is reported
-  once by `restore`; drop only those."""
+_READ_ERROR = "Encountered error while reading array index"
+
+
+class _DropFailedReads(logging_std.Filter):
+  """Drops the log records of a failed restore's other array reads: Orbax raises one
+  `Encountered error while reading array index` per array, the restore reports the first,
+  and asyncio logs each of the rest ('Task exception was never retrieved'), a TensorStore
+  traceback each."""
+
+  def filter(self, record):
+    text = record.getMessage()
+    error = record.exc_info[1] if record.exc_info else None
+    while error is not None and _READ_ERROR not in text:
+      text, error = str(error), error.__cause__ or error.__context__
+    return _READ_ERROR not in text
+
+
+def _quiet_storage_noise() -> None:
+  """Silences the echoes of a failed restore; the failure itself is reported once by
+  `restore`. After it, the storage layer's reads still in flight complete into the
+  restore's closed asyncio loop and each reports 'RuntimeError: Event loop is closed' as an
+  unraisable exception; its other failed reads are logged (see _DropFailedReads)."""
+  for name in ("asyncio", "absl"):
+    logger = logging_std.getLogger(name)
+    if not any(isinstance(f, _DropFailedReads) for f in logger.filters):
+      logger.addFilter(_DropFailedReads())
   if getattr(sys.unraisablehook, "quiet_closed_loop", False):
     return
   previous = sys.unraisablehook
@@ -54,6 +79,8 @@ def _quiet_closed_loop_callbacks() -> None:
   def hook(unraisable):
     value = unraisable.exc_value
     if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    if _READ_ERROR in str(value):
       return
     previous(unraisable)
 
@@ -98,6 +125,65 @@ def run_meta(config, model_config: dict, class_names, num_classes: int) -> dict:
   }
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written (e.g. a full disk); the earlier ones are kept."""
+
+
+def _root_cause(e: BaseException) -> BaseException:
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  return e
+
+
+class CheckpointMismatch(ValueError):
+  """The checkpoint is readable but was written for another configuration: the run refuses
+  to start rather than train over it (the user's error; nothing is moved or deleted)."""
+
+
+# The meta entries a restored train state must agree on (the objective by name: its other
+# settings may change between runs of one state).
+_MATCHED_META = ("model", "num_classes", "class_names", "objective.name")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
+
+
+def meta_differences(saved: dict, current: dict) -> list[str]:
+  """'key: checkpoint X, this run Y' for each _MATCHED_META entry (flattened) that differs."""
+  saved, current = _flat(saved), _flat(current)
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    if not any(key == m or key.startswith(m + ".") for m in _MATCHED_META):
+      continue
+    a, b = saved.get(key, "(unset)"), current.get(key, "(unset)")
+    if a != b:
+      if key == "class_names":
+        a, b = f"{len(a)} names" if isinstance(a, list) else a, (
+            f"{len(b)} names" if isinstance(b, list) else b)
+        if a == b:
+          a, b = "another list", "this dataset's"
+      out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+  return out
+
+
+def _tree_differences(saved_meta, abstract: dict) -> list[str]:
+  """Array paths missing on either side or with another shape, between a saved item's
+  metadata and the state's tree."""
+  saved = {k: tuple(v.shape) for k, v in _paths(saved_meta).items() if hasattr(v, "shape")}
+  ours = {k: tuple(v.shape) for k, v in _paths(abstract).items()}
+  out = [f"{k}: only in the checkpoint" for k in sorted(set(saved) - set(ours))]
+  out += [f"{k}: not in the checkpoint" for k in sorted(set(ours) - set(saved))]
+  out += [f"{k}: shape {saved[k]} in the checkpoint, {ours[k]} in this run"
+          for k in sorted(set(saved) & set(ours)) if saved[k] != ours[k]]
+  return out
+
+
 class Checkpointer:
   """Saves and restores the train state and the data iterator under `directory`; `meta`
   (see run_meta) is written into every checkpoint."""
@@ -106,6 +192,7 @@ class Checkpointer:
                meta: dict | None = None):
     self.directory = os.path.abspath(directory)
     self.meta = meta
+    self._pending = None  # The step of a save that may still be running.
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -133,7 +220,27 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     if self.meta is not None:
       items["meta"] = ocp.args.JsonSave(self.meta)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self.check()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e) from e
+    self._pending = step
+
+  def check(self) -> None:
+    """Raises CheckpointSaveError as soon as the last asynchronous save has failed; cheap
+    (the trainer calls it every step). Nothing while it runs or once it succeeded."""
+    if self._pending is not None and not self.manager.is_saving_in_progress():
+      self.wait()
+
+  def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+    cause = _root_cause(e)
+    kept = [s for s in self.manager.all_steps() if s != step]
+    return CheckpointSaveError(
+        f"saving checkpoint step {step} in {self.directory} failed ({type(cause).__name__}: "
+        f"{cause}); it is not kept, the earlier ones are (latest: "
+        f"{max(kept) if kept else 'none'}). Fix the cause (e.g. free disk space) and re-run "
+        "the same command to resume.")
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
     """Restores the newest readable checkpoint into `state`'s structure and shardings.
@@ -144,8 +251,16 @@ class Checkpointer:
     stream_position.TrainStream (restarted where the checkpoint's stream stood, on any
     topology).
     """
-    _quiet_closed_loop_callbacks()
+    _quiet_storage_noise()
+    attempted = False
     for step in sorted(self.manager.all_steps(), reverse=True):
+      try:  # A readable checkpoint of another configuration is the user's error: refuse.
+        self._check_meta(step)
+      except CheckpointMismatch:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        self._unreadable(step, e)
+        continue
       grain_iter = data_iter
       if isinstance(data_iter, stream_position.TrainStream):
         try:
@@ -155,9 +270,9 @@ class Checkpointer:
           continue
         data_iter.restart(position)  # Outside the try: a refusal here is the caller's error.
         grain_iter = data_iter.iterator if same_topology else None
+      weights = {"params": state["params"], "extra": state["extra"]}
       items = {
-          "params": ocp.args.StandardRestore(
-              _abstract({"params": state["params"], "extra": state["extra"]})),
+          "params": ocp.args.StandardRestore(_abstract(weights)),
           "train": ocp.args.StandardRestore(
               _abstract(_train_item(state))),
       }
@@ -165,9 +280,12 @@ class Checkpointer:
         items["ema"] = ocp.args.StandardRestore(_abstract(state["ema"]))
       if grain_iter is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(grain_iter)
+      attempted = True
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
+        # A tree or shape mismatch is refused, not moved.
+        self._check_tree(step, {"params": weights, "train": _train_item(state)})
         self._unreadable(step, e)
         continue
       restored = {**out["params"], **out["train"]}
@@ -176,8 +294,46 @@ class Checkpointer:
       logging.info("Restored checkpoint %s/%d", self.directory, step)
       return restored, step
     if isinstance(data_iter, stream_position.TrainStream):
-      data_iter.restart(stream_position.Position())
+      # From the beginning, and rebuilt: a failed restore may have set the iterator's state.
+      data_iter.restart(stream_position.Position(), rebuild=attempted)
     return None
+
+  def _refuse(self, step: int, differences: list[str]) -> None:
+    shown = differences[:8] + ([f"... {len(differences) - 8} more"] if len(differences) > 8
+                               else [])
+    raise CheckpointMismatch(
+        f"checkpoint step {step} in {self.directory} was written for another configuration "
+        f"({'; '.join(shown)}). Nothing was changed. Re-run with the checkpoint's settings, "
+        "use another --workdir, or start a new run from its weights with "
+        "--config.model_init=<this workdir>.")
+
+  def _check_meta(self, step: int) -> None:
+    """Raises CheckpointMismatch if the checkpoint's 'meta' names another model, class list
+    or objective than this run's; any other error means the checkpoint is unreadable."""
+    if self.meta is None or not _has_item(self.directory, step, "meta"):
+      return
+    saved = self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    differences = meta_differences(saved, self.meta)
+    if differences:
+      self._refuse(step, differences)
+
+  def _check_tree(self, step: int, items: dict) -> None:
+    """Raises CheckpointMismatch if the tree or shapes of a saved item ('params': weights,
+    'train': optimizer state) differ from this run's `items` (a checkpoint without 'meta',
+    or a change meta does not show, e.g. another optimizer). Unreadable metadata is left to
+    the caller (corruption)."""
+    differences = []
+    for name, tree in items.items():
+      try:
+        saved = _item_metadata(self.directory, step, name)
+      except Exception:  # pylint: disable=broad-except
+        continue
+      if not any(hasattr(v, "shape") for v in _paths(saved).values()):
+        continue  # Orbax returns an empty tree when the metadata itself is unreadable.
+      differences += [f"{name}: {d}" for d in _tree_differences(saved, tree)]
+    if differences:
+      self._refuse(step, differences)
 
   def _data_plan(self, step: int, stream: stream_position.TrainStream
                  ) -> tuple[stream_position.Position, bool]:
@@ -222,18 +378,27 @@ class Checkpointer:
     self._move_aside(step)
 
   def _move_aside(self, step: int) -> None:
-    """Keeps a corrupt checkpoint for inspection, out of the manager's way."""
+    """Keeps a corrupt checkpoint for inspection, out of the manager's way; an earlier copy
+    of the same step there is kept too (the new one gets a '.N' suffix)."""
     if jax.process_index() == 0:
       src = os.path.join(self.directory, str(step))
       dst = os.path.join(self.directory + "_corrupt", str(step))
+      n = 1
+      while os.path.exists(dst):
+        dst, n = os.path.join(self.directory + "_corrupt", f"{step}.{n}"), n + 1
       if os.path.exists(src):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.rmtree(dst, ignore_errors=True)
         shutil.move(src, dst)
     self.manager.reload()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the last save; raises CheckpointSaveError if it failed."""
+    step, self._pending = self._pending, None
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e) from e
 
   def close(self) -> None:
     self.manager.close()

@@ -20,6 +20,8 @@ from bigpretrain import model_init
 from bigpretrain import optim
 from bigpretrain import registry
 from bigpretrain.sharding import MESH_AXES
+from input_pipeline import datasets
+from input_pipeline import pipeline
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
@@ -220,6 +222,9 @@ def _check_values(config: Mapping[str, Any]) -> None:
   goodput.parse_profile_steps(config.profile_steps)
   if not isinstance(config.data.dir, str):
     raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
+  # The data settings, with the other keys: before any dataset is opened or model compiled.
+  pipeline.check_data_config(config.data)
+  datasets.parse_mix(config.data.get('mix', ''))
   sizes = [config.mesh[a] for a in MESH_AXES]
   for axis, size in zip(MESH_AXES, sizes):
     if not _is_int(size) or (size < 1 and size != -1):

@@ -1,6 +1,7 @@
 """Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
 import logging as std_logging
 import os
+import re
 import sys
 import tempfile
 
@@ -19,6 +20,30 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config"])
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad --config.KEY override (ml_collections raises
+  AttributeError/KeyError/TypeError through three chained tracebacks) reported in one
+  line: its message, which names the key and suggests the closest one."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"ERROR: {e}\nPass --help for the flags.", file=sys.stderr, flush=True)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    text = str(e).replace("\\'", "'").replace("\\n", " ")
+    hint = re.search(r'Did you mean "[^"]+" instead of "([^"]+)"\?', text)
+    name = re.search(r"'([\w-]+)'", text)
+    bad = hint.group(1) if hint else name.group(1) if name else ""
+    given = next((a.split("=")[0] for a in argv if a.startswith("--config.") and
+                  bad in a.split("=")[0].split(".")), "") if bad else ""
+    if bad and isinstance(e, (AttributeError, KeyError)):
+      print(f"ERROR: unknown config key {given or bad}. {hint.group(0) if hint else ''}".strip(),
+            file=sys.stderr, flush=True)
+    else:
+      print(f"ERROR: bad config override: {type(e).__name__}: {text}", file=sys.stderr,
+            flush=True)
+  sys.exit(2)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -26,8 +51,10 @@ def main(argv):
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
+  from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
   from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  from bigpretrain import workdir_lock  # pylint: disable=import-outside-toplevel
   distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   workdir = _WORKDIR.value
   if not workdir:
@@ -37,12 +64,15 @@ def main(argv):
   logging.get_absl_handler().use_absl_log_file("log", workdir)
   try:
     train.train_and_evaluate(_CONFIG.value, workdir)
-  except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as e:
-    # Configuration and data errors: one clear line, not a traceback through jit.
+  except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
+          workdir_lock.WorkdirLocked, checkpoint.CheckpointSaveError) as e:
+    # Configuration and data errors: one clear line, not a traceback through jit. It
+    # starts on a line of its own (a progress bar may be mid-line on the terminal).
     logging.exception("Run failed")
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    print(f"\nERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

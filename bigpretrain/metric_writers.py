@@ -3,6 +3,7 @@ import json
 import math
 import os
 
+from absl import logging
 import numpy as np
 import tensorboardX
 import tqdm
@@ -16,32 +17,18 @@ def _scalar(value):
 class MetricWriter:
   """Writes one JSON object per logged step to `workdir/metrics.jsonl` and TensorBoard events.
 
-  Only process 0 writes. On resume, rows logged after the restored step are dropped, so the
-  file always reads as one uninterrupted run.
+  Only process 0 writes. The file is only ever appended to: a run resumed from an earlier
+  checkpoint (e.g. after falling back from a corrupt one) logs some steps again after the
+  rows already there; `read_metrics` reads the file as one uninterrupted run.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int | None = None):
+  def __init__(self, workdir: str, *, enabled: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    if os.path.exists(self.path):
-      self._truncate(resume_step or 0)
     self.tb = tensorboardX.SummaryWriter(logdir=workdir, flush_secs=30)
-
-  def _truncate(self, last_step: int) -> None:
-    with open(self.path) as f:
-      rows = [line for line in f if line.strip()]
-    kept = []
-    for line in rows:
-      try:
-        if json.loads(line).get("step", 0) <= last_step:
-          kept.append(line)
-      except json.JSONDecodeError:  # A line torn by a kill mid-write.
-        continue
-    with open(self.path, "w") as f:
-      f.writelines(kept)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
@@ -56,14 +43,33 @@ class MetricWriter:
       f.write(json.dumps(row) + "\n")
 
   def close(self) -> None:
+    """Flushes and closes the TensorBoard file (again: a no-op). A failing flush (e.g. a
+    full disk, already reported by the run) is logged, not raised."""
     if self.enabled:
-      self.tb.close()
+      self.enabled = False
+      try:
+        self.tb.close()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("Closing the TensorBoard writer failed: %s: %s", type(e).__name__, e)
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """Rows of `workdir/metrics.jsonl` (tests, notebooks)."""
+  """Rows of `workdir/metrics.jsonl` as one uninterrupted run (tests, notebooks): where a
+  resumed run logged a step below one already logged, the rows it re-logs (that step and
+  later) replace the earlier ones. A line torn by a kill mid-write is skipped."""
+  rows, top = [], None
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      step = row.get("step", 0)
+      if top is not None and step < top:
+        rows = [r for r in rows if r.get("step", 0) < step]
+      rows.append(row)
+      top = step if top is None else max(top, step)
+  return rows
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

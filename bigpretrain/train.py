@@ -6,6 +6,7 @@ holds non-parameter model state such as BatchNorm statistics), plus 'ema' ({'par
 'extra'}, sharded alike) when config.ema.momentum > 0, created already sharded on a
 ('data', 'fsdp', 'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
 """
+import contextlib
 import dataclasses
 import os
 import time
@@ -21,14 +22,15 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import goodput as goodput_lib
+from bigpretrain import initial_state
 from bigpretrain import metric_writers
-from bigpretrain import model_init
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
 from bigpretrain import preemption as preemption_lib
 from bigpretrain import preprocess
 from bigpretrain import sharding
+from bigpretrain import workdir_lock
 from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline import stream_position
@@ -293,7 +295,13 @@ def make_train_iterator(exp: Experiment, position: stream_position.Position | No
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics."""
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
+  Refuses (workdir_lock.WorkdirLocked) while another run uses `workdir`."""
+  with workdir_lock.WorkdirLock(workdir), contextlib.ExitStack() as cleanup:
+    return _train_and_evaluate(config, workdir, cleanup)
+
+
+def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> dict:
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
@@ -308,43 +316,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
-  if checkpointer.latest_step() is not None:  # Resuming: the schedule must be the same.
-    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
-  restored = checkpointer.restore(state, train_iter)
-  if restored is None and config.resume:
-    with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False)
-    restored = with_resume.restore(state, train_iter)
-    if restored is None:
-      raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
-  if restored is not None:
-    state, start = restored
-    print(f"Resuming from step {start} in {workdir}", flush=True)
-    if "ema" in exp.shardings and "ema" not in state:
-      print("WARNING: the checkpoint has no EMA weights (saved with config.ema off); the EMA "
-            f"starts from the weights of step {start}.", flush=True)
-      state = exp.restart_ema(state)
-  else:
-    start = 0
-    if config.model_init:
-      loaded, fresh, resized = ckpt_lib.init_from(
-          config.model_init, {"params": state["params"], "extra": state["extra"]},
-          skip=config.model_init_skip)
-      state = {**state, **loaded}
-      print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
-            f"resized: {resized or 'nothing'}", flush=True)
-      if config.model_init_head:
-        hook = model_init.HOOKS.get(config.model_init_head)
-        state = {**state, "params": hook(config.model_init, state["params"],
-                                         dataset.info.class_names)}
-      state = exp.restart_ema(state)
+  state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "
           "the EMA weights.", flush=True)
 
-  if is_main:  # What `bigpretrain.predict` and later readers rebuild the model from.
+  if is_main:  # What `bigpretrain.tools.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  writer = metric_writers.MetricWriter(workdir, enabled=is_main, resume_step=start)
+  writer = metric_writers.MetricWriter(workdir, enabled=is_main)
+  cleanup.callback(writer.close)  # Also when the run stops on an error: nothing left to flush.
   step_fn = exp.train_step()
 
   def run_evals(step, state, force=False):
@@ -366,6 +347,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   input_delay = goodput_lib.input_delay()
   compile_s = None  # Logged once, in the first row.
   bar = metric_writers.progress_bar(total_steps, start, enabled=is_main)
+  cleanup.callback(bar.close)  # Before an error line, not redrawn after it at exit.
   results = {}
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with preemption_lib.Preemption() as preemption, jax.set_mesh(mesh):
@@ -389,6 +371,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       log = _every(step, config.log_every_steps, total_steps)
       with timer.blocked():
         stop = preemption.agreed(log)
+      checkpointer.check()  # A failed asynchronous save stops the run now, not at the next.
       with timer.excluded():
         profiler.after_step(step, step_metrics)
       if log or stop:

@@ -27,6 +27,8 @@ from PIL import Image
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
+from input_pipeline import decoding
+
 IMAGE_SIZE = 224
 JPEG_QUALITY = 75
 # How min_images is read (stored with a prepared dataset's parameters, so that one prepared
@@ -54,24 +56,31 @@ class ClassSource:
 
 
 def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
-  """Files of a class as (name, offset, size), sorted by name.
+  """Image files of a class as (name, offset, size), sorted by name.
 
   Folder: regular non-hidden files directly inside, offset = size = -1 (read whole).
   Tar: regular members, name without a leading './', offset/size of the member's data.
+  Files with a non-image extension (decoding.is_non_image) are left out and logged.
   """
   path = epath.Path(source.path)
   if source.kind == "dir":
-    return [(p.name, -1, -1) for p in sorted(path.iterdir(), key=lambda p: p.name)
-            if not p.name.startswith(".") and p.is_file()]
-  if source.kind == "tar":
+    files = [(p.name, -1, -1) for p in sorted(path.iterdir(), key=lambda p: p.name)
+             if not p.name.startswith(".") and p.is_file()]
+  elif source.kind == "tar":
     files = []
     with path.open("rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
       for member in tar:
         if member.isreg():
           name = member.name[2:] if member.name.startswith("./") else member.name
           files.append((name, member.offset_data, member.size))
-    return sorted(files)
-  raise ValueError(f"Unknown class source kind {source.kind!r} for {source.path}.")
+    files.sort()
+  else:
+    raise ValueError(f"Unknown class source kind {source.kind!r} for {source.path}.")
+  ignored = [f[0] for f in files if decoding.is_non_image(f[0])]
+  if ignored:
+    logging.info("Ignoring %d non-image files of %s: %s", len(ignored), source.path,
+                 ignored[:5])
+  return [f for f in files if not decoding.is_non_image(f[0])]
 
 
 def read_file(path: str, offset: int, size: int) -> bytes:
@@ -105,7 +114,7 @@ def squish_jpeg(data: bytes, size: int = IMAGE_SIZE, quality: int = JPEG_QUALITY
     if max(image.size) >= size:
       image.draft("RGB", (size, size))  # JPEG DCT scaling: decodes big images fast.
     image.load()
-    rgb = image.convert("RGB")
+    rgb = decoding.to_rgb(image)
   if max(rgb.size) >= size:
     rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
   out = io.BytesIO()
@@ -118,9 +127,9 @@ def verified_image(data: bytes, quality: int = JPEG_QUALITY) -> bytes:
   re-encoded as RGB JPEG. Raises on undecodable data."""
   with Image.open(io.BytesIO(data)) as image:
     image.load()
-    if image.format in ("JPEG", "PNG"):
+    if image.format in ("JPEG", "PNG"):  # 16-bit PNGs too: decoding.to_rgb scales them.
       return data
-    rgb = image.convert("RGB")
+    rgb = decoding.to_rgb(image)
   out = io.BytesIO()
   rgb.save(out, format="JPEG", quality=quality)
   return out.getvalue()

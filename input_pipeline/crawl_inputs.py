@@ -76,6 +76,15 @@ class Skip:
 
 
 @dataclasses.dataclass(frozen=True)
+class DroppedTag:
+  """A tag left out of a sample that is still read (e.g. not UTF-8): counted apart from the
+  Skips, so that those add up to the samples rejected, each under one reason."""
+  reason: str
+  where: str
+  error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class InputFile:
   path: str
   relpath: str  # Relative to RAW, '/'-separated.
@@ -113,7 +122,7 @@ def split_text(text: str) -> list[str]:
 
 
 def parse_tags(value: Any, where: str) -> tuple[tuple[str, ...], list[Skip]]:
-  """A tag list or text -> (distinct normalised tags, sorted; Skips of non-UTF-8 tags)."""
+  """A tag list or text -> (distinct normalised tags, sorted; DroppedTags of non-UTF-8 tags)."""
   if value is None:
     return (), []
   if isinstance(value, bytes):
@@ -131,7 +140,8 @@ def parse_tags(value: Any, where: str) -> tuple[tuple[str, ...], list[Skip]]:
     try:
       tag.encode("utf-8")
     except UnicodeEncodeError:
-      skips.append(Skip("non_utf8_tag", where, repr(tag.encode("utf-8", "surrogateescape"))))
+      skips.append(DroppedTag("non_utf8_tag", where,
+                              repr(tag.encode("utf-8", "surrogateescape"))))
       continue
     tag = vocabulary.normalise(tag.strip())
     if tag:
@@ -178,6 +188,9 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
     if image is None:
       yield Skip("no_image", where)
       return
+    if "_bad_tags" in parts:  # The sample's tag file: rejected under this one reason.
+      yield Skip("bad_tags", where, parts["_bad_tags"])
+      return
     tags, skips = (), []
     if tag_ext is not None:
       try:
@@ -210,7 +223,7 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
         parts.setdefault(ext, (member.offset_data, member.size))
       elif ext in TAG_EXTENSIONS:
         if member.size > MAX_TAG_BYTES:
-          yield Skip("bad_tags", where, f"tag file of {member.size} bytes")
+          parts["_bad_tags"] = f"tag file {member.name} of {member.size} bytes"
           continue
         parts[ext] = tar.extractfile(member).read()
     yield from finish()

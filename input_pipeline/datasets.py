@@ -36,6 +36,7 @@ other scalar features (e.g. the demo's 'true_label'; 'file_name' as str for the 
 datasets).
 """
 import dataclasses
+import functools
 import pathlib
 import re
 from typing import Any, Mapping
@@ -45,6 +46,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from bigpretrain import registry
+from input_pipeline import decoding
 from input_pipeline import demo
 from input_pipeline import subset
 
@@ -109,13 +111,63 @@ class RecordSource:
     return len(self._source)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    return _clean(self._source[index])
+    try:
+      record = self._source[index]
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._read_error(index, e) from e
+    return _clean(record)
 
   def __getitems__(self, indices) -> list[dict[str, Any]]:
-    return [_clean(r) for r in self._source.__getitems__(indices)]
+    try:
+      records = self._source.__getitems__(indices)
+    except Exception:  # pylint: disable=broad-except
+      return [self[i] for i in indices]  # Raises for the first unreadable record.
+    return [_clean(r) for r in records]
+
+  def _read_error(self, index: int, error: Exception) -> ValueError:
+    """UnreadableShardError when the record's shard cannot be opened at all, else a
+    CorruptRecordError naming the record and its shard."""
+    shard, opened = _shard_of(self._source, index)
+    what = f"{type(error).__name__}: {error}"
+    if shard is not None and not opened:
+      return decoding.UnreadableShardError(
+          f"shard {shard} of split {self.split!r} cannot be read ({what}); restore or "
+          "re-prepare it")
+    where = f" (shard {shard})" if shard else ""
+    return decoding.CorruptRecordError(f"record {index} of split {self.split!r}{where} "
+                                       f"cannot be read: {what}")
 
   def __repr__(self) -> str:
     return f"RecordSource(split={self.split!r}, len={len(self)})"
+
+
+def _shard_of(source, index: int) -> tuple[str | None, bool]:
+  """(the shard file holding record `index`, whether that shard opens: its record index
+  reads) of a tfds ArrayRecord data source; (None, True) where the source does not tell."""
+  inner = getattr(source, "data_source", None)
+  try:
+    reader, _ = inner._reader_idx_and_position(index)  # pylint: disable=protected-access
+    shard = str(inner._read_instructions[reader].filename)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except
+    return None, True
+  return shard, _shard_opens(shard)
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_opens(path: str) -> bool:
+  """False when ArrayRecord cannot read the shard's footer and record index at all (a
+  truncated or overwritten tail): no record of it is readable."""
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  ok = reader.ok()
+  try:
+    reader.close()
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return ok
 
 
 def _clean(record: Mapping[str, Any]) -> dict[str, Any]:

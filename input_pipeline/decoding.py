@@ -4,15 +4,38 @@
 1/8 scale when the caller's output still gets at least its full resolution from it (libjpeg's
 DCT scaling through PIL's `draft`; entropy decoding is not reduced, so the saving is smaller
 than the pixel count suggests). Every failure is a CorruptImageError, which the pipeline
-counts and skips.
+counts and skips. `to_rgb` scales 16-bit images to 8 bits (PIL's convert clips them).
 """
 import io
+import os
 
+import numpy as np
 from PIL import Image, ImageFile
 
 
 class CorruptImageError(ValueError):
   """The bytes are not a decodable image (bad header, truncated or broken data)."""
+
+
+class CorruptRecordError(ValueError):
+  """A stored record cannot be read (e.g. an ArrayRecord chunk whose checksum does not
+  match); the pipeline skips and counts it like a corrupt image."""
+
+
+class UnreadableShardError(ValueError):
+  """A whole shard file cannot be read (e.g. its index is gone): the data is broken, not one
+  record, and the run stops naming the file."""
+
+
+def is_non_image(name: str) -> bool:
+  """True for a file name whose extension no image format PIL reads uses (notes.txt,
+  labels.json, a README.md): such files are ignored, not counted as corrupt images. Names
+  without an extension are tried as images."""
+  suffix = os.path.splitext(name)[1].lower()
+  if not suffix:
+    return False
+  Image.init()
+  return suffix not in Image.registered_extensions()
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -24,6 +47,28 @@ def open_image(data: bytes) -> Image.Image:
     # PIL reports bad data through many types (UnidentifiedImageError, SyntaxError,
     # DecompressionBombError, ...); any of them means the record is unusable.
     raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+
+
+# PIL modes of 16-bit single-channel images (16-bit grey PNGs open as 'I;16'; 'I' is 32-bit).
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+  """An 8-bit RGB image of a decoded one. 16-bit grey ('I;16...', or 'I' holding values in
+  [0, 65535]) keeps each value's high byte, v >> 8, as PIL itself reduces 16-bit RGB PNGs
+  when it opens them; PIL's convert('RGB') would clip these at 255 (a mid-grey 16-bit image
+  turns white). Other 32-bit integer images (values outside 16 bits) are refused with
+  CorruptImageError naming the mode; every other mode goes through PIL's convert."""
+  if image.mode == "RGB":
+    return image
+  if image.mode in SIXTEEN_BIT_MODES + ("I",):
+    values = np.asarray(image).astype(np.int64)
+    if values.size and (values.min() < 0 or values.max() > 0xFFFF):
+      raise CorruptImageError(f"unsupported {image.mode!r} image with values in "
+                              f"[{values.min()}, {values.max()}], not 16-bit")
+    grey = (values >> 8).astype(np.uint8)
+    return Image.fromarray(np.stack([grey] * 3, axis=-1), "RGB")
+  return image.convert("RGB")
 
 
 def is_undecoded(image) -> bool:
@@ -43,7 +88,7 @@ def decode_scaled(image: Image.Image, max_factor: int = 1) -> tuple[Image.Image,
       factor = round(width / drafted[1][2])
   try:
     image.load()
-    return (image if image.mode == "RGB" else image.convert("RGB")), factor
+    return to_rgb(image), factor
   except Exception as e:  # pylint: disable=broad-except
     raise CorruptImageError(f"{type(e).__name__}: {e}") from e
 

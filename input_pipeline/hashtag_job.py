@@ -21,8 +21,10 @@ the layouts, the accepted tag keys and how splits are found). The job:
      Other splits keep every image, labelled or not, so an evaluation split stays whole
      (the soft_target metrics count only labelled images); their labels map through the
      train vocabulary.
-Every skip is counted by reason, with the first SKIP_EXAMPLES places (sorted) as examples, in
-the metadata's "skipped" (and as Beam counters): no error in the data is fatal or silent. An
+Every rejected sample is counted under one reason, with the first SKIP_EXAMPLES places
+(sorted) as examples, in the metadata's "skipped" (and as Beam counters): the counts add up to
+the samples rejected, and no error in the data is fatal or silent. Tags left out of a sample
+that is kept (not UTF-8) are counted apart, in "dropped_tags". An
 empty vocabulary is an error that names min_count.
 
 Output: the tfds dataset `bigpretrain_hashtags/NAME` (ArrayRecord) with features 'image'
@@ -64,6 +66,7 @@ MAX_IMAGE_BYTES = 1 << 26  # 64 MiB; larger files are skipped unread.
 SKIP_EXAMPLES = 20
 LABEL_INDEX = hashtag_source.LABEL_INDEX
 _SKIP = "skip"  # Tag of the skip side outputs.
+_DROPPED = "dropped_tag"  # Tag of the dropped-tag side output.
 SPLIT_ORDER = ("train", "validation", "test")
 
 
@@ -92,12 +95,16 @@ def _skip(reason: str, where: str, error: str = ""):
 
 
 class _Read(beam.DoFn):
-  """InputFile -> Samples; Skips (and unreadable inputs) to the skip output."""
+  """InputFile -> Samples; Skips (and unreadable inputs) to the skip output, DroppedTags
+  (reasons) to the dropped-tag output."""
 
   def process(self, f: crawl_inputs.InputFile):
     try:
       for item in crawl_inputs.read_input(f):
-        if isinstance(item, crawl_inputs.Skip):
+        if isinstance(item, crawl_inputs.DroppedTag):
+          job._counter(f"dropped_tags_{item.reason}").inc()  # pylint: disable=protected-access
+          yield beam.pvalue.TaggedOutput(_DROPPED, item.reason)
+        elif isinstance(item, crawl_inputs.Skip):
           yield _skip(item.reason, item.where, item.error)
         else:
           job._counter("samples_read").inc()  # pylint: disable=protected-access
@@ -231,7 +238,7 @@ def _check_vocabulary(_, counts, min_count: int):
 
 
 def _report(_, path: str, counts, canonical, raw_stats, skip_counts, skip_examples, stats,
-            params: dict[str, Any]):
+            params: dict[str, Any], dropped_tags=()):
   """Writes the report the builder folds into the metadata (vocabulary, stats, skips)."""
   raw = {}
   for tag, label, n in canonical:
@@ -258,6 +265,7 @@ def _report(_, path: str, counts, canonical, raw_stats, skip_counts, skip_exampl
                      if k.startswith("max_labels/")},
       "skipped": dict(sorted(skip_counts)),
       "skipped_examples": {r: sorted(w) for r, w in sorted(skip_examples)},
+      "dropped_tags": dict(sorted(dropped_tags)),
   }
   with epath.Path(path).open("w") as f:
     json.dump(report, f)
@@ -276,7 +284,7 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
   read = (pipeline
           | "Inputs" >> beam.Create(list(plan.inputs))
           | "ReshuffleInputs" >> beam.Reshuffle()
-          | "Read" >> beam.ParDo(_Read()).with_outputs(_SKIP, main="samples"))
+          | "Read" >> beam.ParDo(_Read()).with_outputs(_SKIP, _DROPPED, main="samples"))
   samples = read["samples"]
   tag_counts = (samples
                 | "TrainTags" >> beam.FlatMap(_train_tags)
@@ -314,6 +322,8 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
   skip_counts = skips | "SkipReasons" >> beam.Map(lambda s: (s[0], 1)) | (
       "CountSkips" >> beam.CombinePerKey(sum))
   skip_examples = skips | "SkipExamples" >> beam.combiners.Top.SmallestPerKey(SKIP_EXAMPLES)
+  dropped_tags = read[_DROPPED] | "DroppedReasons" >> beam.Map(lambda r: (r, 1)) | (
+      "CountDropped" >> beam.CombinePerKey(sum))
   raw_stats = [
       _count_stat("distinct_train_tags")(tag_counts),
       _count_stat("kept_train_tags")(
@@ -330,6 +340,7 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
            canonical=beam.pvalue.AsList(canonical), raw_stats=beam.pvalue.AsList(raw_stats),
            skip_counts=beam.pvalue.AsList(skip_counts),
            skip_examples=beam.pvalue.AsList(skip_examples),
+           dropped_tags=beam.pvalue.AsList(dropped_tags),
            stats=beam.pvalue.AsList(examples["stats"]), params=params))
   return splits
 
@@ -484,5 +495,6 @@ def summary(builder) -> str:
       f" most frequent: {[(v['label'], v['images']) for v in top]}",
       f"  head/tail at {head_tail['tail_threshold']} images: {head_tail}",
       f"  skipped (by reason): {meta['skipped']}",
+      f"  tags dropped (by reason): {meta.get('dropped_tags', {})}",
       f"  full report: {builder.data_dir}/metadata.json",
   ])

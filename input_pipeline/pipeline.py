@@ -51,6 +51,8 @@ from input_pipeline import stream_position
 
 # A corrupt record travels to the skip step as {_CORRUPT: source_index}.
 _CORRUPT = "_corrupt_index"
+# A record the source could not read travels to the decode step as {_UNREADABLE: message}.
+_UNREADABLE = "_unreadable_record"
 # This many corrupt records in a row means the data is broken, not a few bad files.
 _MAX_CONSECUTIVE_CORRUPT = 10_000
 
@@ -140,6 +142,12 @@ def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Setti
       repeated_augment=int(cfg["repeated_augment"]))
 
 
+def check_data_config(data_cfg) -> None:
+  """Raises ValueError naming the first bad data.* setting this module reads; cheap, for
+  validating a config before any data is opened."""
+  _settings(data_cfg)
+
+
 def _per_host_batch(global_batch_size: int, process_index: int, process_count: int) -> int:
   """Checks the batch/host arguments and returns the per-host batch size."""
   if not _is_int(process_count) or process_count < 1:
@@ -166,14 +174,36 @@ def decode_image(data: bytes) -> np.ndarray:
 
 
 def _corrupt(index, error: Exception, fail: bool) -> None:
-  """Raises for a corrupt image when `fail`, else logs it (the caller skips the record)."""
+  """Raises for a corrupt image or unreadable record when `fail`, else logs it (the caller
+  skips the record)."""
+  what = "unreadable" if isinstance(error, decoding.CorruptRecordError) else "corrupt image in"
   if fail:
-    raise ValueError(f"corrupt image in record {index}: {error}") from error
-  logging.log_every_n_seconds(logging.WARNING, "Skipping corrupt image in record %s: %s",
-                              10, index, error)
+    raise ValueError(f"{what} record {index}: {error}") from error
+  logging.log_every_n_seconds(logging.WARNING, "Skipping %s record %s: %s", 10, what, index,
+                              error)
+
+
+class _ReadGuard:
+  """source[i], or {_UNREADABLE: message} for a record the source cannot read
+  (decoding.CorruptRecordError, e.g. a broken ArrayRecord chunk): the decode step then skips
+  and counts it like a corrupt image. A shard unreadable as a whole still raises."""
+
+  def __init__(self, source):
+    self._source = source
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index):
+    try:
+      return self._source[index]
+    except decoding.CorruptRecordError as e:
+      return {_UNREADABLE: str(e)}
 
 
 def _image_bytes(record: Mapping[str, Any], index) -> bytes:
+  if _UNREADABLE in record:
+    raise decoding.CorruptRecordError(record[_UNREADABLE])
   if "image" not in record:
     raise KeyError(f"record {index} has no 'image' key (keys: {sorted(record)})")
   return record["image"]
@@ -258,7 +288,7 @@ class _TrainDecode(grain.transforms.RandomMap):
         image = decoding.decode(image)
       # The first op decodes a single copy (JPEGs at a reduced scale where it allows).
       copies = [self._augment(image, rng, index) for _ in range(self._s.repeated_augment)]
-    except decoding.CorruptImageError as e:
+    except (decoding.CorruptImageError, decoding.CorruptRecordError) as e:
       _corrupt(index, e, self._s.fail_on_corrupt)
       return {_CORRUPT: index}
     out = copies[0] if len(copies) == 1 else np.stack(copies)
@@ -495,6 +525,7 @@ def mixed_train_iterator(sources: Sequence, weights: Sequence[float], data_cfg, 
                               process_index=process_index, process_count=process_count,
                               fields=fields, position=position)
   samplers = [_host_sampler(src, int(seed), process_index, process_count) for src in sources]
+  sources = [_ReadGuard(src) for src in sources]
   if any(s is not None for s in samplers):
     if len(sources) > 1:
       raise ValueError("a source with its own index sampler cannot be mixed with other "
@@ -540,7 +571,7 @@ class _EvalDecode(grain.transforms.Map):
       try:  # The resize decodes (JPEGs at a reduced scale where it allows).
         image = decoding.open_image(_image_bytes(record, index))
         image = np.asarray(augment_spec.EVAL_RESIZES[self._s.eval_resize](image, size))
-      except decoding.CorruptImageError as e:
+      except (decoding.CorruptImageError, decoding.CorruptRecordError) as e:
         _corrupt(index, e, self._s.fail_on_corrupt)
         image = None
     if image is None:
@@ -575,7 +606,7 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
   per_host = _per_host_batch(global_batch_size, process_index, process_count)
   num_rows = num_eval_batches(len(source), global_batch_size) * per_host
   ds = grain.MapDataset.source(
-      _PaddedHostSource(source, process_index, process_count, num_rows))
+      _PaddedHostSource(_ReadGuard(source), process_index, process_count, num_rows))
   ds = ds.map(_EvalDecode(settings, _check_fields(fields)))
   finish = _FinishEvalBatch()
   if settings.num_workers == 0:

@@ -126,8 +126,10 @@ class TrainStream:
     self.position = position
     self.iterator = make(position)
 
-  def restart(self, position: Position) -> None:
-    if position != self.position:
+  def restart(self, position: Position, rebuild: bool = False) -> None:
+    """Continues from `position`; the iterator is rebuilt when the position changes or with
+    `rebuild` (e.g. after a failed checkpoint restore may have set its state)."""
+    if rebuild or position != self.position:
       self.iterator = self._make(position)
       self.position = position
 

@@ -142,7 +142,13 @@ def test_vocabulary_and_counts_by_hand(crawl):
   assert meta["max_lengths"] == {"hashtag_ids": 2}
   assert meta["skipped"] == {"bad_manifest_row": 1, "corrupt_image": 1,
                              "decompression_bomb": 1, "missing_image": 1, "no_label": 1,
-                             "non_utf8_tag": 1, "unsafe_tar_member": 2}
+                             "unsafe_tar_member": 2}
+  assert meta["dropped_tags"] == {"non_utf8_tag": 1}  # 005's bad tag; 005 itself is kept.
+  # Each rejected sample under one reason: written + skipped = the 17 samples of the crawl
+  # (tar: 8 keys and 2 unsafe members; manifest: 4 lines; parquet: 1; validation: 2).
+  written = sum(s.num_examples for s in crawl["dataset"].builder.info.splits.values())
+  assert written == len(crawl["kept"]) == 10
+  assert written + sum(meta["skipped"].values()) == 17
   assert meta["skipped_examples"]["unsafe_tar_member"] == ["train/00000.tar/../evil.jpg",
                                                            "train/00000.tar//abs.json"]
   assert meta["skipped_examples"]["decompression_bomb"] == ["train/00000.tar/004"]
@@ -231,3 +237,18 @@ def test_tag_parsing_and_member_names():
   for bad in ("../x.jpg", "/x.jpg", "a/../../x.jpg", "C:x.jpg", "\\x.jpg"):
     assert crawl_inputs.unsafe_member_name(bad), bad
   assert not crawl_inputs.unsafe_member_name("dir/x..y.jpg")
+
+
+def test_a_sample_with_an_oversized_tag_file_is_rejected_under_one_reason(tmp_path,
+                                                                          monkeypatch):
+  monkeypatch.setattr(crawl_inputs, "MAX_TAG_BYTES", 100)
+  with tarfile.open(tmp_path / "s.tar", "w") as tar:
+    _add(tar, "a.jpg", _jpeg(0))
+    _add(tar, "a.txt", b"#dog " * 50)  # 250 bytes: over the (patched) limit.
+    _add(tar, "b.jpg", _jpeg(1))
+    _add(tar, "b.txt", b"#dog #\xffbad")  # A non-UTF-8 tag: dropped, the sample kept.
+  items = list(crawl_inputs.read_tar(crawl_inputs.InputFile(str(tmp_path / "s.tar"), "s.tar",
+                                                            "train")))
+  assert [(type(i).__name__, i.reason if hasattr(i, "reason") else i.name) for i in items] == [
+      ("Skip", "bad_tags"), ("DroppedTag", "non_utf8_tag"), ("Sample", "s.tar/b")]
+  assert items[2].tags == ("dog",)

@@ -95,8 +95,33 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
   assert out.count(f"checkpoint step {latest} ") == 1 and "is unreadable" in out
   assert "Traceback" not in out  # One warning, not the failed restore's async noise.
   assert (tmp_path / "checkpoints_corrupt" / str(latest)).exists()  # Kept, not deleted.
+  # Appended to, never truncated: the first run's rows are all still there.
+  assert (tmp_path / "metrics.jsonl").read_bytes().startswith(
+      (ref_dir / "metrics.jsonl").read_bytes())
   got = _losses(tmp_path)
   for step in range(1, 11):  # Steps after the fallback are recomputed identically.
+    assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
+
+
+def test_fresh_start_after_a_failed_restore_is_a_fresh_run(reference, tmp_path):
+  _, ref = reference
+  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=3, ckpt_every_steps=3))
+  assert r.returncode == 0, r.stderr[-3000:]
+  (only,) = [p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+  for root, _, files in os.walk(tmp_path / "checkpoints" / only / "params"):
+    if os.path.basename(root) == "d":
+      for f in files:
+        path = os.path.join(root, f)
+        with open(path, "r+b") as fh:
+          fh.truncate(os.path.getsize(path) // 2)
+  # Its one checkpoint unreadable, the run starts over: the data stream from its beginning
+  # too (not where the failed restore left the iterator).
+  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3,
+                                         allow_schedule_change=True))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "is unreadable" in r.stdout and "Resuming" not in r.stdout
+  got = _losses(tmp_path)
+  for step in range(1, 11):
     assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
 
 

@@ -1,0 +1,61 @@
+"""Where a run's first train state comes from, decided in one place.
+
+The order: (1) resume from the newest readable checkpoint in the workdir (a re-run of the
+same command); else (2) resume from `config.resume` (another run's checkpoints: the whole
+train state and data position); else (3) initialise the weights from `config.model_init`
+(fine-tuning: weights only, the optimizer and step start fresh; `config.model_init_head`
+may then initialise the head); else (4) the scratch initialisation. A checkpoint written for
+another configuration stops the run (checkpoint.CheckpointMismatch) at (1) or (2).
+
+The EMA of the weights (config.ema) restarts from the starting weights unless the restored
+checkpoint carried its own EMA.
+"""
+import os
+
+from bigpretrain import checkpoint as ckpt_lib
+from bigpretrain import config_lib
+from bigpretrain import model_init
+
+
+def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointer,
+                    workdir: str) -> tuple[dict, int]:
+  """(the state to train from, its step). `exp`: the train.Experiment; `state`: its fresh
+  initialisation; `stream`: the stream_position.TrainStream, restarted where the restored
+  checkpoint's data stream stood (at the beginning otherwise)."""
+  config = exp.config
+  if checkpointer.latest_step() is not None:  # Resuming: the schedule must be the same.
+    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
+  source, restored = "workdir", checkpointer.restore(state, stream)
+  if restored is None and config.resume:
+    source = "resume"
+    with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False,
+                                        meta=checkpointer.meta)
+    restored = with_resume.restore(state, stream)
+    with_resume.close()
+    if restored is None:
+      raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
+  start = 0
+  if restored is not None:
+    state, start = restored
+    print(f"Resuming from step {start} in {workdir}", flush=True)
+  elif config.model_init:
+    source = "model_init"
+    loaded, fresh, resized = ckpt_lib.init_from(
+        config.model_init, {"params": state["params"], "extra": state["extra"]},
+        skip=config.model_init_skip)
+    state = {**state, **loaded}
+    print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
+          f"resized: {resized or 'nothing'}", flush=True)
+    if config.model_init_head:  # A registered hook, e.g. SWAG's zero-shot head.
+      hook = model_init.HOOKS.get(config.model_init_head)
+      state = {**state, "params": hook(config.model_init, state["params"],
+                                       exp.dataset.info.class_names)}
+  else:
+    source = "scratch"  # init_state already set the EMA to the initial weights.
+
+  if "ema" in exp.shardings and (source == "model_init" or "ema" not in state):
+    if restored is not None:
+      print("WARNING: the checkpoint has no EMA weights (saved with config.ema off); the EMA "
+            f"starts from the weights of step {start}.", flush=True)
+    state = exp.restart_ema(state)
+  return state, start

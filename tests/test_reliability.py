@@ -1,0 +1,450 @@
+"""Nothing lost, nothing silently wrong: a re-run with another config, two runs on one
+workdir, corrupt checkpoints and records, 16-bit images, and how faults are reported."""
+import io
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+import pytest
+
+from bigpretrain import checkpoint
+from bigpretrain import metric_writers
+from bigpretrain import workdir_lock
+from tests import helpers
+
+
+def _tree(folder) -> dict:
+  """{relative path: bytes} of every file under `folder`."""
+  folder = pathlib.Path(folder)
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+          if p.is_file()}
+
+
+def _truncate_arrays(step_dir) -> None:
+  """Halves every array data file of the step's 'params' item (an interrupted copy)."""
+  for root, _, files in os.walk(os.path.join(step_dir, "params")):
+    if os.path.basename(root) == "d":
+      for f in files:
+        path = os.path.join(root, f)
+        data = pathlib.Path(path).read_bytes()
+        pathlib.Path(path).write_bytes(data[:len(data) // 2])
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints of another configuration are refused; nothing a user trained is deleted.
+
+
+def test_rerun_with_another_model_is_refused_and_loses_nothing(tmp_path):
+  args = helpers.main_args(tmp_path, total_steps=4, ckpt_every_steps=2)
+  r = helpers.run_main(args)
+  assert r.returncode == 0, r.stderr[-3000:]
+  before = _tree(tmp_path / "checkpoints")
+  rows_before = (tmp_path / "metrics.jsonl").read_bytes()
+  assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == ["2", "4"]
+
+  # The same command without --config.model.name=vit_demo: the recipe's default model.
+  other = [a for a in args if not a.startswith("--config.model.name=")]
+  r = helpers.run_main(other)
+  assert r.returncode != 0
+  err = r.stderr.strip().splitlines()[-1]
+  assert err.startswith("ERROR: checkpoint step 4 ") and "another configuration" in err
+  assert "model.name: checkpoint 'vit_demo', this run 'regnety_demo'" in err
+  assert "Traceback" not in r.stderr
+  assert _tree(tmp_path / "checkpoints") == before  # Every checkpoint, byte for byte.
+  assert not (tmp_path / "checkpoints_corrupt").exists()
+  assert (tmp_path / "metrics.jsonl").read_bytes() == rows_before
+  assert not (tmp_path / ".lock").exists()  # Released on the refusal.
+
+  # The original command, longer: resumes from step 4 and appends to metrics.jsonl.
+  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=6, ckpt_every_steps=2,
+                                         allow_schedule_change=True))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Resuming from step 4" in r.stdout
+  assert (tmp_path / "metrics.jsonl").read_bytes().startswith(rows_before)
+  steps = [row["step"] for row in metric_writers.read_metrics(str(tmp_path)) if "train/loss" in row]
+  assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def _state(head_classes: int, value: float = 1.0) -> dict:
+  return {"step": jnp.zeros((), jnp.int32), "opt_state": {},
+          "skipped_records": jnp.zeros((), jnp.int32),
+          "params": {"head": {"kernel": jnp.full((4, head_classes), value)},
+                     "body": {"w": jnp.full((3,), value)}},
+          "extra": {}}
+
+
+def test_shape_mismatch_without_meta_is_refused_not_moved(tmp_path):
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  saver.save(5, _state(head_classes=10))
+  saver.close()
+  before = _tree(tmp_path / "ckpt")
+  reader = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  with pytest.raises(checkpoint.CheckpointMismatch, match=r"params: params/head/kernel: "
+                     r"shape \(4, 10\) in the checkpoint, \(4, 3\) in this run"):
+    reader.restore(_state(head_classes=3))
+  reader.close()
+  assert _tree(tmp_path / "ckpt") == before
+  assert not (tmp_path / "ckpt_corrupt").exists()
+
+
+def test_meta_differences_name_the_keys():
+  saved = {"model": {"name": "vit_demo", "depth": 2}, "num_classes": 10,
+           "class_names": ["a", "b"], "objective": {"name": "softmax", "smoothing": 0.1},
+           "dataset": "demo"}
+  same = {**saved, "objective": {"name": "softmax", "smoothing": 0.2}, "dataset": "other"}
+  assert checkpoint.meta_differences(saved, same) == []  # Objective settings may change.
+  other = {**saved, "model": {"name": "regnety_demo"}, "class_names": ["a", "c"]}
+  assert checkpoint.meta_differences(saved, other) == [
+      "class_names: checkpoint 'another list', this run \"this dataset's\"",
+      "model.depth: checkpoint 2, this run '(unset)'",
+      "model.name: checkpoint 'vit_demo', this run 'regnety_demo'"]
+
+
+def test_corrupt_copies_of_one_step_are_all_kept(tmp_path):
+  directory = tmp_path / "ckpt"
+  for value in (1.0, 2.0):  # The same step corrupted twice (e.g. two failed copies).
+    saver = checkpoint.Checkpointer(str(directory), async_save=False)
+    saver.save(5, _state(head_classes=3, value=value))
+    saver.close()
+    _truncate_arrays(directory / "5")
+    reader = checkpoint.Checkpointer(str(directory), async_save=False)
+    assert reader.restore(_state(head_classes=3)) is None
+    reader.close()
+  kept = sorted(os.listdir(tmp_path / "ckpt_corrupt"))
+  assert kept == ["5", "5.1"]
+  assert not (directory / "5").exists()
+
+
+def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
+  rows = [{"step": s, "train/loss": float(s)} for s in (1, 2, 3)]
+  rows += [{"step": 3, "eval/top1": 0.5}]
+  rows += [{"step": s, "train/loss": 10.0 + s} for s in (2, 3, 4)]  # Resumed from step 1.
+  (tmp_path / "metrics.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "tr')  # A torn last line.
+  got = metric_writers.read_metrics(str(tmp_path))
+  assert [(r["step"], r["train/loss"]) for r in got] == [(1, 1.0), (2, 12.0), (3, 13.0),
+                                                         (4, 14.0)]
+
+
+# ------------------------------------------------------------------------------------------
+# One run per workdir.
+
+
+def test_second_run_on_a_workdir_refuses_and_a_killed_run_does_not_block(tmp_path):
+  first = helpers.popen_main(helpers.main_args(tmp_path, total_steps=100000))
+  try:
+    deadline = time.time() + 300
+    while not (tmp_path / "metrics.jsonl").exists():
+      assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
+      time.sleep(0.2)
+    owner = json.loads((tmp_path / ".lock").read_text())
+    assert owner["pid"] == first.pid and owner["host"] == socket.gethostname()
+    second = helpers.run_main(helpers.main_args(tmp_path, total_steps=2), timeout=300)
+    assert second.returncode != 0
+    err = second.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"ERROR: workdir {tmp_path} is in use by another run") and (
+        f"pid {first.pid}" in err)
+    assert first.poll() is None  # The first run goes on.
+    assert len(list(tmp_path.glob("events.out.tfevents*"))) == 1
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+  assert (tmp_path / ".lock").exists()  # SIGKILL leaves the file behind...
+  third = helpers.run_main(helpers.main_args(tmp_path, total_steps=2))
+  assert third.returncode == 0, third.stderr[-3000:]  # ...which does not block.
+  assert f"taking over the lock {tmp_path / '.lock'} left by host" in third.stdout
+  assert not (tmp_path / ".lock").exists()
+
+
+def test_lock_staleness_rules(tmp_path, monkeypatch):
+  path = tmp_path / workdir_lock.LOCK_NAME
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+
+  def owner(host, pid):
+    path.write_text(json.dumps({"host": host, "pid": pid, "job": "", "started": "x"}))
+
+  owner(socket.gethostname(), dead.pid)  # This host, process gone: taken over.
+  with workdir_lock.WorkdirLock(str(tmp_path)):
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+  assert not path.exists()
+
+  owner("another-host", 1)  # Another host, fresh heartbeat: refused.
+  with pytest.raises(workdir_lock.WorkdirLocked, match="in use by another run"):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      pass
+  old = time.time() - workdir_lock.STALE_S - 10  # Another host, no heartbeat: taken over.
+  os.utime(path, (old, old))
+  with workdir_lock.WorkdirLock(str(tmp_path)):
+    assert json.loads(path.read_text())["host"] == socket.gethostname()
+
+  owner(socket.gethostname(), os.getpid())  # A live process of this host: refused.
+  with pytest.raises(workdir_lock.WorkdirLocked):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      pass
+
+  monkeypatch.setattr(workdir_lock, "HEARTBEAT_S", 0.05)
+  path.unlink()
+  with workdir_lock.WorkdirLock(str(tmp_path)):
+    os.utime(path, (old, old))
+    time.sleep(0.5)
+    assert time.time() - path.stat().st_mtime < 5  # The holder's heartbeat refreshed it.
+
+
+# ------------------------------------------------------------------------------------------
+# Data: unreadable records are skipped and counted; 16-bit PNGs; non-image files.
+
+
+def _png16(values: np.ndarray) -> bytes:
+  """A 16-bit PNG (grey [H, W] or RGB [H, W, 3] uint16), encoded here by the PNG spec,
+  not by PIL."""
+  import struct  # pylint: disable=import-outside-toplevel
+  import zlib  # pylint: disable=import-outside-toplevel
+  height, width = values.shape[:2]
+  color = 0 if values.ndim == 2 else 2
+  rows = values.astype(">u2").reshape(height, -1).tobytes()
+  stride = len(rows) // height
+  raw = b"".join(b"\x00" + rows[i * stride:(i + 1) * stride] for i in range(height))
+
+  def chunk(kind, data):
+    return (struct.pack(">I", len(data)) + kind + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+  header = struct.pack(">IIBBBBB", width, height, 16, color, 0, 0, 0)
+  return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+          + chunk(b"IEND", b""))
+
+
+def _gradients():
+  """16-bit grey and RGB gradients over the whole 16-bit range."""
+  ramp = np.linspace(0, 65535, 24 * 32).astype(np.uint16).reshape(24, 32)
+  rgb = np.stack([ramp, ramp[::-1], np.full_like(ramp, 30000)], axis=-1)
+  return ramp, rgb
+
+
+def test_16bit_pngs_are_scaled_to_8_bits():
+  from input_pipeline import beam_images  # pylint: disable=import-outside-toplevel
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  grey, rgb = _gradients()
+  want_grey = np.repeat((grey // 256).astype(np.uint8)[..., None], 3, axis=-1)
+  want_rgb = (rgb // 256).astype(np.uint8)
+  for values, want in ((grey, want_grey), (rgb, want_rgb)):
+    data = _png16(values)
+    got = pipeline.decode_image(data)  # The train/eval pipelines and predict decode so.
+    np.testing.assert_array_equal(got, want)
+    # The folder and ImageNet-21K-P jobs' squish (JPEG, lossy): the same picture.
+    squished = np.asarray(Image.open(io.BytesIO(beam_images.squish_jpeg(data, size=16))))
+    assert abs(squished.mean() - want.mean()) < 3.0, (squished.mean(), want.mean())
+  assert abs(want_grey.mean() - 127.5) < 1  # What clipping at 255 turned into ~254.
+
+
+@pytest.fixture(scope="module")
+def folder_dataset(tmp_path_factory):
+  """A prepared ImageFolder dataset of 40 small PNGs in two classes (with a 16-bit PNG and
+  a notes.txt among them)."""
+  from input_pipeline import image_folder  # pylint: disable=import-outside-toplevel
+  raw = tmp_path_factory.mktemp("raw")
+  rng = np.random.default_rng(0)
+  for c in ("cat_a", "cat_b"):
+    (raw / c).mkdir()
+    for i in range(20):
+      buf = io.BytesIO()
+      Image.fromarray(rng.integers(0, 255, (12, 12, 3), np.uint8)).save(buf, format="PNG")
+      (raw / c / f"{i:02d}.png").write_bytes(buf.getvalue())
+  (raw / "cat_a" / "20_deep.png").write_bytes(_png16(_gradients()[0]))
+  (raw / "cat_a" / "notes.txt").write_text("where these came from")
+  out = tmp_path_factory.mktemp("prepared")
+  builder = image_folder.prepare(raw, out, "toy")
+  return raw, out, builder
+
+
+def test_folder_job_ignores_non_image_files_and_keeps_16bit_pngs(folder_dataset):
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
+  from input_pipeline import imagenet21k_p  # pylint: disable=import-outside-toplevel
+  raw, out, builder = folder_dataset
+  meta = imagenet21k_p.report(builder)
+  assert meta["corrupt_files"] == []  # notes.txt is not a corrupt image...
+  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(out)})
+  assert ds.info.num_examples == {"train": 41}  # ...nor an example.
+  assert decoding.is_non_image("a/notes.TXT") and not decoding.is_non_image("x.JPEG")
+  source = ds.source("train")
+  deep = next(source[i] for i in range(len(source)) if source[i]["file_name"].endswith("deep.png"))
+  want = np.repeat((_gradients()[0] // 256).astype(np.uint8)[..., None], 3, axis=-1)
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  np.testing.assert_array_equal(pipeline.decode_image(deep["image"]), want)
+
+
+def _shard(out) -> pathlib.Path:
+  (shard,) = pathlib.Path(out).rglob("*-train.array_record-*")
+  return shard
+
+
+def _unreadable_positions(shard) -> list[int]:
+  """Records the ArrayRecord reader itself cannot read (independent of the pipeline)."""
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  reader = array_record_module.ArrayRecordReader(str(shard))
+  bad = []
+  for i in range(reader.num_records()):
+    try:
+      reader.read([i])
+    except Exception:  # pylint: disable=broad-except
+      bad.append(i)
+  return bad
+
+
+def test_an_unreadable_record_is_skipped_and_counted(folder_dataset, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  _, out, _ = folder_dataset
+  shutil.copytree(out, tmp_path / "data")
+  shard = _shard(tmp_path / "data")
+  data = bytearray(shard.read_bytes())
+  at = 5000  # Inside the records (~28 KB; the file is padded to 128 KiB).
+  data[at:at + 64] = bytes(range(64))  # 64 bytes overwritten in one shard.
+  shard.write_bytes(bytes(data))
+  bad = _unreadable_positions(shard)
+  assert 1 <= len(bad) <= 3, bad
+  source = datasets.get_dataset({"name": "folder:toy", "dir": str(tmp_path / "data")}
+                                ).source("train")
+  cfg = {"image_size": 8, "train_augment": "squish"}
+  # Eval reads every record once: the unreadable ones are masked and counted.
+  batches = list(pipeline.eval_iterator(source, cfg, global_batch_size=8, process_index=0,
+                                        process_count=1))
+  assert sum(int(b["_skipped"]) for b in batches) == len(bad)
+  assert sum(float(b["mask"].sum()) for b in batches) == len(source) - len(bad)
+  assert sorted(set(range(len(source))) - {int(i) for b in batches for i in b["index"]
+                                           if i >= 0}) == bad
+  # Training goes on over more than one epoch, counting each unreadable record it meets.
+  it = pipeline.train_iterator(source, cfg, global_batch_size=8, seed=0, process_index=0,
+                               process_count=1)
+  skipped = sum(int(next(it)["_skipped"]) for _ in range(12))  # 96 records: 2+ epochs.
+  assert skipped >= 2 * len(bad)
+
+
+def test_a_shard_unreadable_as_a_whole_is_named(folder_dataset, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  _, out, _ = folder_dataset
+  shutil.copytree(out, tmp_path / "data")
+  shard = _shard(tmp_path / "data")
+  data = shard.read_bytes()
+  shard.write_bytes(data[:len(data) - 200])  # Its footer (the record index) is gone.
+  source = datasets.get_dataset({"name": "folder:toy", "dir": str(tmp_path / "data")}
+                                ).source("train")
+  it = pipeline.train_iterator(source, {"image_size": 8, "train_augment": "squish"},
+                               global_batch_size=8, seed=0,
+                               process_index=0, process_count=1)
+  with pytest.raises(decoding.UnreadableShardError, match=f"shard {shard} of split 'train'"):
+    next(it)
+
+
+# ------------------------------------------------------------------------------------------
+# Faults are reported once, clearly, and when they happen.
+
+
+def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  def full_disk(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=True)
+  saver.save(1, _state(head_classes=3))
+  saver.wait()
+  # Inside the save's background thread, where a write hitting a full disk fails.
+  monkeypatch.setattr(ocp.CheckpointManager, "_finalize_checkpoint", full_disk)
+  saver.save(2, _state(head_classes=3))
+  deadline = time.time() + 60
+  with pytest.raises(checkpoint.CheckpointSaveError) as failure:
+    while time.time() < deadline:  # What the trainer does after every step.
+      saver.check()
+      time.sleep(0.01)
+  message = str(failure.value)
+  assert message.startswith("saving checkpoint step 2 ") and "No space left on device" in message
+  assert "(latest: 1)" in message
+  monkeypatch.undo()
+  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved.
+  saver.close()
+
+
+def test_full_disk_in_the_data_iterator_save_is_one_error_line(tmp_path):
+  # grain's iterator state is written synchronously inside the save; make it hit ENOSPC.
+  code = (
+      "import sys\n"
+      "from grain._src.python.checkpoint import handler\n"
+      "def full(*a, **k):\n"
+      "  raise OSError(28, 'No space left on device')\n"
+      "handler.CheckpointHandler.save = full\n"
+      "from absl import app\n"
+      "from bigpretrain import main\n"
+      "app.run(main.main, argv=['main'] + sys.argv[1:], flags_parser=main.parse_flags)\n")
+  r = subprocess.run(
+      [sys.executable, "-c", code] + helpers.main_args(tmp_path, total_steps=50,
+                                                        ckpt_every_steps=3),
+      env=helpers.env(), cwd=helpers.ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 1
+  lines = r.stderr.strip().splitlines()
+  assert lines[-1].startswith("ERROR: saving checkpoint step 3 ") and (
+      "OSError: [Errno 28] No space left on device" in lines[-1]), r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert max(row["step"] for row in metric_writers.read_metrics(str(tmp_path))) == 3  # Stopped there.
+  assert not [p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+
+
+def test_unknown_config_key_prints_only_the_suggestion(tmp_path):
+  r = helpers.run_main(helpers.main_args(tmp_path) + ["--config.batchsize=3"], timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip() == ('ERROR: unknown config key --config.batchsize. '
+                              'Did you mean "batch_size" instead of "batchsize"?')
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data.eval_resize", "bogus", "data.eval_resize='bogus'"),
+    ("data.train_augment", "flip|nonsense", "nonsense"),
+    ("data.num_workers", -1, "data.num_workers must be an int >= 0"),
+    ("data.mix", "no_weight", "no_weight"),
+])
+def test_data_settings_are_validated_with_the_other_keys(key, value, message):
+  from bigpretrain import config_lib  # pylint: disable=import-outside-toplevel
+  config = helpers.tiny_config(**{key: value})
+  with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+    config_lib.validate(config)  # Before any dataset is opened (train.build_model's first step).
+
+
+def test_corrupt_checkpoint_of_the_default_model_gives_one_warning_line(tmp_path, capfd,
+                                                                          caplog):
+  # The recipe's own model (regnety_demo, many arrays: Orbax reports each failed read).
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  config = helpers.tiny_config()
+  config.model = {"name": "regnety_demo"}
+  exp = train.build(config)
+  state = exp.init_state()
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  for step in (1, 2):
+    saver.save(step, {**state, "step": jnp.asarray(step, jnp.int32)})
+  saver.close()
+  _truncate_arrays(tmp_path / "ckpt" / "2")
+  capfd.readouterr()
+  reader = checkpoint.Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+  restored, step = reader.restore(exp.init_state())
+  reader.close()
+  assert step == 1 and int(restored["step"]) == 1
+  out, err = capfd.readouterr()
+  lines = [l for l in (out + err).splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("WARNING: checkpoint step 2 "), lines[:20]
+  assert "is unreadable" in lines[0]
+  noise = [r for r in caplog.records if "Encountered error" in r.getMessage() or (
+      r.exc_info and "Encountered error" in repr(r.exc_info[1]))]
+  assert not noise
