@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from bigpretrain import console
 from input_pipeline import stream_position
 
 
@@ -365,16 +366,15 @@ class Checkpointer:
                "grain's per-process iterator state cannot be re-split, so the stream continues "
                f"from global record position {position.start} (skipping "
                f"{len(position.consumed)} records already read after it).")
-    logging.warning(message)
-    print(message, flush=True)
+    console.warn(message)
     return position, False
 
   def _unreadable(self, step: int, e: Exception) -> None:
     logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
                  type(e).__name__, e)
-    print(f"WARNING: checkpoint step {step} in {self.directory} is unreadable "
-          f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to the "
-          "previous checkpoint.", flush=True)
+    console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
+                 f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to "
+                 "the previous checkpoint.")
     self._move_aside(step)
 
   def _move_aside(self, step: int) -> None:

@@ -14,6 +14,7 @@ import os
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
+from bigpretrain import console
 from bigpretrain import model_init
 
 
@@ -37,15 +38,15 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   start = 0
   if restored is not None:
     state, start = restored
-    print(f"Resuming from step {start} in {workdir}", flush=True)
+    console.say(f"Resuming from step {start} in {workdir}")
   elif config.model_init:
     source = "model_init"
     loaded, fresh, resized = ckpt_lib.init_from(
         config.model_init, {"params": state["params"], "extra": state["extra"]},
         skip=config.model_init_skip)
     state = {**state, **loaded}
-    print(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
-          f"resized: {resized or 'nothing'}", flush=True)
+    console.say(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
+                f"resized: {resized or 'nothing'}")
     if config.model_init_head:  # A registered hook, e.g. SWAG's zero-shot head.
       hook = model_init.HOOKS.get(config.model_init_head)
       state = {**state, "params": hook(config.model_init, state["params"],
@@ -55,7 +56,7 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
 
   if "ema" in exp.shardings and (source == "model_init" or "ema" not in state):
     if restored is not None:
-      print("WARNING: the checkpoint has no EMA weights (saved with config.ema off); the EMA "
-            f"starts from the weights of step {start}.", flush=True)
+      console.warn("the checkpoint has no EMA weights (saved with config.ema off); the EMA "
+                   f"starts from the weights of step {start}.")
     state = exp.restart_ema(state)
   return state, start

@@ -36,7 +36,6 @@ import hashlib
 import json
 import uuid
 
-from absl import logging
 from etils import epath
 import jax
 import ml_collections
@@ -47,6 +46,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import console
 from bigpretrain import dedup
 from bigpretrain import pool_predictions
 from bigpretrain import train
@@ -84,9 +84,8 @@ def _write_json(path: epath.Path, payload) -> None:
 
 
 def _say(text: str) -> None:
-  logging.info("%s", text)
   if is_main():
-    print(text, flush=True)
+    console.say(text)
 
 
 def stage_config(section, seed: int, data: dict) -> ml_collections.ConfigDict:

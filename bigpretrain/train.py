@@ -20,6 +20,7 @@ import optax
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
+from bigpretrain import console
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain import goodput as goodput_lib
 from bigpretrain import initial_state
@@ -318,8 +319,8 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
                                        keep=config.keep_ckpts, meta=meta)
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
-    print(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators evaluate "
-          "the EMA weights.", flush=True)
+    console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "
+                "evaluate the EMA weights.")
 
   if is_main:  # What `bigpretrain.tools.predict` and later readers rebuild the model from.
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -386,7 +387,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
         profiler.close()
         checkpointer.save(step, state, train_iter)
         checkpointer.wait()
-        print(f"Preempted: saved checkpoint at step {step}; exiting.", flush=True)
+        console.say(f"Preempted: saved checkpoint at step {step}; exiting.")
         writer.close()
         return {}
       save = _every(step, config.ckpt_every_steps, total_steps)
@@ -407,5 +408,5 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
   summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
                      if not k.endswith("num_examples"))
   if is_main:
-    print(f"Final eval at step {total_steps}: {summary}", flush=True)
+    console.say(f"Final eval at step {total_steps}: {summary}")
   return results

@@ -26,6 +26,8 @@ import time
 import jax
 import numpy as np
 
+from bigpretrain import console
+
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
@@ -103,8 +105,8 @@ class WorkdirLock:
                 f"{owner.get('started', '?')}; heartbeat {age_s:.0f} s ago). Use another "
                 f"--workdir, or wait for that run to end. If it is gone, its lock {self.path} "
                 f"is released after {STALE_S:.0f} s without heartbeat, or delete it.")
-      print(f"WARNING: taking over the lock {self.path} left by host "
-            f"{owner.get('host', '?')} pid {owner.get('pid', '?')}: {reason}.", flush=True)
+      console.warn(f"taking over the lock {self.path} left by host "
+                   f"{owner.get('host', '?')} pid {owner.get('pid', '?')}: {reason}.")
       try:
         os.remove(self.path)
       except FileNotFoundError:
