@@ -52,12 +52,14 @@ _READ_ERROR = "Encountered error while reading array index"
 
 class _DropFailedReads(logging_std.Filter):
   """Drops the log records of a failed restore's other array reads: Orbax raises one
-  `Encountered error while reading array index` per array, the restore reports the first,
-  and asyncio logs each of the rest ('Task exception was never retrieved'), a TensorStore
-  traceback each."""
+  `Encountered error while reading array index` (or a TensorStore open error) per array, the
+  restore reports the first, and asyncio logs each of the rest when its task is collected
+  ('Task exception was never retrieved' for an Orbax coroutine), a traceback each."""
 
   def filter(self, record):
     text = record.getMessage()
+    if "Task exception was never retrieved" in text and "orbax" in text:
+      return False
     error = record.exc_info[1] if record.exc_info else None
     while error is not None and _READ_ERROR not in text:
       text, error = str(error), error.__cause__ or error.__context__
