@@ -4,8 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import accelerator
 from tests import helpers
+
+pytestmark = pytest.mark.slow  # Seven small compiles in a subprocess.
 
 
 def test_dry_run_prints_every_figure_and_the_table():

@@ -42,6 +42,7 @@ def _truncate_arrays(step_dir) -> None:
 # Checkpoints of another configuration are refused; nothing a user trained is deleted.
 
 
+@pytest.mark.slow
 def test_rerun_with_another_model_is_refused_and_loses_nothing(tmp_path):
   args = helpers.main_args(tmp_path, total_steps=4, ckpt_every_steps=2)
   r = helpers.run_main(args)
@@ -138,6 +139,7 @@ def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
 # One run per workdir.
 
 
+@pytest.mark.multiprocess
 def test_second_run_on_a_workdir_refuses_and_a_killed_run_does_not_block(tmp_path):
   first = helpers.popen_main(helpers.main_args(tmp_path, total_steps=100000))
   try:
@@ -266,6 +268,7 @@ def folder_dataset(tmp_path_factory):
   return raw, out, builder
 
 
+@pytest.mark.beam
 def test_folder_job_ignores_non_image_files_and_keeps_16bit_pngs(folder_dataset):
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
@@ -301,6 +304,7 @@ def _unreadable_positions(shard) -> list[int]:
   return bad
 
 
+@pytest.mark.beam
 def test_an_unreadable_record_is_skipped_and_counted(folder_dataset, tmp_path):
   import shutil  # pylint: disable=import-outside-toplevel
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
@@ -331,6 +335,7 @@ def test_an_unreadable_record_is_skipped_and_counted(folder_dataset, tmp_path):
   assert skipped >= 2 * len(bad)
 
 
+@pytest.mark.beam
 def test_a_shard_unreadable_as_a_whole_is_named(folder_dataset, tmp_path):
   import shutil  # pylint: disable=import-outside-toplevel
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
@@ -379,6 +384,7 @@ def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, m
   saver.close()
 
 
+@pytest.mark.slow
 def test_full_disk_in_the_data_iterator_save_is_one_error_line(tmp_path):
   # grain's iterator state is written synchronously inside the save; make it hit ENOSPC.
   code = (
@@ -452,6 +458,7 @@ app.run(main)
 """
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_of_the_default_model_gives_one_warning_line(tmp_path):
   # The recipe's own model (regnety_demo, many arrays): Orbax fails each array's read, and
   # asyncio reports the failed tasks, up to the process's exit.
