@@ -282,6 +282,10 @@ def test_cosub_objective_stops_gradients_through_the_teacher(kind):
     def __call__(self, images, *, train=False, rng=None):
       return self.out
 
+    def effective_drop_path_rates(self, batch_size):  # The models.base.Classifier contract.
+      del batch_size
+      return self.drop_path_rates
+
   obj = _objective(kind=kind, num_submodels=2)
   batch = {"image": jnp.zeros((b, 1, 1, 1)), "label": labels}
   grad = np.asarray(jax.grad(lambda l: obj.loss(Fixed(l), batch, None)[0])(logits))
