@@ -41,7 +41,7 @@ _FAMILIES = {
     "resnet": lambda: resnet.ResNet(num_classes=6, rngs=nnx.Rngs(0), stage_sizes=(1, 1),
                                     groups=2, width_per_group=8),
     # The demo RegNetY: grouped convs, SE, projection shortcuts (the model that diverged).
-    "regnet": lambda: regnet.MODELS["regnety_demo"](num_classes=6, rngs=nnx.Rngs(0)),
+    "regnet": lambda: regnet.VARIANTS["regnety_demo"](num_classes=6, rngs=nnx.Rngs(0)),
     "tresnet": lambda: tresnet.TResNet(num_classes=6, rngs=nnx.Rngs(0), stage_sizes=(1, 1, 1, 1),
                                        width_factor=0.125),
     "mobilenet_v3": lambda: _tiny_mobilenet_v3(),
@@ -94,7 +94,7 @@ def _errors(got, want) -> dict[str, float]:
 
 # Grouped and depthwise convolution gradients compile slowly on XLA:CPU: the convnets are slow.
 @pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.slow) if f in ("regnet", "resnet", "tresnet", "mobilenet")
+    pytest.param(f, marks=pytest.mark.slow) if f in ("regnet", "resnet", "tresnet", "mobilenet_v3")
     else f for f in sorted(_FAMILIES)])
 def test_tensor_parallel_mesh_matches_one_device(family):
   graphdef, abstract, params, rest = _random_state(_FAMILIES[family])
