@@ -207,7 +207,6 @@ def _collectives(col: dict) -> str:
 
 
 def render(results: dict) -> str:
-  by_name = {r.name: r for r in RECIPES}
   global_flops = {}
   for r in results.values():
     if "plan" in r and r["plan"]["flops_per_device"]:
@@ -219,7 +218,9 @@ def render(results: dict) -> str:
       "`docs/pod_plans.jsonl`). Each row compiles the recipe's real train step at the paper's",
       "batch with the accelerator's own compiler and no accelerator attached",
       "(`python -m bigpretrain.tools.plan --topology=...`): libtpu for TPU slices, the CUDA",
-      "PJRT plugin with XLA's H100 target description for GPU nodes. Memory is per chip, from",
+      "PJRT plugin with XLA's H100 target description for GPU nodes (GEMMs as cuBLAS calls:",
+      "with no GPU to autotune on, XLA's default Triton GEMM tiling fails on ViT-B's shapes).",
+      "Memory is per chip, from",
       "the compiler's memory analysis (arguments + outputs - aliased + temporaries); margin is",
       "against the chip's HBM (bigpretrain.accelerators). Collectives: counts in the compiled",
       "HLO (AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, CP",

@@ -21,7 +21,7 @@ float32 parameter bytes, whatever the device count), 20 all-gathers, no reduce-s
 15.0 MB of temporaries. libtpu (v5e:2x2) reduce-scatters them: one combined reduce-scatter
 (its AllReduceScatterFusion) of 0.54 MB, the 17 sharded gradients' shards, 4 small
 all-reduces (0.13 MB: replicated biases and norms), 34 all-gathers (each weight gathered
-for the forward and again for the backward, as async start/done pairs), and 17.8 MB of
+for the forward and again for the backward, as async start/done pairs), and 17.9 MB of
 temporaries: at this width its tiled layouts pad dimensions to 128, so tiny models read
 larger on TPU; the CPU gradient all-reduce grows with the model instead. Treat XLA:CPU
 figures as an estimate of an accelerator's; plan with --topology for the real ones.
