@@ -72,7 +72,8 @@ def measure(config, stage: str, batch_size: int, steps: int) -> dict:
   batch_infer = sharding.global_batch(host_infer, exp.mesh)
   params, extra = state["params"], state["extra"]
 
-  infer_step = pool_predictions.make_step(exp.model_def, exp.shardings, exp.mesh, section.data.normalize,
+  infer_step = pool_predictions.make_step(exp.model_def, exp.shardings, exp.mesh,
+                                          section.data.normalize,
                                config.infer.top_p, logits=False)
   rng = jax.random.key(0)
 

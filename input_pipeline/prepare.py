@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Text file, one class name a line: the class list the teacher must "
                     "have.")
   psel.add_argument("--exclude", default=None,
-                    help="Exclusion list (bigpretrain.tools.dedup's exclusions.tsv): its images are "
+                    help="Exclusion list (the dedup command's exclusions.tsv): its images are "
                     "never selected.")
   psel.add_argument("--batch_size", type=int, default=selection_job.BATCH_SIZE,
                     help="Prediction rows read per batch.")

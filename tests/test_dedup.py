@@ -299,7 +299,8 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
 
 def test_command_line_refuses_contradictory_flags(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "bigpretrain.tools.dedup", f"--workdir={tmp_path}", "--pool=demo:unlabeled",
+      [sys.executable, "-m", "bigpretrain.tools.dedup", f"--workdir={tmp_path}",
+       "--pool=demo:unlabeled",
        "--against=demo:validation", "--top_n=5", "--max_distance=0.1", f"--out={tmp_path}"],
       env=helpers.env(), cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1

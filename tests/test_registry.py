@@ -94,7 +94,8 @@ def test_no_import_cycles_and_the_input_pipeline_stays_below_the_trainer():
     if node not in state:
       visit(node, [node])
   assert not cycles
-  lower = {n: sorted(d for d in deps if d.startswith("bigpretrain") and d not in LOWER_LAYER_MAY_USE)
+  lower = {n: sorted(d for d in deps
+                     if d.startswith("bigpretrain") and d not in LOWER_LAYER_MAY_USE)
            for n, deps in graph.items() if n.startswith("input_pipeline")}
   assert not {n: d for n, d in lower.items() if d}
 
