@@ -73,8 +73,8 @@ def measure(config, stage: str, batch_size: int, steps: int) -> dict:
   params, extra = state["params"], state["extra"]
 
   infer_step = pool_predictions.make_step(exp.model_def, exp.shardings, exp.mesh,
-                                          section.data.normalize,
-                               config.infer.top_p, logits=False)
+                                          section.data.normalize, config.infer.top_p,
+                                          logits=False)
   rng = jax.random.key(0)
 
   def forward(params, extra, batch):  # The train step's loss, no gradient.

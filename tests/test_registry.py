@@ -4,7 +4,6 @@ cycles; the input pipeline imports only its declared pure libraries from bigpret
 import ast
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
