@@ -69,12 +69,7 @@ def _prepare(x, mean, std):
 def ridge_fit(x, y, num_classes: int, l2: float = L2_REG) -> dict:
   """The ridge classifier of features x [N, D] with labels y [N] (module docstring):
   {'w' [D + 1, C], 'mean' [D], 'std' [D]}, in float64."""
-  x = np.asarray(x, np.float64)
-  if x.ndim != 2 or len(x) != len(y) or not len(x):
-    raise ValueError(f"ridge_fit needs features [N, D] and labels [N] with N > 0; got "
-                     f"{x.shape} and {np.shape(y)}.")
-  if not l2 > 0:
-    raise ValueError(f"l2={l2!r} must be > 0.")
+  x = _check_xy(x, y, l2, "ridge_fit")
   mean, std = x.mean(0), x.std(0) + 1e-5
   xb = _prepare(x, mean, std)
   t = 2.0 * np.eye(num_classes)[np.asarray(y)] - 1.0

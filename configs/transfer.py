@@ -90,6 +90,25 @@ def is_demo(dataset: str) -> bool:
   return dataset in ("demo", "demo_coarse") or dataset.startswith("demo/")
 
 
+def _set_length(config, demo: bool, batch_size: int, epochs: float, lr: float,
+                lr_batch: int, every: tuple[int, int]) -> None:
+  """Batch, length, lr and cadence: the demo's short run, or the recipe's at paper scale
+  (lr linear in the batch, lr at lr_batch; logs every[0] steps, evals and saves every[1])."""
+  if demo:
+    config.batch_size, config.total_steps = DEMO_BATCH, DEMO_STEPS
+    config.optim.lr = DEMO_LR
+    config.log_every_steps, config.eval_every_steps = 25, 100
+    config.ckpt_every_steps = DEMO_STEPS
+    return
+  config.batch_size = batch_size
+  config.num_epochs = epochs
+  config.optim.lr = lr * config.get_ref("batch_size").to_float() / float(lr_batch)
+  config.data.num_workers = 8
+  config.compute_dtype = "bfloat16"
+  config.log_every_steps = every[0]
+  config.eval_every_steps = config.ckpt_every_steps = every[1]
+
+
 def _in21k(demo: bool) -> ml_collections.ConfigDict:
   config = config_lib.base_config()
   config.data = pipeline.data_defaults()
@@ -100,19 +119,9 @@ def _in21k(demo: bool) -> ml_collections.ConfigDict:
   config.ema.momentum = IN21K["ema"]
   config.data.train_augment = "flip" if demo else "squish|flip|randaugment(2, 9)|cutout"
   config.data.eval_resize = "squish"
-  if demo:
-    config.batch_size, config.total_steps = DEMO_BATCH, DEMO_STEPS
-    config.optim.lr = DEMO_LR
-    config.log_every_steps, config.eval_every_steps = 25, 100
-    config.ckpt_every_steps = DEMO_STEPS
-  else:
-    config.batch_size = IN21K["batch"]
-    config.num_epochs = IN21K["epochs"]
-    batch = config.get_ref("batch_size")  # Linear in the batch, at the reference 128.
-    config.optim.lr = IN21K["lr"] * batch.to_float() / float(IN21K["batch"])
-    config.data.num_workers = 8
-    config.compute_dtype = "bfloat16"
-    config.log_every_steps, config.eval_every_steps, config.ckpt_every_steps = 100, 2000, 2000
+  # Linear in the batch, at the reference 128.
+  _set_length(config, demo, IN21K["batch"], IN21K["epochs"], IN21K["lr"], IN21K["batch"],
+              every=(100, 2000))
   config.optim.schedule.warmup_frac = IN21K["warmup_epochs"] / IN21K["epochs"]
   config.optim.schedule.end_factor = IN21K["min_lr"] / IN21K["lr"]
   return config
@@ -135,19 +144,8 @@ def _semisup_cub(demo: bool) -> ml_collections.ConfigDict:
   config.data.train_augment = "inception_crop|flip"
   config.data.eval_resize = "center_crop"
   config.data.normalize = "imagenet"
-  if demo:
-    config.batch_size, config.total_steps = DEMO_BATCH, DEMO_STEPS
-    config.optim.lr = DEMO_LR
-    config.log_every_steps, config.eval_every_steps = 25, 100
-    config.ckpt_every_steps = DEMO_STEPS
-  else:
-    config.batch_size = r["batch"]
-    config.num_epochs = r["epochs"]
-    batch = config.get_ref("batch_size")  # Linear in the batch: 0.0025 / 256 x batch.
-    config.optim.lr = r["lr"] * batch.to_float() / float(r["lr_batch"])
-    config.data.num_workers = 8
-    config.compute_dtype = "bfloat16"
-    config.log_every_steps, config.eval_every_steps, config.ckpt_every_steps = 50, 1000, 1000
+  # Linear in the batch: 0.0025 / 256 x batch.
+  _set_length(config, demo, r["batch"], r["epochs"], r["lr"], r["lr_batch"], every=(50, 1000))
   return config
 
 
