@@ -43,11 +43,13 @@ RandAugment differs: theirs (the `randaugment` 1.0.2 package's RandAugment()) dr
 its 2 ops' magnitude from 1..9 and its op list has Cutout, not SolarizeAdd; ours is timm's
 rand-m9-n2 (magnitude 9; both apply each op with probability 0.5).
 
-Args: dataset (demo | imagenet21k_p | tfds:NAME), data_dir, model (registry name),
+Args: dataset (demo | demo_plain | imagenet21k_p | tfds:NAME; demo_plain is the demo's
+earlier look, input_pipeline/demo.py), data_dir, model (registry name),
 init (checkpoint -> config.model_init), epochs (paper scale, -1: 80 with init, else 140).
 """
 from bigpretrain import config_lib
 from configs import common_fewshot
+from input_pipeline import demo
 from input_pipeline import pipeline
 
 EPOCHS_FROM_INIT = 80.0  # Section 3.1, from an ImageNet-1K initialisation.
@@ -80,7 +82,7 @@ def get_config(arg=None):
   config.optim.schedule.name = "onecycle"
   config.optim.schedule.pct_start = 0.1
 
-  if arg.dataset == "demo":
+  if demo.is_demo_name(arg.dataset):
     # Same code path at laptop size: 32x32 synthetic images, a small convnet as the paper's
     # TResNet-M is one (vit_demo learns the demo's shapes far more slowly), a few minutes.
     config.model = dict(name=arg.model or "regnety_demo")
@@ -109,4 +111,4 @@ def get_config(arg=None):
     config.log_every_steps = 100
     config.eval_every_steps = 10_000
     config.ckpt_every_steps = 5_000
-  return common_fewshot.add(config, demo=arg.dataset == "demo")
+  return common_fewshot.add(config, demo=demo.is_demo_name(arg.dataset), dataset=arg.dataset)

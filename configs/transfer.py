@@ -58,6 +58,8 @@ from bigpretrain import linear_probe
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
 from configs import swag_finetune
+from input_pipeline import demo as demo_lib
+from input_pipeline import demo_coarse
 from input_pipeline import pipeline
 
 MODES = ("finetune", "linear", "fewshot")
@@ -71,7 +73,7 @@ DEMO_BATCH, DEMO_STEPS, DEMO_LR = 64, 300, 1e-3
 
 
 def is_demo(dataset: str) -> bool:
-  return dataset in ("demo", "demo_coarse") or dataset.startswith("demo/")
+  return demo_lib.is_demo_name(dataset) or dataset in ("demo_coarse", "demo_plain_coarse")
 
 
 def _in21k(demo: bool) -> ml_collections.ConfigDict:
@@ -175,6 +177,7 @@ def get_config(arg=None):
       config.model[key] = recipe_model[key]
   config.model_init = arg.init
   config.model_init_skip = HEAD if arg.init else ""
-  if arg.mode == "finetune":
-    common_fewshot.add(config, demo)
+  if arg.mode == "finetune":  # On the demo's datasets: probes the demo they come from.
+    common_fewshot.add(config, demo, dataset=demo_coarse.FINE.get(arg.dataset, arg.dataset)
+                       if demo else "demo")
   return config

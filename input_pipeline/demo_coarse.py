@@ -1,13 +1,15 @@
 """`demo_coarse`: the demo's images relabelled one level up the WordNet tree, the demo's
 second (downstream) task for transfer experiments (configs/transfer.py).
 
-Each image's label is its true class's ancestor at level COARSE_LEVEL (the class itself when
-it sits at or above that level): 4 roots + 12 level-1 classes = 16 coarse classes, named by
-their wnids. A pretraining on `demo` learned the fine classes; this task asks for a
+Each image's label is the ancestor at level COARSE_LEVEL of the class it pictures (its
+'member', input_pipeline/demo.py; the class itself when it sits at or above that level):
+4 roots + 12 level-1 classes = 16 coarse classes, named by their wnids. A pretraining on `demo` learned the fine classes; this task asks for a
 different, coarser partition of the same visual world (background hue and shape, input_
 pipeline/demo.py), so frozen features, a linear probe and fine-tuning all have to carry the
-transfer. Labels come from 'true_label' (exact), as a curated downstream dataset's are.
-Splits: 'train' and 'validation' of the demo (same images, same truncation setting).
+transfer. Labels come from what the image shows, exactly, as a curated downstream dataset's
+do: an image of the demo tagged with a root class pictures a member with a shape, and is
+labelled with that member's level-1 ancestor. Splits: 'train' and 'validation' of the demo
+(same images, same truncation setting). `demo_plain_coarse` is the same over `demo_plain`.
 """
 import functools
 
@@ -36,7 +38,8 @@ def coarse_map(wnids: list[str], level: int = COARSE_LEVEL) -> tuple[np.ndarray,
 
 
 class CoarseSource:
-  """A demo split's records with 'label' = the coarse class of 'true_label'."""
+  """A demo split's records with 'label' = the coarse class of 'member' (the pictured
+  class; 'true_label' in records written before the demo had 'member')."""
 
   def __init__(self, source, mapping: np.ndarray):
     self._source, self._map = source, mapping
@@ -46,7 +49,7 @@ class CoarseSource:
     return len(self._source)
 
   def _relabel(self, record: dict) -> dict:
-    return {**record, "label": int(self._map[record["true_label"]])}
+    return {**record, "label": int(self._map[record.get("member", record["true_label"])])}
 
   def __getitem__(self, index: int) -> dict:
     return self._relabel(self._source[index])
@@ -77,11 +80,16 @@ class CoarseDemo:
     return CoarseSource(self._fine.source(split), self.mapping)
 
 
+# Coarse dataset name -> the demo it relabels.
+FINE = {"demo_coarse": "demo", "demo_plain_coarse": "demo_plain"}
+
+
 @functools.cache
 def _load(name: str, data_dir: str) -> CoarseDemo:
-  return CoarseDemo(name, datasets.get_dataset({"name": "demo", "dir": data_dir}))
+  return CoarseDemo(name, datasets.get_dataset({"name": FINE[name], "dir": data_dir}))
 
 
+@datasets.SOURCES.register("demo_plain_coarse")
 @datasets.SOURCES.register("demo_coarse")
 def load(name: str, data_dir: str) -> CoarseDemo:
   return _load(name, data_dir)
