@@ -2,8 +2,10 @@
 second (downstream) task for transfer experiments (configs/transfer.py).
 
 Each image's label is the ancestor at level COARSE_LEVEL of the class it pictures (its
-'member', input_pipeline/demo.py; the class itself when it sits at or above that level):
-4 roots + 12 level-1 classes = 16 coarse classes, named by their wnids. A pretraining on `demo` learned the fine classes; this task asks for a
+'member', input_pipeline/demo.py; the class itself when it sits at or above that level),
+named by its wnid. Every demo image pictures a leaf, and every leaf is below a level-1
+class, so `demo_coarse` has the 12 level-1 classes; `demo_plain_coarse`, whose root-class
+images picture the root itself, has those and the 4 roots. A pretraining on `demo` learned the fine classes; this task asks for a
 different, coarser partition of the same visual world (background hue and shape, input_
 pipeline/demo.py), so frozen features, a linear probe and fine-tuning all have to carry the
 transfer. Labels come from what the image shows, exactly, as a curated downstream dataset's
@@ -22,19 +24,25 @@ COARSE_LEVEL = 1  # Levels 0..COARSE_LEVEL are kept as classes.
 SPLITS = ("train", "validation")
 
 
-def coarse_map(wnids: list[str], level: int = COARSE_LEVEL) -> tuple[np.ndarray, list[str]]:
+def coarse_map(wnids: list[str], level: int = COARSE_LEVEL,
+               leaves_only: bool = False) -> tuple[np.ndarray, list[str]]:
   """(fine class -> coarse class id [C], coarse wnids): a class's ancestor at `level`, or
-  itself when its depth is <= level; coarse classes in fine-class order."""
+  itself when its depth is <= level; coarse classes in fine-class order. With leaves_only
+  (images picture leaves only: the demo's members look) the coarse classes are those of the
+  leaves, and the other fine classes map to -1."""
   tree = tree_lib.SemanticTree.from_wnids(wnids)
-  target = np.zeros(tree.num_classes, np.int64)
-  for c in range(tree.num_classes):
+  pictured = np.ones(tree.num_classes, bool)
+  if leaves_only:
+    pictured[tree.parent[tree.parent >= 0]] = False
+  target = np.full(tree.num_classes, -1, np.int64)
+  for c in np.flatnonzero(pictured).tolist():
     node = c
     while tree.class_depth[node] > level:
       node = int(tree.parent[node])
     target[c] = node
-  kept = sorted(set(target.tolist()))
+  kept = sorted(set(target[pictured].tolist()))
   index = {c: i for i, c in enumerate(kept)}
-  return np.array([index[t] for t in target], np.int64), [wnids[c] for c in kept]
+  return np.array([index.get(t, -1) for t in target], np.int64), [wnids[c] for c in kept]
 
 
 class CoarseSource:
@@ -64,9 +72,9 @@ class CoarseSource:
 class CoarseDemo:
   """The dataset (info + source(split)) over a demo dataset (datasets.Dataset)."""
 
-  def __init__(self, name: str, fine):
+  def __init__(self, name: str, fine, leaves_only: bool = True):
     self._fine = fine
-    self.mapping, names = coarse_map(fine.info.class_names)
+    self.mapping, names = coarse_map(fine.info.class_names, leaves_only=leaves_only)
     info = fine.info
     self.info = datasets.DatasetInfo(
         name=name, num_classes=len(names), class_names=names,
@@ -86,7 +94,8 @@ FINE = {"demo_coarse": "demo", "demo_plain_coarse": "demo_plain"}
 
 @functools.cache
 def _load(name: str, data_dir: str) -> CoarseDemo:
-  return CoarseDemo(name, datasets.get_dataset({"name": FINE[name], "dir": data_dir}))
+  return CoarseDemo(name, datasets.get_dataset({"name": FINE[name], "dir": data_dir}),
+                    leaves_only=FINE[name] == "demo")
 
 
 @datasets.SOURCES.register("demo_plain_coarse")
