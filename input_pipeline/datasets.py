@@ -10,7 +10,7 @@ Built in:
                          the share of truncated train labels (percent, default 20).
                          'demo_plain[/truncNN]': the demo with inner classes drawn in their
                          own plain look instead of picturing their members (demo.py).
-  'demo_coarse'          the demo's images labelled at a coarser WordNet level (16 classes),
+  'demo_coarse'          the demo's images labelled at a coarser WordNet level (12 classes),
                          the demo's downstream task (demo_coarse.py); 'demo_plain_coarse'
                          the same over demo_plain.
   'tfds:NAME[/CONFIG]'   any tfds dataset already prepared as ArrayRecord in data.dir (or the
