@@ -64,7 +64,7 @@ def shard_bytes(abstract_tree) -> int:
 
 def known_class_names(data_name: str) -> list[str] | None:
   """The class list of a dataset the package knows by name, or None."""
-  if data_name == "demo" or data_name.startswith("demo/"):
+  if demo.is_demo_name(data_name):
     return demo.load_wnids()
   files = {datasets.IMAGENET21K_P: "imagenet21k_p_wnids.txt",
            "tfds:imagenet2012": "imagenet1k_wnids.txt"}

@@ -25,10 +25,12 @@ DEMO_POOL = 5000  # 50 records per demo class on average; the 25-shot draw needs
 DEMO_L2_REG = 1.0
 
 
-def add(config: ml_collections.ConfigDict, demo: bool) -> ml_collections.ConfigDict:
-  """Adds config.evals.fewshot (demo: probing demo validation; else: no datasets yet)."""
+def add(config: ml_collections.ConfigDict, demo: bool,
+        dataset: str = "demo") -> ml_collections.ConfigDict:
+  """Adds config.evals.fewshot (demo: probing the demo `dataset`'s validation, logged as
+  'demo'; else: no datasets yet)."""
   if demo:
-    datasets = {"demo": ("demo", "train", "validation")}
+    datasets = {"demo": (dataset, "train", "validation")}
     pool, l2 = DEMO_POOL, DEMO_L2_REG
   else:
     datasets, pool, l2 = {}, 0, linear_probe.L2_REG

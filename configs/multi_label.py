@@ -23,6 +23,7 @@ alone would decay 64 times harder than the reference. The demo keeps loss_scale 
 Args: those of configs/semantic_softmax.py, plus loss (asl | bce).
 """
 from configs import semantic_softmax
+from input_pipeline import demo
 
 # Images per GPU in the authors' runs (64 on each of 8 GPUs, configs/semantic_softmax.py).
 ASL_PER_DEVICE_BATCH = 64.0
@@ -33,6 +34,6 @@ def get_config(arg=None):
   config = semantic_softmax.get_config(semantic_softmax.base_arg(arg))
   config.objective = dict(name="multi_label", loss=arg.loss, gamma_neg=4.0, gamma_pos=0.0,
                           clip=0.05, map_bins=1000, loss_scale=1.0)
-  if arg.dataset != "demo" and arg.loss == "asl":
+  if not demo.is_demo_name(arg.dataset) and arg.loss == "asl":
     config.objective.loss_scale = ASL_PER_DEVICE_BATCH
   return config

@@ -6,8 +6,11 @@ no KD, and appendix F is not reproduced here, so three details are this project'
 P_k = the sum of the teacher's top ceil(n_k / 20) probabilities at level k, the MSE summed
 over a level's classes, and kd_weight 1 (see bigpretrain/objectives/semantic_kd.py).
 
-Demo (two commands: a semantic-softmax teacher, then a student distilled from it):
-  python -m bigpretrain.main --config=configs/semantic_softmax.py --workdir=/tmp/teacher
+Demo (two commands: a semantic-softmax teacher, then a student distilled from it; the teacher
+trains three times the student's demo length so that it is stronger than the student, as the
+paper's larger teacher is; train it once and reuse it for every student):
+  python -m bigpretrain.main --config=configs/semantic_softmax.py --config.total_steps=600 \
+    --workdir=/tmp/teacher
   python -m bigpretrain.main --config=configs/semantic_kd.py:teacher=/tmp/teacher --workdir=/tmp/kd
 
 Paper scale (8x V100 as configs/semantic_softmax.py; the paper's teacher is a TResNet-L

@@ -7,7 +7,7 @@ r"""Transfer a pretrained checkpoint to a dataset: fine-tune, linear probe or fe
 from the checkpoint's meta; the class count comes from the dataset, and the classifier head
 always starts fresh (model_init_skip='^params/head/'). `dataset` is any prepared dataset
 name (tfds:NAME, folder:NAME, imagenet21k_p, demo, ...); the default, `demo_coarse`, is the
-demo's second task: demo images labelled one WordNet level up (16 classes,
+demo's second task: demo images labelled one WordNet level up (12 classes,
 input_pipeline/demo_coarse.py).
 
 Modes:
@@ -56,7 +56,8 @@ Fine-tuning on the demo's datasets uses demo-sized runs (batch 64, DEMO_STEPS st
 in21k recipe at DEMO_LR, its 2e-4 being too low for 300 steps of a small ViT).
 Multi-label with mAP: `...:mode=finetune,init=/tmp/ss_demo,multi_label` trains with ASL
 (objective multi_label: an image's positives are its class and the class's WordNet
-ancestors, so on demo_coarse a level-1 class and its root) and logs eval/mAP.
+ancestors among the dataset's classes: on demo_coarse, whose 12 classes are all at level 1,
+the class alone; on demo_plain_coarse a level-1 class and its root) and logs eval/mAP.
 
 Args: mode (finetune | linear | fewshot), init (checkpoint; required but for
 finetune with model=, the from-scratch baseline), dataset, data_dir, recipe (in21k | swag |
@@ -71,6 +72,8 @@ from bigpretrain import linear_probe
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
 from configs import swag_finetune
+from input_pipeline import demo as demo_lib
+from input_pipeline import demo_coarse
 from input_pipeline import pipeline
 
 MODES = ("finetune", "linear", "fewshot")
@@ -87,7 +90,7 @@ DEMO_BATCH, DEMO_STEPS, DEMO_LR = 64, 300, 1e-3
 
 
 def is_demo(dataset: str) -> bool:
-  return dataset in ("demo", "demo_coarse") or dataset.startswith("demo/")
+  return demo_lib.is_demo_name(dataset) or dataset in ("demo_coarse", "demo_plain_coarse")
 
 
 def _set_length(config, demo: bool, batch_size: int, epochs: float, lr: float,
@@ -230,6 +233,7 @@ def get_config(arg=None):
       config.model[key] = recipe_model[key]
   config.model_init = arg.init
   config.model_init_skip = HEAD if arg.init else ""
-  if arg.mode == "finetune":
-    common_fewshot.add(config, demo)
+  if arg.mode == "finetune":  # On the demo's datasets: probes the demo they come from.
+    common_fewshot.add(config, demo, dataset=demo_coarse.FINE.get(arg.dataset, arg.dataset)
+                       if demo else "demo")
   return config

@@ -8,8 +8,11 @@ Built in:
   'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
                          into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
                          the share of truncated train labels (percent, default 20).
-  'demo_coarse'          the demo's images labelled at a coarser WordNet level (16 classes),
-                         the demo's downstream task (demo_coarse.py).
+                         'demo_plain[/truncNN]': the demo with inner classes drawn in their
+                         own plain look instead of picturing their members (demo.py).
+  'demo_coarse'          the demo's images labelled at a coarser WordNet level (12 classes),
+                         the demo's downstream task (demo_coarse.py); 'demo_plain_coarse'
+                         the same over demo_plain.
   'tfds:NAME[/CONFIG]'   any tfds dataset already prepared as ArrayRecord in data.dir (or the
                          default cache), e.g. by `tfds build NAME --data_dir=DIR
                          --file_format=array_record` or the project's Beam preparation jobs.
@@ -231,18 +234,22 @@ def _data_dir(data_cfg) -> str:
   return str(data_cfg.get("dir", "") or "")
 
 
+@SOURCES.register("demo_plain/", usage="demo_plain/truncPERCENT")
+@SOURCES.register("demo_plain")
 @SOURCES.register("demo/", usage="demo/truncPERCENT")
 @SOURCES.register("demo")
 def _demo(name: str, data_dir: str) -> Dataset:
-  """'demo' or 'demo/truncNN' -> the generated demo dataset."""
-  truncation = demo.DEFAULT_TRUNCATION
-  if name != "demo":
-    match = re.fullmatch(r"demo/trunc(\d+(?:\.\d+)?)", name)
-    if not match or float(match.group(1)) > 100:
-      raise ValueError(f"Unknown demo variant {name!r}; use 'demo' or 'demo/truncNN' with NN "
-                       "the percent (0-100) of train labels truncated to an ancestor.")
-    truncation = float(match.group(1)) / 100.0
-  return Dataset(name, demo.prepare(data_dir or None, truncation=truncation))
+  """'demo[/truncNN]' or 'demo_plain[/truncNN]' -> the generated demo dataset, its inner
+  classes picturing their members or (demo_plain) their own plain look."""
+  match = re.fullmatch(r"(demo|demo_plain)(?:/trunc(\d+(?:\.\d+)?))?", name)
+  if not match or (match.group(2) and float(match.group(2)) > 100):
+    base = name.split("/")[0]
+    raise ValueError(f"Unknown demo variant {name!r}; use '{base}' or '{base}/truncNN' with "
+                     "NN the percent (0-100) of train labels truncated to an ancestor.")
+  look = {v: k for k, v in demo.DATASET_NAMES.items()}[match.group(1)]
+  truncation = (float(match.group(2)) / 100.0 if match.group(2)
+                else demo.DEFAULT_TRUNCATION)
+  return Dataset(name, demo.prepare(data_dir or None, truncation=truncation, look=look))
 
 
 @SOURCES.register("tfds:", usage="tfds:NAME[/CONFIG]")
@@ -295,6 +302,7 @@ def _folder(name: str, data_dir: str) -> Dataset:
 
 
 SOURCES.register_lazy("demo_coarse", "input_pipeline.demo_coarse")
+SOURCES.register_lazy("demo_plain_coarse", "input_pipeline.demo_coarse")
 SOURCES.register_lazy("selection:", "input_pipeline.selection_source", "selection:DIR")
 SOURCES.register_lazy("hashtags:", "input_pipeline.hashtag_source", "hashtags:NAME")
 SOURCES.register_lazy("hashtags:demo", "input_pipeline.hashtag_demo")

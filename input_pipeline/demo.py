@@ -1,28 +1,45 @@
 """The embedded `demo` dataset: synthetic 32x32 images that follow a real WordNet hierarchy.
 
 100 ImageNet-21K-P classes (input_pipeline/demo_wnids.txt, made by `select_wnids`) form a
-5-level forest under bigpretrain.semantic.tree.SemanticTree. A class's picture is a function
+5-level forest under bigpretrain.semantic.tree.SemanticTree. A class's look is a function
 of its ancestor chain, so sibling classes share the coarse look and differ in a finer one:
 
   level 0 ancestor -> background hue         level 3 ancestor -> texture inside the shape
   level 1 ancestor -> shape                   level 4 (itself) -> orientation of a bar
   level 2 ancestor -> shape colour
 
-A class at depth d shows the defaults beyond level d (no shape, white, plain, no bar), plus
-position/scale/colour jitter and pixel noise. Like ImageNet-21K's inconsistent tagging, a share
-of TRAIN labels (default 20%) is replaced by a random ancestor of the true class; validation
-labels are exact; `unlabeled` keeps the true label but recipes ignore it. Each example also
-carries noun hashtags (lemmas of the class and its ancestors, written the way Instagram tags
-are: lower case, no separators) plus noise tags, for SWAG-style training.
+A class at depth d has the defaults beyond level d (no shape, white, plain, no bar); every
+image adds position/scale/colour jitter and pixel noise.
+
+What an image pictures (the `members` look, the default). ImageNet-21K tags each image with
+one WordNet class that need not be the most specific one: a picture of a cow may be tagged
+'animal', another 'cow' (Ridnik et al. 2021, section 2.2 and Figure 2), so an inner class's
+images picture members of the class and the same look carries labels of different depths.
+The demo follows that: an example of a leaf class pictures the leaf's look; an example of an
+inner class pictures a LEAF OF ITS SUBTREE, drawn uniformly (the classes are balanced, so an
+image tagged c shows each most specific member of c equally often), rendered exactly as that
+leaf's own examples are, and keeps the inner class as its label. The leaf is drawn from the
+example's seed (seed, split, index) on a stream of its own, so leaf examples are the same
+images under both looks. The `plain` look (`demo_plain`, the demo before this rule) draws an
+inner class's images with its own look, plain beyond its depth, and is kept so that results
+measured on it stay reproducible.
+
+Like ImageNet-21K's inconsistent tagging, a share of TRAIN labels (default 20%) is replaced by
+a random ancestor of the example's class, on top of the rule above; validation labels are the
+example's class; `unlabeled` keeps it but recipes ignore it. Each example also carries noun
+hashtags (lemmas of its class and the class's ancestors, written the way Instagram tags are:
+lower case, no separators) plus noise tags, for SWAG-style training.
 
 Features: 'image' (PNG), 'label' (ClassLabel over the wnids), 'hashtags' (list of str),
-'true_label' (the untruncated class, for analysis).
+'true_label' (the example's class before truncation) and 'member' (the class whose look the
+image shows: a leaf under `members`, 'true_label' itself under `plain`), for analysis.
 
 Generation happens on first use into `<cache>/tensorflow_datasets` (<cache>: see
 bigpretrain/cache.py) or a given data dir, under a file lock
 so that concurrent processes generate it once. Change the truncation share with the config
 name: `--config.data.name=demo/trunc35` (35%), `demo/trunc0` (exact labels); plain `demo` is
-`demo/trunc20`. In code: `prepare(data_dir, truncation=0.35)`.
+`demo/trunc20`; `demo_plain[/truncNN]` is the plain look. In code:
+`prepare(data_dir, truncation=0.35, look="plain")`.
 
 The looks survive a horizontal flip (symmetric shapes, bars at 0 or 90 degrees), so flip
 augmentation never turns one class into another.
@@ -55,6 +72,11 @@ SPLIT_SIZES = {"train": 200, "validation": 25, "unlabeled": 50}
 SPLIT_IDS = {"train": 0, "validation": 1, "unlabeled": 2}
 # select_wnids: classes wanted at each level (sum 100).
 LEVEL_COUNTS = (4, 12, 24, 30, 30)
+# What an inner class's images picture (module docstring): a leaf of its subtree, or the
+# class's own plain look (the demo before the `members` rule).
+LOOKS = ("members", "plain")
+DEFAULT_LOOK = "members"
+_MEMBER_STREAM = 1  # The member draw's own rng stream: [seed, split, index, _MEMBER_STREAM].
 
 # What each level's attribute value (the ancestor's rank among its siblings) draws.
 _SHAPES = ("circle", "square", "triangle", "cross", "diamond", "ring")
@@ -72,6 +94,15 @@ NUM_LEVELS = len(LEVEL_COUNTS)
 # Generic tags that name no demo class (Instagram's usual noise).
 _NOISE_TAGS = ("love", "instagood", "photooftheday", "nofilter", "picoftheday", "happy",
                "weekend", "summer", "tbt", "friends", "beautiful", "fun")
+
+
+# config.data.name of the demo in each look (input_pipeline/datasets.py); '/truncNN' may follow.
+DATASET_NAMES = {"members": "demo", "plain": "demo_plain"}
+
+
+def is_demo_name(name: str) -> bool:
+  """Whether config.data.name names the demo itself (any look, any truncation)."""
+  return any(name == n or name.startswith(n + "/") for n in DATASET_NAMES.values())
 
 
 def default_data_dir() -> pathlib.Path:
@@ -343,6 +374,13 @@ class DemoClasses:
         chain.append(a)
         a = int(self.tree.parent[a])
       self.ancestors.append(chain)
+    # The leaves of each class's subtree (a leaf's is itself), in class-id order.
+    has_child = np.zeros(len(self.wnids), dtype=bool)
+    has_child[self.tree.parent[self.tree.parent >= 0]] = True
+    self.leaves = [[] for _ in self.wnids]
+    for leaf in np.flatnonzero(~has_child).tolist():
+      for c in [leaf] + self.ancestors[leaf]:
+        self.leaves[c].append(leaf)
 
   @property
   def num_classes(self) -> int:
@@ -369,8 +407,22 @@ class DemoClasses:
     tags = list(dict.fromkeys(tags))  # Drop repeats, keep order.
     return [tags[i] for i in rng.permutation(len(tags))]
 
+  def member(self, c: int, split: str, index: int, *, seed: int = 0,
+             look: str = DEFAULT_LOOK) -> int:
+    """The class whose look example `index` of `split` (of class c) pictures: under
+    `members` a leaf of c's subtree drawn uniformly from the example's own seed, under
+    `plain` c itself."""
+    if look not in LOOKS:
+      raise ValueError(f"Unknown demo look {look!r}; known: {LOOKS}.")
+    leaves = self.leaves[c]
+    if look == "plain" or leaves == [c]:
+      return c
+    rng = np.random.default_rng([seed, SPLIT_IDS[split], index, _MEMBER_STREAM])
+    return leaves[int(rng.integers(len(leaves)))]
+
   def example(self, split: str, index: int, *, seed: int = 0,
-              truncation: float = DEFAULT_TRUNCATION, per_class: int | None = None) -> dict:
+              truncation: float = DEFAULT_TRUNCATION, per_class: int | None = None,
+              look: str = DEFAULT_LOOK) -> dict:
     """Example `index` of `split`: class index // per_class, seeded by (seed, split, index)
     only, so that any example can be regenerated on its own."""
     per_class = per_class or SPLIT_SIZES[split]
@@ -378,15 +430,16 @@ class DemoClasses:
       raise IndexError(f"Example {index} outside split {split!r} of "
                        f"{per_class * self.num_classes}.")
     c = index // per_class
+    member = self.member(c, split, index, seed=seed, look=look)
     rng = np.random.default_rng([seed, SPLIT_IDS[split], index])
-    image = render(self.attrs[c], self.num_roots, rng)
+    image = render(self.attrs[member], self.num_roots, rng)
     label = c
     # Always draw, so truncation changes labels only, never images or tags.
     truncate = rng.random() < truncation
     pick = rng.integers(1 << 30)
     if split == "train" and truncate and self.ancestors[c]:
       label = self.ancestors[c][pick % len(self.ancestors[c])]
-    return {"image": png_bytes(image), "label": label, "true_label": c,
+    return {"image": png_bytes(image), "label": label, "true_label": c, "member": member,
             "hashtags": self.hashtags(c, rng)}
 
 
@@ -406,12 +459,15 @@ def _split_sizes(split_sizes) -> dict[str, int]:
   return {split: int(sizes[split]) for split in SPLIT_SIZES}
 
 
-def config_name(truncation: float, split_sizes=None) -> str:
-  """Builder config name: 0.2 -> 'trunc20', 0.125 -> 'trunc12.5'; non-default split sizes
-  are appended ('trunc20_train10_validation4_unlabeled4')."""
+def config_name(truncation: float, split_sizes=None, look: str = DEFAULT_LOOK) -> str:
+  """Builder config name: 0.2 -> 'trunc20', 0.125 -> 'trunc12.5', the plain look prefixed
+  ('plain_trunc20'); non-default split sizes are appended
+  ('trunc20_train10_validation4_unlabeled4')."""
   if not 0.0 <= truncation <= 1.0:
     raise ValueError(f"truncation must be in [0, 1]; got {truncation}.")
-  name = f"trunc{round(truncation * 100, 6):g}"
+  if look not in LOOKS:
+    raise ValueError(f"Unknown demo look {look!r}; known: {LOOKS}.")
+  name = ("" if look == DEFAULT_LOOK else f"{look}_") + f"trunc{round(truncation * 100, 6):g}"
   sizes = _split_sizes(split_sizes)
   if sizes != SPLIT_SIZES:
     name += "".join(f"_{split}{n}" for split, n in sizes.items())
@@ -421,25 +477,34 @@ def config_name(truncation: float, split_sizes=None) -> str:
 @dataclasses.dataclass(eq=False)
 class DemoConfig(tfds.core.BuilderConfig):
   """truncation: share of train labels replaced by a random ancestor; seed: data seed;
-  split_sizes: examples per class of each split."""
+  split_sizes: examples per class of each split; look: what inner classes picture (LOOKS)."""
   truncation: float = DEFAULT_TRUNCATION
   seed: int = 0
   split_sizes: dict[str, int] = dataclasses.field(default_factory=lambda: dict(SPLIT_SIZES))
+  look: str = DEFAULT_LOOK
 
 
-def demo_config(truncation: float = DEFAULT_TRUNCATION, split_sizes=None) -> DemoConfig:
-  """The config (and its directory name) for a truncation share and split sizes."""
-  return DemoConfig(name=config_name(truncation, split_sizes), truncation=float(truncation),
-                    split_sizes=_split_sizes(split_sizes),
-                    description=f"{truncation:.0%} of train labels truncated to an ancestor.")
+def demo_config(truncation: float = DEFAULT_TRUNCATION, split_sizes=None,
+                look: str = DEFAULT_LOOK) -> DemoConfig:
+  """The config (and its directory name) for a truncation share, split sizes and look."""
+  pictured = "a leaf of their subtree" if look == "members" else "their own plain look"
+  return DemoConfig(name=config_name(truncation, split_sizes, look),
+                    truncation=float(truncation), split_sizes=_split_sizes(split_sizes),
+                    look=look, description=f"{truncation:.0%} of train labels truncated to an "
+                                           f"ancestor; inner classes picture {pictured}.")
 
 
 class BigpretrainDemo(tfds.core.GeneratorBasedBuilder):
   """tfds builder `bigpretrain_demo` for the demo dataset (see the module docstring)."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "First version."}
-  BUILDER_CONFIGS = [demo_config(DEFAULT_TRUNCATION), demo_config(0.0), demo_config(0.5)]
+  VERSION = tfds.core.Version("2.0.0")
+  RELEASE_NOTES = {
+      "1.0.0": "First version.",
+      "2.0.0": "Inner classes picture a leaf of their subtree (the `members` look); the "
+               "1.0.0 images are the `plain` look (configs plain_*); 'member' feature.",
+  }
+  BUILDER_CONFIGS = [demo_config(DEFAULT_TRUNCATION), demo_config(0.0), demo_config(0.5),
+                     demo_config(DEFAULT_TRUNCATION, look="plain")]
 
   @tfds.core.utils.classproperty
   @classmethod
@@ -458,6 +523,7 @@ class BigpretrainDemo(tfds.core.GeneratorBasedBuilder):
             "label": tfds.features.ClassLabel(names=load_wnids()),
             "hashtags": tfds.features.Sequence(tfds.features.Text()),
             "true_label": np.int64,
+            "member": np.int64,
         }),
         supervised_keys=("image", "label"),
     )
@@ -472,7 +538,7 @@ class BigpretrainDemo(tfds.core.GeneratorBasedBuilder):
     per_class = cfg.split_sizes[split]
     for index in range(per_class * classes.num_classes):
       yield index, classes.example(split, index, seed=cfg.seed, truncation=cfg.truncation,
-                                   per_class=per_class)
+                                   per_class=per_class, look=cfg.look)
 
 
 @contextlib.contextmanager
@@ -487,17 +553,19 @@ def file_lock(path: pathlib.Path):
 
 
 def prepare(data_dir: str | os.PathLike | None = None, *,
-            truncation: float = DEFAULT_TRUNCATION, split_sizes=None) -> BigpretrainDemo:
+            truncation: float = DEFAULT_TRUNCATION, split_sizes=None,
+            look: str = DEFAULT_LOOK) -> BigpretrainDemo:
   """The demo builder, with its ArrayRecord files generated on first use.
 
   data_dir defaults to default_data_dir(); split_sizes (examples per class, e.g. smaller for
-  tests) defaults to SPLIT_SIZES. Each (truncation, split_sizes) has its own config folder.
+  tests) defaults to SPLIT_SIZES; look is one of LOOKS. Each (truncation, split_sizes, look)
+  has its own config folder.
 
   Processes starting together (hosts of a local multi-process run) serialise on a file lock
   in data_dir: the first generates, the others wait, then read the finished files.
   """
   data_dir = pathlib.Path(data_dir) if data_dir else default_data_dir()
-  config = demo_config(truncation, split_sizes)
+  config = demo_config(truncation, split_sizes, look)
   # tfds takes predefined configs by name only; other shares as a config object.
   predefined = {c.name for c in BigpretrainDemo.BUILDER_CONFIGS}
   config_arg = config.name if config.name in predefined else config

@@ -1,13 +1,17 @@
 """`demo_coarse`: the demo's images relabelled one level up the WordNet tree, the demo's
 second (downstream) task for transfer experiments (configs/transfer.py).
 
-Each image's label is its true class's ancestor at level COARSE_LEVEL (the class itself when
-it sits at or above that level): 4 roots + 12 level-1 classes = 16 coarse classes, named by
-their wnids. A pretraining on `demo` learned the fine classes; this task asks for a
+Each image's label is the ancestor at level COARSE_LEVEL of the class it pictures (its
+'member', input_pipeline/demo.py; the class itself when it sits at or above that level),
+named by its wnid. Every demo image pictures a leaf, and every leaf is below a level-1
+class, so `demo_coarse` has the 12 level-1 classes; `demo_plain_coarse`, whose root-class
+images picture the root itself, has those and the 4 roots. A pretraining on `demo` learned the fine classes; this task asks for a
 different, coarser partition of the same visual world (background hue and shape, input_
 pipeline/demo.py), so frozen features, a linear probe and fine-tuning all have to carry the
-transfer. Labels come from 'true_label' (exact), as a curated downstream dataset's are.
-Splits: 'train' and 'validation' of the demo (same images, same truncation setting).
+transfer. Labels come from what the image shows, exactly, as a curated downstream dataset's
+do: an image of the demo tagged with a root class pictures a member with a shape, and is
+labelled with that member's level-1 ancestor. Splits: 'train' and 'validation' of the demo
+(same images, same truncation setting). `demo_plain_coarse` is the same over `demo_plain`.
 """
 import functools
 
@@ -20,23 +24,30 @@ COARSE_LEVEL = 1  # Levels 0..COARSE_LEVEL are kept as classes.
 SPLITS = ("train", "validation")
 
 
-def coarse_map(wnids: list[str], level: int = COARSE_LEVEL) -> tuple[np.ndarray, list[str]]:
+def coarse_map(wnids: list[str], level: int = COARSE_LEVEL,
+               leaves_only: bool = False) -> tuple[np.ndarray, list[str]]:
   """(fine class -> coarse class id [C], coarse wnids): a class's ancestor at `level`, or
-  itself when its depth is <= level; coarse classes in fine-class order."""
+  itself when its depth is <= level; coarse classes in fine-class order. With leaves_only
+  (images picture leaves only: the demo's members look) the coarse classes are those of the
+  leaves, and the other fine classes map to -1."""
   tree = tree_lib.SemanticTree.from_wnids(wnids)
-  target = np.zeros(tree.num_classes, np.int64)
-  for c in range(tree.num_classes):
+  pictured = np.ones(tree.num_classes, bool)
+  if leaves_only:
+    pictured[tree.parent[tree.parent >= 0]] = False
+  target = np.full(tree.num_classes, -1, np.int64)
+  for c in np.flatnonzero(pictured).tolist():
     node = c
     while tree.class_depth[node] > level:
       node = int(tree.parent[node])
     target[c] = node
-  kept = sorted(set(target.tolist()))
+  kept = sorted(set(target[pictured].tolist()))
   index = {c: i for i, c in enumerate(kept)}
-  return np.array([index[t] for t in target], np.int64), [wnids[c] for c in kept]
+  return np.array([index.get(t, -1) for t in target], np.int64), [wnids[c] for c in kept]
 
 
 class CoarseSource:
-  """A demo split's records with 'label' = the coarse class of 'true_label'."""
+  """A demo split's records with 'label' = the coarse class of 'member' (the pictured
+  class; 'true_label' in records written before the demo had 'member')."""
 
   def __init__(self, source, mapping: np.ndarray):
     self._source, self._map = source, mapping
@@ -46,7 +57,7 @@ class CoarseSource:
     return len(self._source)
 
   def _relabel(self, record: dict) -> dict:
-    return {**record, "label": int(self._map[record["true_label"]])}
+    return {**record, "label": int(self._map[record.get("member", record["true_label"])])}
 
   def __getitem__(self, index: int) -> dict:
     return self._relabel(self._source[index])
@@ -61,9 +72,9 @@ class CoarseSource:
 class CoarseDemo:
   """The dataset (info + source(split)) over a demo dataset (datasets.Dataset)."""
 
-  def __init__(self, name: str, fine):
+  def __init__(self, name: str, fine, leaves_only: bool = True):
     self._fine = fine
-    self.mapping, names = coarse_map(fine.info.class_names)
+    self.mapping, names = coarse_map(fine.info.class_names, leaves_only=leaves_only)
     info = fine.info
     self.info = datasets.DatasetInfo(
         name=name, num_classes=len(names), class_names=names,
@@ -77,11 +88,17 @@ class CoarseDemo:
     return CoarseSource(self._fine.source(split), self.mapping)
 
 
+# Coarse dataset name -> the demo it relabels.
+FINE = {"demo_coarse": "demo", "demo_plain_coarse": "demo_plain"}
+
+
 @functools.cache
 def _load(name: str, data_dir: str) -> CoarseDemo:
-  return CoarseDemo(name, datasets.get_dataset({"name": "demo", "dir": data_dir}))
+  return CoarseDemo(name, datasets.get_dataset({"name": FINE[name], "dir": data_dir}),
+                    leaves_only=FINE[name] == "demo")
 
 
+@datasets.SOURCES.register("demo_plain_coarse")
 @datasets.SOURCES.register("demo_coarse")
 def load(name: str, data_dir: str) -> CoarseDemo:
   return _load(name, data_dir)

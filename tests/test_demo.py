@@ -116,6 +116,80 @@ def test_truncation_changes_labels_only(classes):
     classes.example("validation", 100 * demo.SPLIT_SIZES["validation"])
 
 
+def _subtree_leaves(parent: np.ndarray, c: int) -> set[int]:
+  """Classes under c (or c) that are nobody's parent, from the parent array alone."""
+  parent = np.asarray(parent)
+  leaves = set()
+  for k in range(len(parent)):
+    if (parent == k).any():
+      continue
+    a = k
+    while a != -1 and a != c:
+      a = int(parent[a])
+    if a == c:
+      leaves.add(k)
+  return leaves
+
+
+def test_inner_classes_picture_a_leaf_of_their_subtree(classes):
+  """The `members` rule: an inner class's image is exactly the look of one leaf of its
+  subtree (rendered with the example's own rng), its label stays the inner class, and the
+  drawn leaf depends on the data seed only through (seed, split, index)."""
+  depth, parent = classes.tree.class_depth, classes.tree.parent
+  has_child = np.isin(np.arange(classes.num_classes), parent)
+  # An inner class at each of levels 0, 1 and 3.
+  inner = [int(np.flatnonzero((depth == d) & has_child)[0]) for d in (0, 1, 3)]
+  for split in ("train", "validation"):
+    per_class = demo.SPLIT_SIZES[split]
+    for c in inner:
+      leaves = sorted(_subtree_leaves(parent, c))
+      assert len(leaves) >= 2
+      members = set()
+      for index in range(c * per_class, c * per_class + 12):
+        record = classes.example(split, index)
+        image = _decode(record["image"])
+        # Which leaf looks are this image? Render every leaf of the subtree with the
+        # example's rng and compare pixels.
+        same = [leaf for leaf in leaves if np.array_equal(image, _decode(demo.png_bytes(
+            demo.render(classes.attrs[leaf], classes.num_roots,
+                        np.random.default_rng([0, demo.SPLIT_IDS[split], index])))))]
+        assert same == [record["member"]], (c, index, same)
+        members.add(record["member"])
+        assert record["true_label"] == c
+        if split == "validation":
+          assert record["label"] == c
+        else:
+          assert record["label"] == c or record["label"] in classes.ancestors[c]
+        assert classes.example(split, index) == record  # Deterministic.
+        # The plain look draws the class itself.
+        plain = classes.example(split, index, look="plain")
+        assert plain["member"] == c and plain["image"] != record["image"]
+      assert len(members) >= 2, (c, members)  # Different examples, different members.
+  # Another data seed draws other members for the same examples.
+  c, per_class = inner[0], demo.SPLIT_SIZES["validation"]
+  seeds = [[classes.example("validation", i, seed=s)["member"]
+            for i in range(c * per_class, c * per_class + 12)] for s in (0, 1)]
+  assert seeds[0] != seeds[1]
+  # A leaf's examples are the same under both looks.
+  leaf = int(np.flatnonzero(~has_child)[0])
+  index = leaf * demo.SPLIT_SIZES["train"] + 5
+  assert classes.example("train", index) == classes.example("train", index, look="plain")
+  assert classes.example("train", index)["member"] == leaf
+
+
+def test_members_are_uniform_over_the_subtree_leaves(classes):
+  """Over many examples of a root, every leaf under it is pictured about equally often."""
+  root = int(classes.tree.level_classes[0][0])
+  leaves = _subtree_leaves(classes.tree.parent, root)
+  draws = [classes.member(root, "train", i) for i in range(4000)]
+  counts = np.array([draws.count(leaf) for leaf in sorted(leaves)])
+  assert counts.sum() == len(draws)  # Nothing outside the subtree's leaves.
+  expected = len(draws) / len(leaves)
+  assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected)), counts
+  with pytest.raises(ValueError, match="Unknown demo look"):
+    classes.member(root, "train", 0, look="fancy")
+
+
 # ----------------------------------------------------------------------- the built demo
 
 
@@ -175,7 +249,7 @@ def test_hashtags_name_the_class_or_an_ancestor(full_records, classes):
 
 def test_background_hue_follows_the_root_and_shape_colour_the_level2_ancestor(
     full_records, classes):
-  """Corner pixels are background: hue = root rank / #roots. Depth-2 classes (no texture or
+  """Corner pixels are background: hue = root rank / #roots. Depth-2 leaves (no texture or
   bar) have their palette colour at the centre."""
   by_class = {}
   for r in full_records["validation"]:
@@ -190,7 +264,7 @@ def test_background_hue_follows_the_root_and_shape_colour_the_level2_ancestor(
     rank = int(np.flatnonzero(classes.tree.level_classes[0] == roots[c])[0])
     want = rank / num_roots
     assert min(abs(hue - want), 1 - abs(hue - want)) < 0.04, (c, hue, want)
-    if classes.tree.class_depth[c] == 2:
+    if classes.tree.class_depth[c] == 2 and classes.leaves[c] == [c]:
       centre = images[:, 15:17, 15:17].mean(axis=(0, 1, 2))
       sibling_rank = classes.attrs[c, 2]
       nearest = np.argmin(((palette - centre) ** 2).sum(-1))
@@ -200,12 +274,14 @@ def test_background_hue_follows_the_root_and_shape_colour_the_level2_ancestor(
 
 
 def test_learnable_nearest_class_mean_well_above_chance(full_records):
-  """Nearest class mean on raw pixels, trained on the (truncated) train labels."""
+  """Nearest class mean on raw pixels, trained on the (truncated) train labels, scored on the
+  validation images of leaf classes (an inner class's image pictures a leaf, so its exact
+  label cannot be read off the picture)."""
   def arrays(records):
     x = np.stack([_decode(r["image"]) for r in records]).reshape(len(records), -1) / 255.0
     return x.astype(np.float32), np.array([r["label"] for r in records])
   xt, yt = arrays(full_records["train"][:8000])
-  xv, yv = arrays(full_records["validation"])
+  xv, yv = arrays([r for r in full_records["validation"] if r["member"] == r["true_label"]])
   means = np.stack([xt[yt == c].mean(0) for c in range(100)])
   dist = (xv ** 2).sum(1, keepdims=True) - 2 * xv @ means.T + (means ** 2).sum(1)
   accuracy = (dist.argmin(1) == yv).mean()
@@ -276,6 +352,12 @@ def test_demo_variant_names(tmp_path):
   assert all(recs[i]["label"] == recs[i]["true_label"] for i in range(len(recs)))
   assert demo.config_name(0.2) == "trunc20"
   assert demo.config_name(0.125) == "trunc12.5"
+  assert demo.config_name(0.2, look="plain") == "plain_trunc20"
+  with pytest.raises(ValueError, match="Unknown demo look"):
+    demo.config_name(0.2, look="fancy")
+  with pytest.raises(ValueError, match="demo_plain/truncNN"):
+    datasets.get_dataset({"name": "demo_plain/half", "dir": str(tmp_path)})
+  assert demo.is_demo_name("demo_plain/trunc35") and not demo.is_demo_name("demo_coarse")
   with pytest.raises(ValueError, match="truncation must be in"):
     demo.config_name(1.5)
   with pytest.raises(ValueError, match="split_sizes needs exactly"):

@@ -35,6 +35,6 @@ def test_paper_scale_schedule_and_augmentation_as_the_authors_code():
 
 def test_demo_schedule_is_unchanged():
   config = semantic_softmax.get_config()
-  assert config.optim.schedule.div_factor == 25.0 and config.total_steps == 600
+  assert config.optim.schedule.div_factor == 25.0 and config.total_steps == 200
   assert config.data.train_augment == "flip" and config.model_init == ""
   assert config.model.name == "regnety_demo"

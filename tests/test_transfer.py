@@ -81,19 +81,38 @@ def test_fewshot_accuracies_from_drawn_features_only():
 
 def test_demo_coarse_labels_are_level1_ancestors():
   info = datasets.get_dataset({"name": "demo_coarse"}).info
-  assert info.num_classes == 16 and info.splits == ("train", "validation")
+  assert info.splits == ("train", "validation")
   fine = datasets.get_dataset({"name": "demo"})
-  mapping, names = demo_coarse.coarse_map(fine.info.class_names)
-  assert names == info.class_names
   from bigpretrain.semantic import tree as tree_lib
   tree = tree_lib.SemanticTree.from_wnids(fine.info.class_names)
+  # Every image pictures a leaf; the leaves' level-1 ancestors are all 12 level-1 classes.
+  level1 = [fine.info.class_names[c] for c in np.flatnonzero(tree.class_depth == 1)]
+  assert info.num_classes == 12 and info.class_names == level1
+  mapping, names = demo_coarse.coarse_map(fine.info.class_names, leaves_only=True)
+  assert names == info.class_names
+  is_parent = np.isin(np.arange(tree.num_classes), tree.parent)
   for c in range(tree.num_classes):
+    if is_parent[c]:
+      assert mapping[c] == -1
+      continue
     node = c
     while tree.class_depth[node] > 1:
       node = tree.parent[node]
     assert names[mapping[c]] == fine.info.class_names[node]
-  record = datasets.get_dataset({"name": "demo_coarse"}).source("validation")[3]
-  assert record["label"] == mapping[record["true_label"]]
+  # A validation image of a root class pictures a member with a shape; its coarse label is
+  # that member's level-1 ancestor.
+  source = datasets.get_dataset({"name": "demo_coarse"}).source("validation")
+  labels = []
+  for i in range(len(source)):
+    record = source[i]
+    labels.append(record["label"])
+    if tree.class_depth[record["true_label"]] == 0:
+      assert tree.class_depth[record["member"]] > 1
+      assert record["label"] == mapping[record["member"]]
+  assert sorted(set(labels)) == list(range(12))  # Every coarse class has images.
+  # Without leaves_only (demo_plain_coarse) the roots are classes too.
+  _, plain_names = demo_coarse.coarse_map(fine.info.class_names)
+  assert len(plain_names) == 16
 
 
 @pytest.fixture(scope="module")
