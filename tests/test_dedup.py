@@ -65,7 +65,9 @@ class _DedupDataset:
   inserted at their pool positions. Demo class list (a teacher's pool)."""
 
   def __init__(self, name, data_dir):
-    demo = datasets.get_dataset({"name": "demo", "dir": data_dir})
+    # The earlier look: in 'demo' an inner class's images repeat leaf looks, so the pool holds
+    # natural near-duplicates of validation images besides the planted ones.
+    demo = datasets.get_dataset({"name": "demo_plain", "dir": data_dir})
     depth = tree_lib.SemanticTree.from_wnids(demo.info.class_names).class_depth
 
     def below_roots(split, n):
