@@ -210,6 +210,14 @@ def _check_values(config: Mapping[str, Any]) -> None:
     name = config[section].name
     if not isinstance(name, str) or not name:
       raise ValueError(f'config.{section}.name={name!r} must be a non-empty str.')
+  group = config.model.get('bn_group_size', 0)
+  if not _is_int(group) or group < 0:
+    raise ValueError(f'config.model.bn_group_size={group!r} must be an int >= 0 (0 = BatchNorm '
+                     'statistics over the whole batch).')
+  if group and config.batch_size % group:
+    raise ValueError(f'config.model.bn_group_size={group} must divide config.batch_size='
+                     f'{config.batch_size}: BatchNorm statistics are taken per group of '
+                     f'{group} rows.')
   if config.model_init_head and config.model_init_head not in model_init.HOOKS:
     raise ValueError(model_init.HOOKS.unknown_message(config.model_init_head))
   if config.model_init_head and not config.model_init:

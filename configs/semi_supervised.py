@@ -21,7 +21,10 @@ class list. ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K = 16k and 1
 images of pretraining (section 4.1, "Default parameters"); batch 1536 on 64 GPUs (24 per
 GPU), weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13
 equally spaced steps; fine-tuning at lr 0.00025 x batch / 256 with three equally spaced x0.1
-steps over 30 epochs (section 4.1, "Training details").
+steps over 30 epochs (section 4.1, "Training details"). BatchNorm statistics per 24 images
+(`model.bn_group_size`; section 4.1: "Each GPU processes 24 images at a time and apply batch
+normalization ... on each GPU"), in every stage whose model has BatchNorm; the groups are rows
+of the global batch, so they hold on any mesh (SWAG's configs keep synchronised BN instead).
 Deduplication (supplement section 5): before selection the pool loses its near-duplicates of
 the evaluation sets, `dedup.against` (default at paper scale: NAME's validation split; add
 e.g. a CUB-2011 split for transfer), the `dedup.top_n` = 5000 closest pool images ("The top
@@ -73,10 +76,12 @@ or '' = the scale's default).
 import ml_collections
 
 from bigpretrain import config_lib
+from bigpretrain import models
 from configs import common_fewshot
 from input_pipeline import pipeline
 
 PAPER_BATCH = 1536  # 64 GPUs x 24 images (section 4.1).
+PAPER_BN_GROUP = 24  # BatchNorm "on each GPU" of 24 images (section 4.1).
 PAPER_PRETRAIN_IMAGES = 1_000_000_000  # "#iter = 1B images" (section 4.1, Default parameters).
 IMAGENET_TRAIN = 1_281_167
 WARMUP_EPOCHS = 5  # Goyal et al. 2017, the paper's [13]; the paper gives no length.
@@ -211,6 +216,9 @@ def get_config(arg=None):
     c.finetune = _trainer(model=student, image_size=size, batch_size=batch,
                           lr=0.00025 * batch / 256)
     c.finetune.num_epochs = FINETUNE_EPOCHS
+    for stage in (c.teacher, c.student, c.finetune):
+      if models.accepts(stage.model.name, "bn_group_size"):
+        stage.model.bn_group_size = PAPER_BN_GROUP
     warmup = round(WARMUP_EPOCHS * IMAGENET_TRAIN / batch)
   for stage in (c.teacher, c.student, c.finetune):
     common_fewshot.add(stage, demo)

@@ -46,8 +46,10 @@ def test_unknown_model_name_lists_registered():
 
 
 def test_unknown_and_fixed_kwargs_are_named():
-  with pytest.raises(TypeError, match="colour"):
-    _abstract("vit_ti16", num_classes=10, colour="red")
+  with pytest.raises(TypeError, match=r"unknown option\(s\) \['colour'\]; accepted: .*'drop_path_rate'"):
+    _abstract("vit_ti16", num_classes=10, colour="red")  # A class's options, from __init__.
+  assert not models.accepts("vit_b16", "bn_group_size") and models.accepts("resnet50",
+                                                                          "bn_group_size")
   with pytest.raises(TypeError, match="width"):
     _abstract("vit_ti16", num_classes=10, width=64)
   with pytest.raises(TypeError, match="colour"):

@@ -22,6 +22,21 @@ def _lr(section, total):
   return optim.make_schedule(section.optim.schedule, lr=section.optim.lr, total_steps=total)
 
 
+def test_paper_batchnorm_is_per_24_images_in_every_convnet_stage():
+  """Section 4.1: BatchNorm on each GPU's 24 images; SWAG keeps synchronised BN."""
+  paper = recipe.get_config("scale=paper")
+  for stage in ("teacher", "student", "finetune", "baseline"):
+    assert paper[stage].model.bn_group_size == 24
+    assert paper[stage].batch_size % 24 == 0
+    config_lib.validate(paper[stage])
+  vit_teacher = recipe.get_config("scale=paper,teacher=vit_b16")
+  assert "bn_group_size" not in vit_teacher.teacher.model  # A ViT has no BatchNorm.
+  assert vit_teacher.student.model.bn_group_size == 24
+  assert "bn_group_size" not in recipe.get_config().student.model  # Demo: vit_demo.
+  from configs import swag_regnety  # pylint: disable=import-outside-toplevel
+  assert "bn_group_size" not in swag_regnety.get_config("dataset=hashtags:ig").model
+
+
 @pytest.mark.parametrize("stage", ["teacher", "baseline"])
 def test_paper_teacher_and_baseline_use_the_standard_imagenet_recipe(stage):
   c = recipe.get_config("scale=paper")[stage]

@@ -30,7 +30,8 @@ def _accepted_kwargs(factory) -> tuple[set[str] | None, set[str]]:
   if isinstance(factory, functools.partial):
     fixed = set(factory.keywords)
     func = factory.func
-  params = inspect.signature(func).parameters
+  # A class's own signature is its metaclass's (*args, **kwargs) under nnx: read __init__.
+  params = inspect.signature(func.__init__ if inspect.isclass(func) else func).parameters
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
     return None, fixed
   names = {n for n, p in params.items()

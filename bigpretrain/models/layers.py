@@ -1,4 +1,5 @@
-"""Building blocks shared by the models: stochastic depth, LayerScale, MLP, init helpers."""
+"""Building blocks shared by the models: stochastic depth, BatchNorm, LayerScale, MLP, init
+helpers."""
 from collections.abc import Callable, Sequence
 import math
 
@@ -244,6 +245,59 @@ def check_rng(train: bool, rates: Sequence[float], rng: jax.Array | None, model:
     raise ValueError(
         f"{model}: train=True with drop_path_rate > 0 needs an explicit `rng` key "
         "(stochastic depth draws its randomness from the rng argument).")
+
+
+class BatchNorm(nnx.BatchNorm):
+  """nnx.BatchNorm whose training statistics can be those of groups of `group_size` rows.
+
+  group_size 0 (the default): statistics of the whole batch, which under a sharded jit is the
+  global batch (synchronised BatchNorm, SWAG's choice). group_size N: rows [0, N), [N, 2N),
+  ... are normalised each with its own mean and variance, as a data-parallel trainer without
+  sync BN does with N images per GPU (Yalniz et al. 2019, section 4.1: 24 per GPU); the groups
+  are fixed by the row index, so the result does not depend on the mesh. The running averages
+  move towards the mean over groups of the group means and of the group (biased) variances:
+  the statistics an evaluation then sees are those of an N-image batch, not of the global
+  batch. Evaluation (use_running_average) is unchanged. Same variables as nnx.BatchNorm, so
+  checkpoints are interchangeable; set the size with `set_bn_group_size`.
+  """
+  group_size: int = 0
+
+  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *,
+               mask: jax.Array | None = None) -> jax.Array:
+    running = self.use_running_average if use_running_average is None else use_running_average
+    if not self.group_size or running:
+      return super().__call__(x, use_running_average, mask=mask)
+    if mask is not None or self.axis != -1:
+      raise ValueError("group BatchNorm normalises the last axis and takes no mask")
+    rows, n = x.shape[0], self.group_size
+    if rows % n:
+      raise ValueError(f"BatchNorm group size {n} does not divide the {rows} rows of the "
+                       "batch: make the batch size a multiple of model.bn_group_size.")
+    dtype = jnp.promote_types(self.dtype or x.dtype, jnp.float32)
+    groups = x.reshape((rows // n, n) + x.shape[1:]).astype(dtype)
+    axes = tuple(range(1, groups.ndim - 1))
+    mean = groups.mean(axes, keepdims=True)
+    var = jnp.square(groups - mean).mean(axes, keepdims=True)
+    features = x.shape[-1]
+    for stat, value in ((self.mean, mean), (self.var, var)):
+      stat[...] = jax.lax.stop_gradient(
+          self.momentum * stat[...] + (1 - self.momentum) * value.reshape(-1, features).mean(0))
+    y = (groups - mean) * jax.lax.rsqrt(var + self.epsilon)
+    if self.scale is not None:
+      y = y * self.scale[...].astype(dtype)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(dtype)
+    return y.reshape(x.shape).astype(self.dtype or x.dtype)
+
+
+def set_bn_group_size(model: nnx.Module, group_size: int) -> None:
+  """Sets the statistics group of every BatchNorm in `model` (0 = the whole batch)."""
+  if group_size < 0:
+    raise ValueError(f"bn_group_size must be >= 0 (0 = whole-batch statistics), got "
+                     f"{group_size}")
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, BatchNorm):
+      module.group_size = int(group_size)
 
 
 class LayerScale(nnx.Module):

@@ -50,7 +50,7 @@ class _Ops:
                     conv_general_dilated=layers.batch_local_conv, **self.kw)
 
   def bn(self, ch):
-    return nnx.BatchNorm(ch, momentum=0.9, epsilon=1e-5, **self.kw)
+    return layers.BatchNorm(ch, momentum=0.9, epsilon=1e-5, **self.kw)
 
 
 class SqueezeExcite(nnx.Module):
@@ -108,7 +108,7 @@ class MobileNetV3(base.Classifier):
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, image_size=224,
                dtype=jnp.float32, param_dtype=jnp.float32, drop_path_rate: float = 0.0,
-               num_features: int = 1280):
+               num_features: int = 1280, bn_group_size: int = 0):
     if drop_path_rate:
       raise ValueError(f"MobileNetV3 does not implement stochastic depth; got drop_path_rate="
                        f"{drop_path_rate!r} (only 0 is accepted)")
@@ -129,6 +129,7 @@ class MobileNetV3(base.Classifier):
     self.num_features = num_features
     self.head = layers.classifier_head(num_features, num_classes, param_dtype=param_dtype,
                                        rngs=rngs)
+    layers.set_bn_group_size(self, bn_group_size)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

@@ -131,7 +131,7 @@ class RegNet(base.Classifier):
                stem_width: int = 32, image_size=224, dtype=jnp.float32,
                param_dtype=jnp.float32, drop_path_rate: float = 0.0,
                drop_path_schedule: str = "linear", stochastic_depth: str = "mask",
-               zero_init_residual: bool = True):
+               zero_init_residual: bool = True, bn_group_size: int = 0):
     resnet.check_convnet_stochastic_depth(stochastic_depth)
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.num_classes = num_classes
@@ -157,6 +157,7 @@ class RegNet(base.Classifier):
     self.depth = self.num_blocks = len(blocks)
     self.num_features = in_ch
     self.head = layers.classifier_head(in_ch, num_classes, param_dtype=param_dtype, rngs=rngs)
+    layers.set_bn_group_size(self, bn_group_size)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

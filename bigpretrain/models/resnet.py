@@ -8,7 +8,9 @@ width_per_group=48.
 
 BatchNorm runs on batch statistics when train=True (updating the nnx.BatchStat running
 averages, momentum 0.9 in Flax terms = 0.1 in PyTorch terms) and on the running averages
-otherwise. Under jit with a sharded batch the statistics are those of the global batch.
+otherwise. Under jit with a sharded batch the statistics are those of the global batch;
+bn_group_size=N takes them per group of N rows instead, as a trainer without synchronised BN
+does with N images per GPU (layers.BatchNorm; the semi-supervised recipe's 24).
 Init: convs He-normal (fan_out), the last BatchNorm scale of every residual branch zero
 (Goyal et al. 2017, so each block starts as the identity; zero_init_residual=False gives
 torchvision's default of one), zero head.
@@ -65,9 +67,10 @@ def check_convnet_stochastic_depth(stochastic_depth: str) -> None:
 
 def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
   """BatchNorm with PyTorch's defaults (momentum 0.1 = Flax 0.9, eps 1e-5)."""
-  return nnx.BatchNorm(ch, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
-                       scale_init=nnx.initializers.zeros if zero_scale else nnx.initializers.ones,
-                       rngs=rngs)
+  return layers.BatchNorm(ch, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
+                          scale_init=(nnx.initializers.zeros if zero_scale
+                                      else nnx.initializers.ones),
+                          rngs=rngs)
 
 
 class BasicBlock(nnx.Module):
@@ -145,7 +148,8 @@ class ResNet(base.Classifier):
                block: str = "bottleneck", groups: int = 1, width_per_group: int = 64,
                image_size=224, dtype=jnp.float32, param_dtype=jnp.float32,
                drop_path_rate: float = 0.0, drop_path_schedule: str = "linear",
-               stochastic_depth: str = "mask", zero_init_residual: bool = True):
+               stochastic_depth: str = "mask", zero_init_residual: bool = True,
+               bn_group_size: int = 0):
     check_convnet_stochastic_depth(stochastic_depth)
     if block not in _BLOCKS:
       raise ValueError(f"block must be one of {sorted(_BLOCKS)}, got {block!r}")
@@ -182,6 +186,7 @@ class ResNet(base.Classifier):
     self.depth = self.num_blocks = len(blocks)
     self.num_features = in_ch
     self.head = layers.classifier_head(in_ch, num_classes, param_dtype=param_dtype, rngs=rngs)
+    layers.set_bn_group_size(self, bn_group_size)
 
   def features(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:

@@ -173,7 +173,7 @@ class TResNet(base.Classifier):
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, stage_sizes: tuple[int, ...],
                width_factor: float = 1.0, image_size=224, dtype=jnp.float32,
                param_dtype=jnp.float32, drop_path_rate: float = 0.0,
-               zero_init_residual: bool = True):
+               zero_init_residual: bool = True, bn_group_size: int = 0):
     if drop_path_rate:
       raise ValueError(f"TResNet does not implement stochastic depth; got drop_path_rate="
                        f"{drop_path_rate!r} (only 0 is accepted)")
@@ -204,6 +204,7 @@ class TResNet(base.Classifier):
     self.depth = self.num_blocks = sum(stage_sizes)
     self.num_features = in_ch
     self.head = layers.classifier_head(in_ch, num_classes, param_dtype=param_dtype, rngs=rngs)
+    layers.set_bn_group_size(self, bn_group_size)
 
   def stages(self, images: jax.Array, *, train: bool = False) -> list[jax.Array]:
     """The four stage outputs [B, H / s, W / s, stage_widths[i]], s = 4, 8, 16, 32."""
