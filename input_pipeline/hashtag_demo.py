@@ -1,10 +1,12 @@
 """`hashtags:demo`: the demo's tags prepared by the hashtag Beam job (hashtag_job.py), once.
 
 The demo's train and validation images and tags are exported once into the cache as WebDataset
-shards (`<data dir>/hashtags_demo_raw/SPLIT/*.tar`, KEY.png + KEY.json {"hashtags", "label"})
-and prepared by hashtag_job with min_count = min_raw_count = 1 (the vocabulary is every
-canonical label of the train tags) and DEMO_TAIL_THRESHOLD, under a file lock, like the demo
-itself. Building it the first time needs Apache Beam; this module is imported only when the
+shards (`<data dir>/hashtags_demo_raw/VERSION/SPLIT/*.tar`, KEY.png + KEY.json {"hashtags",
+"label"}) and prepared by hashtag_job as `bigpretrain_hashtags/demo_VERSION` with min_count =
+min_raw_count = 1 (the vocabulary is every canonical label of the train tags) and
+DEMO_TAIL_THRESHOLD, under a file lock, like the demo itself. VERSION is the demo's tfds
+version (dots as underscores), so a new demo version is exported and prepared anew rather than
+read from an older cache. Building it the first time needs Apache Beam; this module is imported only when the
 name is used.
 """
 import io
@@ -58,14 +60,15 @@ def demo_builder(data_dir: str):
   """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
   base = demo.prepare(data_dir or None)
   root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
-  full_name = f"{hashtag_source.BUILDER_NAME}/{DEMO_NAME}"
-  found = hashtag_source.find(full_name, root)
+  version = str(base.info.version).replace(".", "_")
+  name = f"{DEMO_NAME}_{version}"
+  found = hashtag_source.find(f"{hashtag_source.BUILDER_NAME}/{name}", root)
   if found is not None and (pathlib.Path(found.data_dir) /
                             hashtag_source.LABEL_INDEX.format(split="train")).exists():
     return found
-  with demo.file_lock(root / f".{hashtag_source.BUILDER_NAME}-{DEMO_NAME}.lock"):
-    raw = export_demo(base, root / DEMO_RAW)
-    return hashtag_job.prepare(raw, root, DEMO_NAME, min_count=1, min_raw_count=1,
+  with demo.file_lock(root / f".{hashtag_source.BUILDER_NAME}-{name}.lock"):
+    raw = export_demo(base, root / DEMO_RAW / version)
+    return hashtag_job.prepare(raw, root, name, min_count=1, min_raw_count=1,
                                tail_threshold=DEMO_TAIL_THRESHOLD)
 
 

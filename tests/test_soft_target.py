@@ -1,6 +1,7 @@
 """SWAG soft-target objective and the `hashtags:demo` data source, against numpy."""
 import math
 
+import cv2
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -159,6 +160,10 @@ def test_objective_settings_are_checked():
 # ---------------------------------------------------------------- hashtags:demo
 
 
+def _decode(png: bytes) -> np.ndarray:
+  return cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_UNCHANGED)
+
+
 @pytest.fixture(scope="module")
 def hashtags_demo():
   return datasets.get_dataset({"name": "hashtags:demo", "dir": ""})
@@ -185,6 +190,14 @@ def test_hashtag_demo_vocabulary_and_records(hashtags_demo):
   lengths = [len(validation[i]["hashtag_ids"]) for i in range(0, len(validation), 50)]
   assert max(lengths) <= info.features["hashtag_ids"] and max(lengths) >= 2
   assert validation.index_sampler(0, 0, 1) is None
+  # Its images are the current demo version's (an inner class's image pictures a member).
+  inner = 0
+  for i in range(0, len(validation), 100):
+    record = validation[i]
+    demo_record = base.source("validation")[int(record["file_name"].rsplit("/", 1)[1])]
+    np.testing.assert_array_equal(_decode(record["image"]), _decode(demo_record["image"]))
+    inner += demo_record["member"] != demo_record["label"]
+  assert inner > 0
 
 
 def test_hashtag_demo_train_is_resampled_per_host(hashtags_demo):
