@@ -3,7 +3,11 @@ from the compiler of the devices it targets, with nothing allocated and no datas
 
 plan(config, devices=...) compiles the real train step (the config's objective, model,
 optimizer, shardings and batch) with abstract state (jax.ShapeDtypeStruct with shardings)
-for the given devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU slice
+for the given devices; a distillation's frozen teacher is abstract too, described by its
+checkpoint's meta or by `teacher_model` before it exists. step='infer' compiles the inference
+engine's pool step instead (the eval-mode forward and its top-P scores, as a semi-supervised
+teacher ranks the unlabelled pool: pool_predictions.make_step) with the model's variables
+only. Devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU slice
 (libtpu) or a GPU cluster (the CUDA PJRT plugin) from bigpretrain.accelerators. The class
 lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
 others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
@@ -40,8 +44,10 @@ from bigpretrain import accelerators
 from bigpretrain import goodput
 from bigpretrain import hlo_collectives
 from bigpretrain import objectives
+from bigpretrain import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
+from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline import demo
 
@@ -119,9 +125,16 @@ def abstract_batch(exp) -> dict:
   return batch
 
 
-def compile_step(config, num_classes: int | None = None, devices=None):
-  """(Experiment, abstract state, compiled train step) of `config` on the available (or the
-  given) devices, with nothing allocated and no dataset read."""
+STEPS = ("train", "infer")
+
+
+def compile_step(config, num_classes: int | None = None, devices=None,
+                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
+  """(Experiment, abstract state, compiled step) of `config` on the available (or the given)
+  devices, with nothing allocated and no dataset read. The state of step='infer' is the
+  model's {'params', 'extra'}; `teacher_model` names a distillation teacher's model."""
+  if step not in STEPS:
+    raise ValueError(f"step={step!r} must be one of {STEPS}.")
   config = config.copy_and_resolve_references()
   if config.data.get("subset_frac", 1.0) != 1.0:  # A few-shot draw reads the records.
     with config.unlocked():
@@ -129,16 +142,41 @@ def compile_step(config, num_classes: int | None = None, devices=None):
   # The objective's fields, read off an objective built on a label-only stand-in.
   probe = planning_dataset(config, (), num_classes)
   reads = objectives.get_objective(config.objective, probe.info).reads
-  exp = train.build(config, devices, dataset=planning_dataset(config, reads, num_classes))
-  state = exp.abstract_state()
+  exp = train.build(config, devices, dataset=planning_dataset(config, reads, num_classes),
+                    load_frozen=False)
+  frozen, frozen_shardings = exp.objective.abstract_frozen(
+      exp.mesh, train.rules_of(config), config.compute_dtype, config.data,
+      None if teacher_model is None else {"name": teacher_model})
+  if teacher_model is not None and frozen is None:
+    raise ValueError(f"--teacher_model={teacher_model!r}: objective "
+                     f"{config.objective.name!r} has no teacher.")
+  exp = dataclasses.replace(exp, frozen=frozen, frozen_shardings=frozen_shardings)
   # Compile-only devices have no client to load a cached executable into: no cache for them.
   platform = exp.mesh.devices.flat[0].platform
   cache = platform == jax.default_backend()
   options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
   with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
-    lowered = exp.train_step().lower(state, abstract_batch(exp), exp.frozen)
+    if step == "train":
+      state = exp.abstract_state()
+      lowered = exp.train_step().lower(state, abstract_batch(exp), exp.frozen)
+    else:
+      state, shardings = pretrained.abstract_variables(exp.model_def, exp.mesh,
+                                                       train.rules_of(config))
+      forward = pool_predictions.make_step(exp.model_def, shardings, exp.mesh,
+                                           config.data.normalize, top_p, logits=False)
+      lowered = forward.lower(state["params"], state["extra"], abstract_infer_batch(exp))
     compiled = lowered.compile(compiler_options=options)
   return exp, state, compiled
+
+
+def abstract_infer_batch(exp) -> dict:
+  """The inference engine's global batch: images, each row's 'index' and 'mask'."""
+  b, size = int(exp.config.batch_size), int(exp.config.data.image_size)
+  spec = sharding.batch_sharding(exp.mesh)
+  return {"image": jax.ShapeDtypeStruct((b, size, size, 3), np.uint8, sharding=spec),
+          "index": jax.ShapeDtypeStruct((b,), np.int64 if jax.config.jax_enable_x64
+                                        else np.int32, sharding=spec),
+          "mask": jax.ShapeDtypeStruct((b,), np.int32, sharding=spec)}
 
 
 def cost_estimate(compiled) -> dict:
@@ -157,14 +195,16 @@ def cost_estimate(compiled) -> dict:
 
 
 def plan(config, num_classes: int | None = None, accelerator: str | None = None,
-         devices=None) -> dict:
-  """The plan of `config`'s train step on `devices` (default: jax.devices()), as a JSON-ready
-  dict (see the module docstring); all `_bytes` per device. `accelerator` (a key of
-  accelerators.ACCELERATORS) defaults to the table's entry for the devices' kind, if any."""
+         devices=None, teacher_model: str | None = None, step: str = "train",
+         top_p: int = 10) -> dict:
+  """The plan of `config`'s train step (or inference step) on `devices` (default:
+  jax.devices()), as a JSON-ready dict (see the module docstring); all `_bytes` per device.
+  `accelerator` (a key of accelerators.ACCELERATORS) defaults to the table's entry for the
+  devices' kind, if any."""
   if accelerator is not None:
     accelerators.get(accelerator)  # A clear error before a long compile.
   start = time.perf_counter()
-  exp, state, compiled = compile_step(config, num_classes, devices)
+  exp, state, compiled = compile_step(config, num_classes, devices, teacher_model, step, top_p)
   compile_s = time.perf_counter() - start
   device = exp.mesh.devices.flat[0]
   if accelerator is None:
@@ -172,7 +212,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     accelerator = known.name if known else None
   mem = compiled.memory_analysis()
   out = {
-      "config": config.objective.name, "model": config.model.name,
+      "config": config.objective.name, "model": config.model.name, "step": step,
       "compiler": accelerators.compiler_name(device), "device_kind": device.device_kind,
       "devices": exp.mesh.size, "mesh": dict(exp.mesh.shape),
       "batch_size": int(config.batch_size),
@@ -182,7 +222,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "num_classes": exp.dataset.info.num_classes,
       "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
       "params_bytes": shard_bytes(state["params"]),
-      "opt_state_bytes": shard_bytes(state["opt_state"]),
+      "opt_state_bytes": shard_bytes(state["opt_state"]) if "opt_state" in state else 0,
       "state_bytes": shard_bytes(state),
       "argument_bytes": int(mem.argument_size_in_bytes),
       "output_bytes": int(mem.output_size_in_bytes),
@@ -194,6 +234,10 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "collectives": hlo_collectives.collectives(compiled.as_text()),
       "compile_seconds": round(compile_s, 1),
   }
+  if exp.frozen is not None:  # A distillation teacher: an input of every step.
+    out["frozen_bytes"] = shard_bytes(exp.frozen)
+    if teacher_model is not None:
+      out["teacher_model"] = teacher_model
   # Live at the peak: the inputs, the outputs not written in place of a donated input, and
   # the temporaries (XLA's own total, as jax's memory_analysis tests count it).
   out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
@@ -223,14 +267,17 @@ def _gb(x: int) -> str:
 
 def describe(p: dict) -> str:
   """The plan as a few readable lines."""
-  lines = [f"{p['model']} / {p['config']}: {p['devices']} devices, mesh {p['mesh']}, batch "
+  teacher = f" (teacher {p['teacher_model']})" if "teacher_model" in p else ""
+  lines = [f"{p['model']} / {p['config']}{teacher}, {p['step']} step: {p['devices']} devices, "
+           f"mesh {p['mesh']}, batch "
            f"{p['batch_size']} ({p['batch_per_device']} per device), {p['image_size']}px, "
            f"{p['compute_dtype']}, {p['num_params'] / 1e6:.1f}M params",
            f"compiler: {p['compiler']}", "per device:"]
-  for key in ("params_bytes", "opt_state_bytes", "state_bytes", "argument_bytes",
-              "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
-              "total_bytes"):
-    lines.append(f"  {key:22s}{_gb(p[key])}")
+  for key in ("params_bytes", "opt_state_bytes", "state_bytes", "frozen_bytes",
+              "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+              "generated_code_bytes", "total_bytes"):
+    if key in p:
+      lines.append(f"  {key:22s}{_gb(p[key])}")
   lines.append(f"  {'flops_per_device':22s}{p['flops_per_device'] / 1e12:8.3f} TFLOP per step")
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "

@@ -259,8 +259,9 @@ def build_model(config, devices=None, dataset=None) -> ModelSetup:
                     shardings=variable_shardings(model_def, config, mesh))
 
 
-def build(config, devices=None, dataset=None) -> Experiment:
-  """build_model, then the objective (checked against the data and config) and optimizer."""
+def build(config, devices=None, dataset=None, load_frozen: bool = True) -> Experiment:
+  """build_model, then the objective (checked against the data and config) and optimizer.
+  load_frozen=False leaves the objective's fixed inputs unread (a plan sets abstract ones)."""
   setup = build_model(config, devices, dataset)
   info = setup.dataset.info
   objective = objectives.get_objective(config.objective, info)
@@ -273,8 +274,9 @@ def build(config, devices=None, dataset=None) -> Experiment:
   shardings = state_shardings(setup.model_def, tx, config, setup.mesh)
   sharding.log_shardings(shardings["params"], setup.model_def.abstract_pure_params())
   # E.g. a distillation teacher, sharded like the student.
-  frozen, frozen_shardings = objective.load_frozen(setup.mesh, rules_of(config),
-                                                   config.compute_dtype, config.data)
+  frozen, frozen_shardings = (objective.load_frozen(setup.mesh, rules_of(config),
+                                                    config.compute_dtype, config.data)
+                              if load_frozen else (None, None))
   return Experiment(config=config, mesh=setup.mesh, dataset=setup.dataset,
                     model_def=setup.model_def, shardings=shardings, objective=objective, tx=tx,
                     schedule=schedule, total_steps=total_steps, frozen=frozen,

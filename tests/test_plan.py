@@ -87,6 +87,30 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
   assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
 
 
+def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_step():
+  """A semantic KD step with its teacher (the student's own model here, so its bytes are
+  the student's params') as an extra step input; the inference engine's pool step: the
+  model's variables only, no optimizer, the forward alone."""
+  plain = plan_lib.plan(_config(batch_size=16))
+  kd_config = _config(batch_size=16, recipe="semantic_kd",
+                      **{"objective.teacher_checkpoint": "/not/read"})
+  kd = plan_lib.plan(kd_config, teacher_model="vit_demo")
+  assert kd["teacher_model"] == "vit_demo" and "frozen_bytes" not in plain
+  assert kd["frozen_bytes"] == plain["params_bytes"]  # vit_demo keeps no BatchNorm stats.
+  assert kd["argument_bytes"] - plain["argument_bytes"] == kd["frozen_bytes"]
+  assert kd["flops_per_device"] > plain["flops_per_device"]  # The teacher's forward pass.
+  infer = plan_lib.plan(_config(batch_size=16), step="infer", top_p=5)
+  assert infer["step"] == "infer" and infer["opt_state_bytes"] == 0
+  assert infer["params_bytes"] == infer["state_bytes"] == plain["params_bytes"]
+  # Forward only: about a third of the train step's forward + backward.
+  assert 0.15 < infer["flops_per_device"] / plain["flops_per_device"] < 0.5
+  assert infer["collectives"]["reduce-scatter"]["count"] == 0  # No gradients.
+  with pytest.raises(ValueError, match="has no teacher"):
+    plan_lib.plan(_config(batch_size=16), teacher_model="vit_demo")
+  with pytest.raises(ValueError, match="step='eval' must be one of"):
+    plan_lib.plan(_config(batch_size=16), step="eval")
+
+
 @pytest.mark.parametrize("model,size", [("vit_demo", 16), ("regnety_demo", 32)])
 def test_per_device_memory_is_flat_when_devices_and_batch_grow_together(model, size):
   """Golden: FSDP over n devices, 4 images per device: temporaries per device must not grow

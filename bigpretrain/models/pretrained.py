@@ -29,14 +29,21 @@ def load(path: str, *, mesh=None, rules=(), compute_dtype: str | None = None) ->
   meta = checkpoint.read_meta(path)
   model_def = models.ModelDef.from_config(meta["model"], meta["num_classes"],
                                           compute_dtype or meta["compute_dtype"])
+  abstract, shardings = abstract_variables(model_def, mesh, rules)
+  return Loaded(model_def, checkpoint.load_params(path, abstract), meta, shardings)
+
+
+def abstract_variables(model_def, mesh=None, rules=()) -> tuple[dict, dict | None]:
+  """({'params', 'extra'} as ShapeDtypeStructs, their shardings): params sharded by the
+  logical `rules` on `mesh`, extra replicated; without a mesh, unsharded and None."""
   abstract = {"params": model_def.abstract_pure_params(),
               "extra": model_def.abstract_pure_extra()}
-  shardings = None
-  if mesh is not None:
-    shardings = {
-        "params": sharding.state_shardings(model_def.abstract_params, rules, mesh),
-        "extra": sharding.state_shardings(model_def.abstract_extra, (), mesh),
-    }
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
-  return Loaded(model_def, checkpoint.load_params(path, abstract), meta, shardings)
+  if mesh is None:
+    return abstract, None
+  shardings = {
+      "params": sharding.state_shardings(model_def.abstract_params, rules, mesh),
+      "extra": sharding.state_shardings(model_def.abstract_extra, (), mesh),
+  }
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return abstract, shardings

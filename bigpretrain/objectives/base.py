@@ -54,6 +54,13 @@ class Objective:
     del mesh, rules, compute_dtype, data_cfg
     return None, None
 
+  def abstract_frozen(self, mesh, rules, compute_dtype, data_cfg, model=None):
+    """load_frozen's (tree, shardings) as ShapeDtypeStructs, for compiling a step ahead of
+    time (bigpretrain.aot_plan): no weights read. `model` (a config.model mapping) stands in
+    for a checkpoint's model, e.g. to plan a distillation before its teacher exists."""
+    del mesh, rules, compute_dtype, data_cfg, model
+    return None, None
+
 
 def check_keys(cfg, allowed: set[str]) -> None:
   """Rejects unknown keys in config.objective, naming them."""

@@ -14,6 +14,7 @@ project's own choices, not the paper's:
 """
 import jax
 
+from bigpretrain import checkpoint
 from bigpretrain import losses
 from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
@@ -39,21 +40,36 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
   def load_frozen(self, mesh, rules, compute_dtype, data_cfg):
     """The teacher's params and state, sharded by the student's logical rules. The teacher
     sees the student's batch, so it must expect the same normalisation."""
+    self._check_teacher(checkpoint.read_meta(self.teacher_dir), data_cfg)
     teacher = pretrained.load(self.teacher_dir, mesh=mesh, rules=rules,
                               compute_dtype=compute_dtype)
-    if teacher.meta["class_names"] != self.class_names:
+    self.teacher_def = teacher.model_def
+    return teacher.variables, teacher.shardings
+
+  def abstract_frozen(self, mesh, rules, compute_dtype, data_cfg, model=None):
+    """The teacher's shapes and shardings: from its checkpoint's meta, or `model` in its
+    place (a teacher of this dataset's classes)."""
+    from bigpretrain import models  # pylint: disable=import-outside-toplevel
+    if model is None:
+      meta = checkpoint.read_meta(self.teacher_dir)
+      self._check_teacher(meta, data_cfg)
+      model = meta["model"]
+    self.teacher_def = models.ModelDef.from_config(model, len(self.class_names), compute_dtype,
+                                                   data_cfg.image_size)
+    return pretrained.abstract_variables(self.teacher_def, mesh, rules)
+
+  def _check_teacher(self, meta, data_cfg) -> None:
+    if meta["class_names"] != self.class_names:
       raise ValueError(
-          f"The teacher in {self.teacher_dir} was trained on {teacher.meta['num_classes']} "
-          f"classes of {teacher.meta['dataset']!r}, not on this dataset's "
+          f"The teacher in {self.teacher_dir} was trained on {meta['num_classes']} "
+          f"classes of {meta['dataset']!r}, not on this dataset's "
           f"{len(self.class_names)} classes: semantic KD needs the same class list.")
-    expects = teacher.meta["data"]["normalize"]
+    expects = meta["data"]["normalize"]
     if expects != data_cfg.normalize:
       raise ValueError(
           f"The teacher in {self.teacher_dir} was trained on images normalised by {expects!r}, "
           f"but config.data.normalize={data_cfg.normalize!r}: the teacher would see inputs "
           f"it was not trained on. Set --config.data.normalize={expects}.")
-    self.teacher_def = teacher.model_def
-    return teacher.variables, teacher.shardings
 
   def teacher_logits(self, frozen, images):
     teacher = self.teacher_def.merge(frozen["params"], frozen["extra"])

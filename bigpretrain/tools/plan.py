@@ -4,6 +4,10 @@ r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per 
       --topology=tpu:v5p:4x4x4 --mesh=data:1,fsdp:64,tensor:1 [--json]
   python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:4x8   # 4 nodes of 8 GPUs.
   python -m bigpretrain.tools.plan --config=... --devices=64 --accelerator=h100  # XLA:CPU.
+  python -m bigpretrain.tools.plan --config=configs/semantic_kd.py:model=tresnet_m,teacher=unused,dataset=imagenet21k_p \
+      --teacher_model=tresnet_l --topology=gpu:h100:1x8      # distillation before the teacher exists
+  python -m bigpretrain.tools.plan --config=configs/single_label.py:model=resnext101_32x48d,dataset=tfds:imagenet2012 \
+      --step=infer --top_p=10 --topology=tpu:v5p:4x4x4       # a teacher ranking an unlabelled pool
 
 --topology compiles with the accelerator's own compiler and no accelerator attached (libtpu,
 pip install 'bigpretrain[tpu]'; the CUDA plugin, pip install 'bigpretrain[cuda]'); when it is
@@ -37,6 +41,11 @@ def define_flags() -> None:
                     "topology's).")
   flags.DEFINE_integer("num_classes", None, "Classes of a dataset whose class list does not "
                        "ship with the package.")
+  flags.DEFINE_string("teacher_model", None, "A distillation teacher's model name, planned in "
+                      "place of the checkpoint objective.teacher_checkpoint names.")
+  flags.DEFINE_enum("step", "train", aot_plan.STEPS, "The train step, or the inference "
+                    "engine's pool step (eval-mode forward and top-P scores) at batch_size.")
+  flags.DEFINE_integer("top_p", 10, "Classes kept per image by --step=infer.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
   flags.mark_flags_as_required(["config"])
 
@@ -77,7 +86,8 @@ def main(argv):
       config = config.copy_and_resolve_references()
       with config.unlocked():
         config.mesh.update(aot_plan.parse_mesh(f.mesh))
-    p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices)
+    p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices,
+                      teacher_model=f.teacher_model, step=f.step, top_p=f.top_p)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
