@@ -5,8 +5,9 @@ r"""Every recipe at paper scale, compiled for the hardware its users would rent:
   python benchmarks/pod_plans.py --list                # row names and their commands
   python benchmarks/pod_plans.py --compare             # vit_demo: TPU vs GPU vs CPU plan
 
-Each row runs `python -m bigpretrain.tools.plan --topology=... --json` (the real train step
-compiled by libtpu or the CUDA plugin with no accelerator attached, see
+Each row runs `python -m bigpretrain.tools.plan --topology=... --json` (the real train step,
+or for the semi-supervised teacher the inference engine's pool step, compiled by libtpu or the
+CUDA plugin with no accelerator attached; a distillation's teacher planned from its model, see
 bigpretrain.aot_plan), prints one JSON line, and is kept in docs/pod_plans.jsonl; the
 markdown table is rewritten from all kept rows after each one, with the rows not yet
 compiled listed with their command.
@@ -42,6 +43,7 @@ MFU = 0.40  # The stated MFU of the first cost column.
 # (Ridnik et al., section 2.1).
 IN21K_P_TRAIN = 12_358_688 - 50 * 11_221
 IN1K_TRAIN = 1_281_167  # ImageNet-1k train split (tfds imagenet2012).
+YFCC100M = 90_000_000  # "about 90 million images" (paper 002, section 4.1).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Recipe:
   label: str
   config: str  # configs/FILE.py:ARGS
   batch: int
-  samples: int  # Paper's total training samples.
+  samples: int  # Paper's total training samples (images inferred, for an inference row).
   samples_note: str
   paper_time: str = ""  # The paper's reported hardware time, if any.
   flags: tuple = ()  # Extra plan flags (--num_classes, --config.X=Y).
@@ -64,6 +66,10 @@ RECIPES = [
            "configs/semantic_softmax.py:dataset=imagenet21k_p,model=tresnet_m", 512,
            80 * IN21K_P_TRAIN, "80 epochs (sec. 3.1)",
            "8x V100, 40 min/epoch, 54 h in all = 432 V100-hours (sec. 3.1)"),
+    Recipe("kd_tresnet_m", "semantic KD TResNet-M from a TResNet-L teacher, ImageNet-21K-P",
+           "configs/semantic_kd.py:dataset=imagenet21k_p,model=tresnet_m,teacher=unused", 512,
+           80 * IN21K_P_TRAIN, "80 epochs (sec. 3.1); the teacher's forward in every step",
+           flags=("--teacher_model=tresnet_l",)),
     Recipe("cosub_vit_b16", "cosub ViT-B, ImageNet-21k",
            "configs/cosub_in21k.py:dataset=imagenet21k_p,model=vit_b16", 2048,
            90 * IN21K_P_TRAIN, "90 epochs (supp. Table B.2)"),
@@ -90,13 +96,21 @@ RECIPES = [
            "configs/single_label.py:dataset=tfds:imagenet2012,model=resnet50", 1536,
            1_000_000_000, "1B images (sec. 4.4)",
            "64 GPUs, 8 machines (sec. 4.1); no time given",
-           flags=("--config.batch_size=1536",)),
+           flags=("--config.batch_size=1536", "--config.model.bn_group_size=24")),
+    Recipe("semisup_teacher_infer",
+           "semi-supervised ResNeXt-101 32x48d teacher ranking YFCC100M (inference, top-10)",
+           "configs/single_label.py:dataset=tfds:imagenet2012,model=resnext101_32x48d", 4096,
+           YFCC100M, "one pass over YFCC100M, about 90M images (sec. 4.1)",
+           "not given", flags=("--step=infer", "--top_p=10", "--config.batch_size=4096")),
 ]
 # (row suffix, topology, mesh) per recipe; cheapest first.
 HARDWARE = {
     "ss_vit_b16": [("v5e-16", "tpu:v5e:4x4", "fsdp:-1"), ("8xh100", "gpu:h100:1x8", "fsdp:-1")],
     "ss_tresnet_m": [("v5e-16", "tpu:v5e:4x4", "fsdp:-1"),
                      ("8xh100", "gpu:h100:1x8", "fsdp:-1")],
+    "kd_tresnet_m": [("8xh100", "gpu:h100:1x8", "fsdp:-1"), ("v5e-16", "tpu:v5e:4x4", "fsdp:-1")],
+    "semisup_teacher_infer": [("v5e-64", "tpu:v5e:8x8", "fsdp:-1"),
+                              ("64xh100", "gpu:h100:8x8", "fsdp:-1")],
     "semisup_resnet50": [("v5e-64", "tpu:v5e:8x8", "fsdp:-1"),
                          ("64xh100", "gpu:h100:8x8", "fsdp:-1")],
     "cosub_vit_b16": [("v5e-64", "tpu:v5e:8x8", "fsdp:-1"),
@@ -113,13 +127,6 @@ HARDWARE = {
     "swag_regnety_128gf": [("v5p-256", "tpu:v5p:8x8x4", "data:32,fsdp:8"),
                            ("256xh100", "gpu:h100:32x8", "data:32,fsdp:8")],
 }
-# Not planned here, and why.
-NOT_PLANNED = [
-    ("semantic KD (teacher + student)", "the frozen teacher is read from a checkpoint "
-     "(objective.teacher_checkpoint); the plan builds no abstract teacher yet"),
-    ("semi-supervised ResNeXt-101 32x48d teacher inference", "an inference pass, not a train "
-     "step (bigpretrain.infer); the plan compiles train steps"),
-]
 
 
 def rows():
@@ -216,7 +223,9 @@ def render(results: dict) -> str:
       "",
       "Regenerate: `python benchmarks/pod_plans.py` (one JSON line per row; results kept in",
       "`docs/pod_plans.jsonl`). Each row compiles the recipe's real train step at the paper's",
-      "batch with the accelerator's own compiler and no accelerator attached",
+      "batch (the KD row with its frozen teacher in the step; the teacher-inference row the",
+      "inference engine's pool step: eval-mode forward and top-10 scores, no optimizer) with",
+      "the accelerator's own compiler and no accelerator attached",
       "(`python -m bigpretrain.tools.plan --topology=...`): libtpu for TPU slices, the CUDA",
       "PJRT plugin with XLA's H100 target description for GPU nodes (GEMMs as cuBLAS calls:",
       "with no GPU to autotune on, XLA's default Triton GEMM tiling fails on ViT-B's shapes).",
@@ -273,8 +282,6 @@ def render(results: dict) -> str:
       note = f" Last attempt failed: {error}" if error else ""
       lines.append(f"- `{name}`: `python {cmd}` (or `python benchmarks/pod_plans.py "
                    f"--rows={name}`).{note}")
-  lines += ["", "## Not planned", ""]
-  lines += [f"- {what}: {why}." for what, why in NOT_PLANNED]
   return "\n".join(lines) + "\n"
 
 
