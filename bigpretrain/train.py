@@ -304,6 +304,70 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return _train_and_evaluate(config, workdir, cleanup)
 
 
+@dataclasses.dataclass
+class _StepOutputs:
+  """What a run does after each step: metric rows, evaluations and checkpoints, as due."""
+  config: object
+  total_steps: int
+  evaluators: list
+  writer: metric_writers.MetricWriter
+  checkpointer: ckpt_lib.Checkpointer
+  train_iter: stream_position.TrainStream
+  perf: goodput_lib.Goodput
+  profiler: goodput_lib.Profiler
+  bar: object  # metric_writers.progress_bar
+  pending: _Pending = dataclasses.field(default_factory=_Pending)
+  compile_s: float | None = None  # Logged once, in the first row.
+  results: dict = dataclasses.field(default_factory=dict)  # The latest evaluations.
+
+  def run_evals(self, step: int, state: dict, force: bool = False) -> dict:
+    """Runs the evaluators due at `step` (all with `force`); writes one row; returns it."""
+    results = {}
+    for ev in self.evaluators:
+      if force or _every(step, ev.every_steps, self.total_steps):
+        results.update(ev.run(eval_weights(state)))
+    if results:
+      self.writer.write(step, results)
+    return results
+
+  def log_evaluate_save(self, step: int, state: dict, step_metrics: dict,
+                        preemption: preemption_lib.Preemption) -> bool:
+    """After step `step`: its metrics row, evaluations and checkpoint, each when due.
+    Returns True when the processes agreed to stop (preemption), the checkpoint saved."""
+    config, total_steps, timer = self.config, self.total_steps, self.perf.timer
+    log = _every(step, config.log_every_steps, total_steps)
+    with timer.blocked():
+      stop = preemption.agreed(log)
+    self.checkpointer.check()  # A failed asynchronous save stops the run now, not at the next.
+    with timer.excluded():
+      self.profiler.after_step(step, step_metrics)
+    if log or stop:
+      row = self.pending.flush(timer)
+      row.update(self.perf.metrics())
+      if self.compile_s is not None:
+        row["perf/compile_s"], self.compile_s = self.compile_s, None
+      self.writer.write(step, row)
+      self.bar.set_postfix(loss=f"{row['train/loss']:.4f}",
+                           img_s=f"{row['train/images_per_sec']:.0f}")
+    if stop:
+      self.profiler.close()
+      self.checkpointer.save(step, state, self.train_iter)
+      self.checkpointer.wait()
+      console.say(f"Preempted: saved checkpoint at step {step}; exiting.")
+      self.writer.close()
+      return True
+    save = _every(step, config.ckpt_every_steps, total_steps)
+    if save or any(_every(step, ev.every_steps, total_steps) for ev in self.evaluators):
+      with timer.blocked():  # The steps so far belong to the interval, not to the evals.
+        jax.block_until_ready(step_metrics)
+      with timer.excluded():
+        self.results.update(self.run_evals(step, state))
+        if save:
+          self.pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
+          self.checkpointer.save(step, state, self.train_iter)
+    return False
+
+
 def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> dict:
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
@@ -331,27 +395,17 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
   cleanup.callback(writer.close)  # Also when the run stops on an error: nothing left to flush.
   step_fn = exp.train_step()
 
-  def run_evals(step, state, force=False):
-    """Runs the evaluators due at `step` (all with `force`); writes one row; returns it."""
-    results = {}
-    for ev in evaluators:
-      if force or _every(step, ev.every_steps, total_steps):
-        results.update(ev.run(eval_weights(state)))
-    if results:
-      writer.write(step, results)
-    return results
-
-  pending = _Pending()
   perf = goodput_lib.Goodput(config.compute_dtype)
   timer = perf.timer
   profiler = goodput_lib.Profiler(
       config.profile_steps, os.path.join(workdir, "profile", f"process_{jax.process_index()}"),
       total_steps)
   input_delay = goodput_lib.input_delay()
-  compile_s = None  # Logged once, in the first row.
   bar = metric_writers.progress_bar(total_steps, start, enabled=is_main)
   cleanup.callback(bar.close)  # Before an error line, not redrawn after it at exit.
-  results = {}
+  out = _StepOutputs(config=config, total_steps=total_steps, evaluators=evaluators,
+                     writer=writer, checkpointer=checkpointer, train_iter=train_iter,
+                     perf=perf, profiler=profiler, bar=bar)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with preemption_lib.Preemption() as preemption, jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
@@ -366,46 +420,19 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
         with timer.excluded():
           t0 = time.perf_counter()
           perf.set_compiled(step_fn.lower(state, batch, exp.frozen).compile())
-          compile_s = time.perf_counter() - t0
+          out.compile_s = time.perf_counter() - t0
       state, step_metrics = step_fn(state, batch, exp.frozen)
-      pending.add(step, step_metrics, config.batch_size)
+      out.pending.add(step, step_metrics, config.batch_size)
       timer.steps += 1
       bar.update(1)
-      log = _every(step, config.log_every_steps, total_steps)
-      with timer.blocked():
-        stop = preemption.agreed(log)
-      checkpointer.check()  # A failed asynchronous save stops the run now, not at the next.
-      with timer.excluded():
-        profiler.after_step(step, step_metrics)
-      if log or stop:
-        row = pending.flush(timer)
-        row.update(perf.metrics())
-        if compile_s is not None:
-          row["perf/compile_s"], compile_s = compile_s, None
-        writer.write(step, row)
-        bar.set_postfix(loss=f"{row['train/loss']:.4f}",
-                        img_s=f"{row['train/images_per_sec']:.0f}")
-      if stop:
-        profiler.close()
-        checkpointer.save(step, state, train_iter)
-        checkpointer.wait()
-        console.say(f"Preempted: saved checkpoint at step {step}; exiting.")
-        writer.close()
+      if out.log_evaluate_save(step, state, step_metrics, preemption):
         return {}
-      save = _every(step, config.ckpt_every_steps, total_steps)
-      if save or any(_every(step, ev.every_steps, total_steps) for ev in evaluators):
-        with timer.blocked():  # The steps so far belong to the interval, not to the evals.
-          jax.block_until_ready(step_metrics)
-        with timer.excluded():
-          results.update(run_evals(step, state))
-          if save:
-            pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
-            checkpointer.save(step, state, train_iter)
   bar.close()
   checkpointer.wait()
   checkpointer.close()
+  results = out.results
   if not results and start >= total_steps:
-    results = run_evals(total_steps, state, force=True)
+    results = out.run_evals(total_steps, state, force=True)
   writer.close()
   summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
                      if not k.endswith("num_examples"))

@@ -199,6 +199,12 @@ def platt_fit(probs, *, tol: float = 1e-5, max_iter: int = 1000) -> tuple[np.nda
      p'_n stays as close to q_n as the scaler allows (w = 0 scores log C per image instead).
   b is returned with zero mean (softmax ignores a constant shift).
 
+  Step 2 is solved in standardised coordinates, z_c = u_c (p_c - mean_c) / std_c + beta_c (the
+  same scalers): in raw (w, b) the Hessian's condition number reaches ~1e8 when a class's
+  scores vary little around their mean (as an untrained model's do), and L-BFGS then stops on
+  a stalled loss far from the minimum, at a point that float32 rounding of the scores moves.
+  It stops on the gradient only (tol / C), so the result is the minimum, not the path to it.
+
   Args:
     probs: [N, C] non-negative class scores of the test set (rows need not sum to 1, e.g.
       'sum'-aggregated hashtag probabilities).
@@ -212,22 +218,28 @@ def platt_fit(probs, *, tol: float = 1e-5, max_iter: int = 1000) -> tuple[np.nda
   q = _uniform_prior_targets(p, tol, max_iter)
   n, c = p.shape
 
+  mean = p.mean(axis=0)
+  std = p.std(axis=0)
+  std = np.where(std > 0, std, 1.0)  # A constant class's scale is absorbed by its bias.
+  s = (p - mean) / std
+
   def loss_and_grad(x):
-    w, b = x[:c], x[c:]
-    z = p * w + b
+    u, beta = x[:c], x[c:]
+    z = s * u + beta
     z -= z.max(axis=1, keepdims=True)
     e = np.exp(z)
     total = e.sum(axis=1, keepdims=True)
     loss = np.mean(np.log(total[:, 0]) - (q * z).sum(axis=1))
     d = (e / total - q) / n  # d loss / d z.
-    return loss, np.concatenate([(d * p).sum(axis=0), d.sum(axis=0)])
+    return loss, np.concatenate([(d * s).sum(axis=0), d.sum(axis=0)])
 
-  x0 = np.concatenate([np.ones(c), np.zeros(c)])
+  x0 = np.concatenate([std, mean])  # w = 1, b = 0.
   result = scipy.optimize.minimize(loss_and_grad, x0, jac=True, method="L-BFGS-B",
-                                   options={"maxiter": max_iter, "gtol": tol / c})
+                                   options={"maxiter": max_iter, "gtol": tol / c, "ftol": 0.0})
   if not result.success:
     logging.warning("platt_fit: L-BFGS stopped early (%s)", result.message)
-  w, b = result.x[:c], result.x[c:]
+  u, beta = result.x[:c], result.x[c:]
+  w, b = u / std, beta - u * mean / std
   if not (np.isfinite(w).all() and np.isfinite(b).all()):
     raise FloatingPointError(f"platt_fit diverged: {result.message}")
   return w, b - b.mean()

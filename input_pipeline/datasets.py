@@ -2,7 +2,8 @@
 
 `config.data.name` is looked up in SOURCES, a registry of names and name prefixes; a new kind
 of dataset registers its loader `loader(name, data_dir) -> Dataset` where it is defined
-(`@datasets.SOURCES.register("myprefix:")`, in a module listed in config.plugins). The
+(`@datasets.SOURCES.register("myprefix:")`, in a module listed in config.plugins); Dataset
+and Source (dataset_base.py) say what a loader's dataset and its split sources provide. The
 sources that wrap another dataset register from their own modules, imported on first use.
 Built in:
   'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
@@ -38,7 +39,6 @@ them), 'label' (int), 'hashtags' (list of str) when the dataset has them, and th
 other scalar features (e.g. the demo's 'true_label'; 'file_name' as str for the prepared
 datasets).
 """
-import dataclasses
 import functools
 import pathlib
 import re
@@ -49,6 +49,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from bigpretrain import registry
+from input_pipeline import dataset_base
 from input_pipeline import decoding
 from input_pipeline import demo
 from input_pipeline import subset
@@ -58,6 +59,11 @@ from input_pipeline import subset
 SOURCES = registry.Registry("dataset", "config.data.name", prefixes=True)
 register_source = SOURCES.register
 
+# The contract every loader's dataset and source follow (dataset_base.py).
+Dataset = dataset_base.Dataset
+DatasetInfo = dataset_base.DatasetInfo
+Source = dataset_base.Source
+
 # tfds names of the prepared datasets (imagenet21k_p.NAME, image_folder.BUILDER_NAME; not
 # imported from there, so that reading needs no Apache Beam).
 IMAGENET21K_P = "imagenet21k_p"
@@ -66,22 +72,6 @@ _TEXT_KEYS = ("file_name",)  # tfds Text features: bytes -> str.
 # Features read as 'label' in datasets without one: ReaL (tfds imagenet2012_real) keeps the
 # ImageNet validation label as 'original_label' beside its 'real_label' lists.
 _LABEL_ALIASES = ("original_label",)
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-  """What the trainer needs to know about a dataset before reading it."""
-  name: str
-  num_classes: int
-  class_names: list[str]  # wnids for WordNet-labelled datasets (demo, ImageNet).
-  num_examples: dict[str, int]  # split -> examples.
-  image_size: int | None  # Side of the stored square images; None if they vary.
-  splits: tuple[str, ...]
-  # Record fields the pipeline can ship (besides 'image'): name -> 0 for a numeric scalar,
-  # K > 0 for an id list padded to K, None for fields that stay on the host (text, bytes).
-  features: dict[str, int | None] = dataclasses.field(default_factory=dict)
-  # Counts a source reports about itself (e.g. images it dropped); informational only.
-  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | None:
@@ -99,8 +89,8 @@ def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | Non
   return None
 
 
-class RecordSource:
-  """Random-access records of one split (len + __getitem__), picklable for grain workers.
+class RecordSource(Source):
+  """Random-access records of one split, picklable for grain workers.
 
   Wraps a tfds ArrayRecord data source read with image decoding skipped, and turns tfds's
   byte strings and numpy scalars into str and int.
@@ -188,8 +178,8 @@ def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
-class Dataset:
-  """A prepared dataset: its `info` and per-split record `source`s."""
+class TfdsDataset(Dataset):
+  """A dataset prepared by tfds or by input_pipeline.prepare, read from its ArrayRecord files."""
 
   def __init__(self, name: str, builder: tfds.core.DatasetBuilder):
     self.builder = builder
@@ -217,9 +207,7 @@ class Dataset:
 
   def source(self, split: str) -> RecordSource:
     """Random-access source over `split` ('train', 'validation', ...)."""
-    if split not in self.info.splits:
-      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
-                       f"splits: {list(self.info.splits)}.")
+    self.check_split(split)
     decoders = {"image": tfds.decode.SkipDecoding()}
     try:
       source = self.builder.as_data_source(split, decoders=decoders)
@@ -249,7 +237,7 @@ def _demo(name: str, data_dir: str) -> Dataset:
   look = {v: k for k, v in demo.DATASET_NAMES.items()}[match.group(1)]
   truncation = (float(match.group(2)) / 100.0 if match.group(2)
                 else demo.DEFAULT_TRUNCATION)
-  return Dataset(name, demo.prepare(data_dir or None, truncation=truncation, look=look))
+  return TfdsDataset(name, demo.prepare(data_dir or None, truncation=truncation, look=look))
 
 
 @SOURCES.register("tfds:", usage="tfds:NAME[/CONFIG]")
@@ -269,7 +257,7 @@ def _tfds(name: str, data_dir: str) -> Dataset:
                             f"({type(e).__name__}: {first_line}). {how}") from e
   if not builder.is_prepared():
     raise FileNotFoundError(f"Dataset {tfds_name!r} is not prepared in {root}. {how}")
-  return Dataset(name, builder)
+  return TfdsDataset(name, builder)
 
 
 def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset:
@@ -283,7 +271,7 @@ def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset
   except tfds.core.registered.DatasetNotFoundError as e:
     raise FileNotFoundError(f"No prepared dataset {name!r} ({tfds_name}) in {root}. "
                             f"{how}") from e
-  return Dataset(name, builder)
+  return TfdsDataset(name, builder)
 
 
 @SOURCES.register(IMAGENET21K_P)
@@ -349,14 +337,14 @@ def num_train_examples(data_cfg, dataset: Dataset) -> int:
   return dataset.info.num_examples[data_cfg.get("train_split", "train")]
 
 
-def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[float]]:
+def train_sources(data_cfg, dataset: Dataset) -> tuple[list[Source], list[float]]:
   """The train split of `dataset` (its per-class draw when data.subset_frac < 1; see
   subset.py) and of every data.mix entry, with their weights.
 
   Mixed datasets are looked up like data.name (same data.dir) and must have the same classes
-  in the same order, so that one label means one class everywhere. A source with a
-  `configure(data_cfg)` method is replaced by what it returns (its own data.* options, e.g.
-  the hashtag sources' data.resample_alpha).
+  in the same order, so that one label means one class everywhere. Each source is replaced
+  by its `configure(data_cfg)` (its own data.* options, e.g. the hashtag sources'
+  data.resample_alpha).
   """
   split = data_cfg.get("train_split", "train")
   mix = parse_mix(data_cfg.get("mix", ""))
@@ -377,6 +365,9 @@ def train_sources(data_cfg, dataset: Dataset) -> tuple[list[RecordSource], list[
   return sources, weights
 
 
-def _configured(source, data_cfg):
-  configure = getattr(source, "configure", None)
-  return source if configure is None else configure(data_cfg)
+def _configured(source: Source, data_cfg) -> Source:
+  if not isinstance(source, Source):
+    raise TypeError(f"A train source is a {type(source).__name__}, not a datasets.Source: "
+                    "a dataset's source(split) returns one (subclass it; "
+                    "input_pipeline/dataset_base.py).")
+  return source.configure(data_cfg)

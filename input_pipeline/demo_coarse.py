@@ -45,13 +45,13 @@ def coarse_map(wnids: list[str], level: int = COARSE_LEVEL,
   return np.array([index.get(t, -1) for t in target], np.int64), [wnids[c] for c in kept]
 
 
-class CoarseSource:
+class CoarseSource(datasets.Source):
   """A demo split's records with 'label' = the coarse class of 'member' (the pictured
   class; 'true_label' in records written before the demo had 'member')."""
 
   def __init__(self, source, mapping: np.ndarray):
     self._source, self._map = source, mapping
-    self.split = getattr(source, "split", None)
+    self.split = source.split
 
   def __len__(self) -> int:
     return len(self._source)
@@ -69,8 +69,8 @@ class CoarseSource:
     return f"CoarseSource({self._source!r})"
 
 
-class CoarseDemo:
-  """The dataset (info + source(split)) over a demo dataset (datasets.Dataset)."""
+class CoarseDemo(datasets.Dataset):
+  """The coarse-labelled dataset over a demo dataset."""
 
   def __init__(self, name: str, fine, leaves_only: bool = True):
     self._fine = fine
@@ -82,9 +82,7 @@ class CoarseDemo:
         splits=SPLITS, features={k: v for k, v in info.features.items() if k != "hashtags"})
 
   def source(self, split: str) -> CoarseSource:
-    if split not in SPLITS:
-      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
-                       f"splits: {list(SPLITS)}.")
+    self.check_split(split)
     return CoarseSource(self._fine.source(split), self.mapping)
 
 

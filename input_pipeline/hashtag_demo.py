@@ -35,7 +35,7 @@ def export_demo(base_builder, raw_dir: pathlib.Path) -> pathlib.Path:
   done = raw_dir / ".complete"
   if done.exists():
     return raw_dir
-  base = datasets.Dataset("demo", base_builder)
+  base = datasets.TfdsDataset("demo", base_builder)
   wnids = base.info.class_names
   for split in DEMO_SPLITS:
     folder = raw_dir / split

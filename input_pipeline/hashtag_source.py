@@ -42,7 +42,7 @@ def label_lists(path) -> list[np.ndarray]:
   return np.split(ids, offsets[1:-1]) if len(offsets) > 1 else []
 
 
-class HashtagSource:
+class HashtagSource(datasets.Source):
   """Records of one split, 'hashtag_ids' as a list of ints; train is resampled.
 
   Picklable (grain workers): holds the wrapped RecordSource and plain arrays.
@@ -101,7 +101,7 @@ class HashtagSource:
         process_index=process_index, process_count=process_count, log_epochs=True)
 
 
-class HashtagDataset:
+class HashtagDataset(datasets.Dataset):
   """A prepared hashtag dataset: info (class_names = the vocabulary) and split sources."""
 
   def __init__(self, name: str, builder, image_size: int | None = None):
@@ -127,9 +127,7 @@ class HashtagDataset:
                "head_train_images": meta["head_tail"]["head_images"]})
 
   def source(self, split: str) -> HashtagSource:
-    if split not in self.info.splits:
-      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
-                       f"splits: {list(self.info.splits)}.")
+    self.check_split(split)
     if split != "train":
       return HashtagSource(_records(self.builder, split), None)
     path = pathlib.Path(self.builder.data_dir) / LABEL_INDEX.format(split=split)

@@ -46,6 +46,7 @@ import numpy as np
 
 from input_pipeline import augment
 from input_pipeline import augment_spec
+from input_pipeline import dataset_base
 from input_pipeline import decoding
 from input_pipeline import stream_position
 
@@ -417,11 +418,11 @@ def _source_stream(source, seed: int, source_id: int | None) -> grain.MapDataset
 
 
 def _host_sampler(source, seed: int, process_index: int, process_count: int):
-  """The source's own index sampler for this host (e.g. a resampler), or None: sources may
-  define `index_sampler(seed, process_index, process_count)` returning an object whose
-  `[j]` is the source index of this host's j-th record, a pure function of (seed, j)."""
-  make = getattr(source, "index_sampler", None)
-  return None if make is None else make(seed, process_index, process_count)
+  """The source's own index sampler for this host (dataset_base.Source.index_sampler, e.g.
+  a resampler), or None; a plain sequence of records has none."""
+  if not isinstance(source, dataset_base.Source) or source.index_sampler is None:
+    return None
+  return source.index_sampler(seed, process_index, process_count)
 
 
 def _train_batches(stream: grain.MapDataset, settings: _Settings, *, global_batch_size: int,
@@ -473,7 +474,7 @@ def train_iterator(source, data_cfg, *, global_batch_size: int, seed: int,
   'label'), '_skipped' int32 scalar (corrupt records this host skipped while making the
   batch), with b = global_batch_size // process_count.
 
-  A source with an `index_sampler` (see _host_sampler) is read in the sampler's order on
+  A source with an `index_sampler` (dataset_base.Source) is read in the sampler's order on
   each host instead of shuffled and sliced across hosts.
 
   Repeated augmentation, data.repeated_augment = k > 1 (k must divide b): each host batch

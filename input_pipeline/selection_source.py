@@ -23,7 +23,7 @@ from input_pipeline import selection_formats
 SPLIT = "train"
 
 
-class IndexSource:
+class IndexSource(datasets.Source):
   """Random-access D-hat records: the source record of each index row, with its label."""
 
   def __init__(self, sources: dict[str, Any], split_names: list[str], split_codes: np.ndarray,
@@ -48,7 +48,7 @@ class IndexSource:
     return f"IndexSource(splits={self._split_names!r}, len={len(self)})"
 
 
-class SelectionDataset:
+class SelectionDataset(datasets.Dataset):
   """D-hat as split 'train' plus the source dataset's other splits (module docstring)."""
 
   def __init__(self, name: str, data_dir: str):
@@ -78,10 +78,8 @@ class SelectionDataset:
         image_size=src.image_size, splits=tuple(sorted([SPLIT] + others)),
         features=dict(src.features))
 
-  def source(self, split: str):
-    if split not in self.info.splits:
-      raise ValueError(f"Unknown split {split!r} for dataset {self.info.name!r}; known "
-                       f"splits: {list(self.info.splits)}.")
+  def source(self, split: str) -> datasets.Source:
+    self.check_split(split)
     if split != SPLIT:
       return self.source_dataset.source(split)
     sources = {s: self.source_dataset.source(s) for s in self._split_names}

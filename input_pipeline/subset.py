@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from input_pipeline import dataset_base
+
 
 def per_class_counts(class_sizes, frac: float) -> np.ndarray:
   """k_c = max(1, floor(frac * n_c + 1/2)) for every class with n_c > 0 (0 for empty ones)."""
@@ -52,7 +54,7 @@ def check_frac(frac: Any) -> None:
                      "split; 0.01 = 1% of each class).")
 
 
-class SubsetSource:
+class SubsetSource(dataset_base.Source):
   """The records `indices` of `source`, renumbered 0..len-1 (picklable for grain workers)."""
 
   def __init__(self, source, indices):
@@ -121,7 +123,7 @@ def apply(source, data_cfg, dataset_name: str):
     raise ValueError(f"data.subset_seed={seed!r} must be an int >= 0.")
   if frac == 1.0:
     return source
-  if getattr(source, "index_sampler", None) is not None:
+  if isinstance(source, dataset_base.Source) and source.index_sampler is not None:
     raise ValueError(f"data.subset_frac={frac} cannot be applied to {dataset_name!r}: its train "
                      "split has its own index sampler (e.g. hashtag resampling).")
   key = (dataset_name, str(data_cfg.get("dir", "")), getattr(source, "split", None),

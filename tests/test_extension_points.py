@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 _COLOURS = ((230, 30, 30), (30, 230, 30), (30, 30, 230), (230, 230, 30))
 
 
-class _ToySource:
+class _ToySource(datasets.Source):
   """Record i: an 8x8 image of colour i % 4, its label, and tags [c, c + 1 mod 4]."""
 
   def __init__(self, n: int, sampled: bool):
@@ -65,7 +65,7 @@ class _Stride:
     return (self.seed + 3 * (j * self.count + self.p)) % 32
 
 
-class _ToyDataset:
+class _ToyDataset(datasets.Dataset):
   def __init__(self, name: str, data_dir: str):
     del data_dir
     self.info = datasets.DatasetInfo(

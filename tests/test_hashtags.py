@@ -12,6 +12,7 @@ from scipy import stats
 from bigpretrain.hashtags import resampling
 from bigpretrain.hashtags import vocabulary
 from bigpretrain.semantic import wordnet
+from input_pipeline import datasets
 from input_pipeline import pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -239,7 +240,7 @@ def test_for_host_reads_global_sample_j_times_p_plus_p():
 def test_pipeline_reads_the_host_sampler_order():
   """input_pipeline's sampler hook: host p's stream position j reads source[host[j]]."""
 
-  class Source:
+  class Source(datasets.Source):
     def __init__(self, sampler):
       self.sampler = sampler
 
@@ -313,7 +314,6 @@ def test_bad_sample_ids():
 def test_resample_alpha_is_a_config_value():
   """SWAG appendix A's head share, config.data.resample_alpha (Table 4 ablates 0.5, 0.3)."""
   from configs import swag_regnety  # pylint: disable=import-outside-toplevel
-  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   config = swag_regnety.get_config()
   assert config.data.resample_alpha == 0.7
   ds = datasets.get_dataset(config.data)

@@ -249,7 +249,7 @@ def test_bad_parameters(tmp_path):
 @pytest.mark.parametrize("layout", ["folders", "tars"])
 def test_splits_classes_and_labels(prepared, raw, layout):
   _, builder = prepared[layout]
-  builder = builder.builder if isinstance(builder, datasets.Dataset) else builder
+  builder = builder.builder if isinstance(builder, datasets.TfdsDataset) else builder
   assert sorted(builder.info.splits.keys()) == ["train", "validation"]
   assert builder.info.features["label"].names == KEPT
   expected = _expected_splits(raw["files"])
@@ -276,7 +276,7 @@ def _hash_validation_keys(raw) -> set[str]:
 @pytest.mark.parametrize("layout", ["folders", "tars"])
 def test_metadata_report(prepared, raw, layout):
   _, builder = prepared[layout]
-  builder = builder.builder if isinstance(builder, datasets.Dataset) else builder
+  builder = builder.builder if isinstance(builder, datasets.TfdsDataset) else builder
   meta = i21k.report(builder)
   assert meta["classes"] == KEPT
   assert meta["names"][KEPT.index(BIRD)] == "bird"

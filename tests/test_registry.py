@@ -153,3 +153,92 @@ def test_a_plugin_outside_the_repo_trains_from_the_command_line(tmp_path):
   assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
   config = json.loads((workdir / "config.json").read_text())
   assert config["model"]["name"] == "my_mean_pixels" and config["plugins"] == ["my_plugin"]
+
+
+# ---------------------------------------------------------------- the dataset contract
+
+
+def _selection_dir(folder, demo) -> str:
+  """A selection D-hat written by hand (selection_source's files): 3 unlabeled demo images."""
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  from input_pipeline import selection_formats  # pylint: disable=import-outside-toplevel
+  pq.write_table(pa.table({"dataset": pa.array(["demo"] * 3), "split": ["unlabeled"] * 3,
+                           "index": pa.array([0, 5, 9], pa.int64()),
+                           "label": pa.array([1, 2, 3], pa.int32())}),
+                 str(folder / "index-00000.parquet"))
+  (folder / selection_formats.SELECTION_FILE).write_text(json.dumps({
+      "format": selection_formats.FORMAT, "dataset": "demo",
+      "class_names": demo.info.class_names, "index_files": ["index-00000.parquet"]}))
+  return f"selection:{folder}"
+
+
+def test_every_registered_dataset_loader_returns_the_declared_contract(tmp_path, monkeypatch):
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import subset  # pylint: disable=import-outside-toplevel
+  demo = datasets.get_dataset({"name": "demo"})
+  # Registered key -> (a name it serves, the name its loader is called with), demo-sized.
+  cases = {
+      "demo": ("demo", "demo"), "demo/": ("demo/trunc20",) * 2,
+      "demo_plain": ("demo_plain",) * 2, "demo_plain/": ("demo_plain/trunc20",) * 2,
+      "demo_coarse": ("demo_coarse",) * 2, "demo_plain_coarse": ("demo_plain_coarse",) * 2,
+      "tfds:": (f"tfds:{demo.builder.info.full_name.rsplit('/', 1)[0]}",) * 2,
+      "hashtags:demo": ("hashtags:demo",) * 2,
+      "hashtags:": ("hashtags:other", "hashtags:demo"),  # The prefix loader, on the demo's.
+      "selection:": (_selection_dir(tmp_path, demo),) * 2,
+      # Prepared by Beam jobs: their loaders read the demo's files here.
+      "imagenet21k_p": ("imagenet21k_p",) * 2, "folder:": ("folder:x",) * 2,
+  }
+  def loader(key):  # A prefix serves the longer names.
+    return datasets.SOURCES.get(key + "x" if key.endswith((":", "/")) else key)
+
+  built_in = [k for k in datasets.SOURCES.keys()  # Not the tests' own loaders.
+              if loader(k).__module__.startswith("input_pipeline.")]
+  assert sorted(cases) == sorted(built_in)  # A new loader needs a case here.
+  for key, (lookup, name) in cases.items():
+    with monkeypatch.context() as patch:
+      if key in ("imagenet21k_p", "folder:"):
+        patch.setattr(datasets.read_only_builder, "builder_from_files",
+                      lambda *args, **kwargs: demo.builder)
+      dataset = datasets.SOURCES.get(lookup)(name, "")
+    assert isinstance(dataset, datasets.Dataset), key
+    assert isinstance(dataset.info, datasets.DatasetInfo), key
+    assert dataset.info.splits and set(dataset.info.num_examples) == set(dataset.info.splits)
+    for split in dataset.info.splits:
+      source = dataset.source(split)
+      assert isinstance(source, datasets.Source), (key, split)
+      assert source.split == split and len(source) == dataset.info.num_examples[split] > 0
+      record = source[len(source) - 1]
+      assert isinstance(record["image"], bytes), (key, split)
+      assert set(dataset.info.features) <= set(record), (key, split)
+      assert isinstance(source.configure({}), datasets.Source)
+      # index_sampler: None, or a method that may return None (this split is not resampled).
+      sampler = source.index_sampler and source.index_sampler(0, 0, 1)
+      assert (sampler is not None) == (key.startswith("hashtags:") and split == "train")
+      if sampler is not None:
+        assert 0 <= sampler[0] < len(source)
+        with pytest.raises(ValueError, match="own index sampler"):
+          subset.apply(source, {"subset_frac": 0.5}, name)
+    with pytest.raises(ValueError, match="known splits"):
+      dataset.source("no_such_split")
+
+
+def test_a_train_source_outside_the_contract_is_refused():
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+
+  class Loose:  # Duck-typed: what a source provides, without datasets.Source's members.
+    def __len__(self):
+      return 1
+
+    def __getitem__(self, i):
+      return {"image": b"", "label": 0}
+
+  class Plugin(datasets.Dataset):
+    info = datasets.DatasetInfo(name="loose", num_classes=1, class_names=["a"],
+                                num_examples={"train": 1}, image_size=8, splits=("train",))
+
+    def source(self, split):
+      return Loose()
+
+  with pytest.raises(TypeError, match="Loose, not a datasets.Source"):
+    datasets.train_sources({}, Plugin())

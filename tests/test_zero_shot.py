@@ -134,6 +134,61 @@ def test_platt_keeps_accuracy_without_a_shift():
   assert abs(zero_shot.top1(zero_shot.platt_apply(probs, w, b), labels) - before) < 0.02
 
 
+def _newton_platt(p, q):
+  """Reference (w, b) = argmin mean_n CE(q_n, softmax(w p_n + b)): scipy's trust-region
+  Newton with the exact Hessian, in raw coordinates (platt_fit uses L-BFGS, standardised)."""
+  import scipy.optimize  # pylint: disable=import-outside-toplevel
+  n, c = p.shape
+
+  def probs(x):
+    z = p * x[:c] + x[c:]
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+  def loss(x):
+    return -np.mean((q * np.log(probs(x))).sum(axis=1))
+
+  def grad(x):
+    d = (probs(x) - q) / n
+    return np.concatenate([(d * p).sum(0), d.sum(0)])
+
+  def hess(x):
+    s = probs(x)
+    a = s * p
+    hww = np.diag((a * p).mean(0)) - a.T @ a / n
+    hwb = np.diag(a.mean(0)) - a.T @ s / n
+    hbb = np.diag(s.mean(0)) - s.T @ s / n
+    return np.block([[hww, hwb], [hwb.T, hbb]])
+
+  x0 = np.concatenate([np.ones(c), np.zeros(c)])
+  x = scipy.optimize.minimize(loss, x0, jac=grad, hess=hess, method="trust-exact",
+                              options={"gtol": 1e-11}).x
+  return x[:c], x[c:], loss
+
+
+def test_platt_fit_reaches_the_minimum_on_near_flat_scores():
+  # An untrained model: near-flat probabilities with a class prior. Each class's scores vary
+  # little around their mean, so in raw (w, b) the problem is ill-conditioned; a fit that
+  # stops on a stalled loss lands short of the minimum, wherever its path happened to be.
+  rng = np.random.default_rng(0)
+  n, c = 1000, 20
+  labels = np.arange(n) % c
+  logits = 0.05 * rng.normal(size=(n, c)) + rng.normal(size=c)
+  logits[np.arange(n), labels] += 0.05
+  p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+  q = zero_shot._uniform_prior_targets(p, 1e-12, 10_000)  # pylint: disable=protected-access
+  w_ref, b_ref, loss = _newton_platt(p, q)
+  w, b = zero_shot.platt_fit(p)
+  assert loss(np.concatenate([w, b])) == pytest.approx(loss(np.concatenate([w_ref, b_ref])),
+                                                       abs=1e-9)
+  np.testing.assert_allclose(w, w_ref, rtol=1e-3)
+  ref = zero_shot.platt_apply(p, w_ref, b_ref - b_ref.mean()).argmax(1)
+  np.testing.assert_array_equal(zero_shot.platt_apply(p, w, b).argmax(1), ref)
+  # The same fit from the scores rounded to float32 (as another device batching gives them).
+  w32, b32 = zero_shot.platt_fit(p.astype(np.float32))
+  np.testing.assert_array_equal(zero_shot.platt_apply(p, w32, b32).argmax(1), ref)
+
+
 def test_platt_apply_is_softmax_of_diag_w_p_plus_b():
   p = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
   w, b = np.array([2.0, -1.0, 0.5]), np.array([0.0, 0.3, -0.2])

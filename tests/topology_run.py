@@ -20,7 +20,7 @@ from bigpretrain import train
 from input_pipeline import datasets
 
 
-class _IdSource:
+class _IdSource(datasets.Source):
   """N records of 8x8 PNGs; record i has label i."""
 
   def __init__(self, n: int, offset: int = 0):
@@ -36,7 +36,7 @@ class _IdSource:
     return {"image": buf.getvalue(), "label": int(i)}
 
 
-class _IdDataset:
+class _IdDataset(datasets.Dataset):
   """'ids:N': N train records labelled 0..N-1 (N classes) and 16 validation records."""
 
   def __init__(self, name, data_dir):
