@@ -77,8 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
   # recomputes each block in the backward pass, keeping only its input; 'dots_saveable' keeps
   # the matmul / conv outputs. Less activation memory for more compute, the same parameters
   # (checkpoints load either way): for a config that does not fit the chip's HBM (plan it with
-  # bigpretrain.tools.plan, docs/scaling.md). Recipes replacing the section keep it
-  # (model_section); a section without it is off.
+  # bigpretrain.tools.plan --topology: XLA:CPU plans show the recompute, not the saving; see
+  # docs/scaling.md). Recipes replacing the section keep it (model_section); a section
+  # without it is off.
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat=''))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))

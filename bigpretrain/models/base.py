@@ -35,7 +35,7 @@ class Classifier(nnx.Module):
 
   def residual_stages(self) -> list:
     """The nnx.Lists holding the residual blocks, in forward order (the layer ablation of
-    bigpretrain/evaluate.py); [] for a model without them."""
+    bigpretrain/evaluate.py, remat_blocks); [] for a model without them."""
     blocks = getattr(self, "blocks", None)
     return [blocks] if isinstance(blocks, nnx.List) else []
 
