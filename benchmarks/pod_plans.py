@@ -103,7 +103,9 @@ RECIPES = [
            YFCC100M, "one pass over YFCC100M, about 90M images (sec. 4.1)",
            "not given", flags=("--step=infer", "--top_p=10", "--config.batch_size=4096")),
 ]
-# (row suffix, topology, mesh) per recipe; cheapest first.
+# (row suffix, topology, mesh[, flags]) per recipe; cheapest first. `flags` are the row's own
+# extra plan flags after the recipe's, e.g. ("--config.model.remat=nothing_saveable",) for a
+# chip whose HBM the recipe fits only with its residual blocks rematerialised.
 HARDWARE = {
     "ss_vit_b16": [("v5e-16", "tpu:v5e:4x4", "fsdp:-1"), ("8xh100", "gpu:h100:1x8", "fsdp:-1")],
     "ss_tresnet_m": [("v5e-16", "tpu:v5e:4x4", "fsdp:-1"),
@@ -130,10 +132,14 @@ HARDWARE = {
 
 
 def rows():
+  """(row name, recipe with the row's flags added, topology, mesh) per row."""
   by_name = {r.name: r for r in RECIPES}
   for name, hw in HARDWARE.items():
-    for suffix, topology, mesh in hw:
-      yield f"{name}@{suffix}", by_name[name], topology, mesh
+    for suffix, topology, mesh, *flags in hw:
+      recipe = by_name[name]
+      if flags:
+        recipe = dataclasses.replace(recipe, flags=recipe.flags + tuple(flags[0]))
+      yield f"{name}@{suffix}", recipe, topology, mesh
 
 
 def command(recipe: Recipe, topology: str, mesh: str) -> list[str]:
@@ -195,7 +201,8 @@ def _advice(p: dict) -> str:
   """What would fit a row that does not."""
   ratio = p["total_bytes"] / p["hbm_bytes"]
   return (f"needs {ratio:.1f}x the HBM: ~{math.ceil(ratio) * p['devices']} chips of FSDP "
-          f"(the per-chip batch, and its activations, shrink), or activation remat")
+          f"(the per-chip batch, and its activations, shrink), or activation remat "
+          f"(`--config.model.remat=nothing_saveable`)")
 
 
 def _collectives(col: dict) -> str:
@@ -267,6 +274,8 @@ def render(results: dict) -> str:
            if "compiler_wall_hours" in c else "n/a")
     tflop = f"{c['flops_per_chip'] / 1e12:.2f}{star}" if "flops_per_chip" in c else "n/a"
     mesh_s = ",".join(f"{k}:{v}" for k, v in p["mesh"].items() if v > 1)
+    if p.get("remat", "none") != "none":
+      mesh_s += f", remat {p['remat']}"
     lines.append(
         f"| {recipe.label} | {name.split('@')[1]} (`{topology}`, {mesh_s}) | "
         f"{p['batch_per_device']} | {p['compiler']} | {_gib(p['total_bytes'])} "

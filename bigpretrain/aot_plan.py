@@ -15,7 +15,8 @@ the compiler's memory analysis (arguments, outputs, aliased, temporaries, genera
 FLOPs per step and, where the compiler gives them (the TPU compiler does), its roofline step
 time `optimal_seconds` and `bytes accessed`; the collectives of the compiled HLO by kind
 (bigpretrain.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
-compiler (and version) every figure comes from.
+compiler (and version) every figure comes from; `remat` the config's model.remat (the
+residual blocks' rematerialisation policy, which trades temporaries for recompute FLOPs).
 
 How the compilers differ, measured (jax 0.10.2, libtpu 0.0.42.1; vit_demo, semantic softmax,
 batch 64 at 32 px, mesh fsdp:4; `python benchmarks/pod_plans.py --compare`): parameter and
@@ -219,6 +220,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "batch_per_device": int(config.batch_size) // (exp.mesh.shape["data"]
                                                      * exp.mesh.shape["fsdp"]),
       "image_size": int(config.data.image_size), "compute_dtype": config.compute_dtype,
+      "remat": config.model.get("remat", "") or "none",
       "num_classes": exp.dataset.info.num_classes,
       "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
       "params_bytes": shard_bytes(state["params"]),
@@ -271,7 +273,8 @@ def describe(p: dict) -> str:
   lines = [f"{p['model']} / {p['config']}{teacher}, {p['step']} step: {p['devices']} devices, "
            f"mesh {p['mesh']}, batch "
            f"{p['batch_size']} ({p['batch_per_device']} per device), {p['image_size']}px, "
-           f"{p['compute_dtype']}, {p['num_params'] / 1e6:.1f}M params",
+           f"{p['compute_dtype']}, {p['num_params'] / 1e6:.1f}M params, remat "
+           f"{p.get('remat', 'none')}",
            f"compiler: {p['compiler']}", "per device:"]
   for key in ("params_bytes", "opt_state_bytes", "state_bytes", "frozen_bytes",
               "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",

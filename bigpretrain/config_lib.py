@@ -19,6 +19,7 @@ from bigpretrain import mixup
 from bigpretrain import model_init
 from bigpretrain import optim
 from bigpretrain import registry
+from bigpretrain.models import layers
 from bigpretrain.sharding import MESH_AXES
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -29,6 +30,8 @@ _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema')
 # Sections recipes extend with their own kwargs; only their base keys are required.
 # (config.evals entries are checked by the evaluators they name.)
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
+# Base keys of open sections that may be left out (their default applies).
+_OPTIONAL_KEYS = ('model.remat',)
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
 
 
@@ -69,7 +72,15 @@ def base_config() -> ml_collections.ConfigDict:
   # channels ('conv_in'), tensor parallelism the other axis of each.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
                       ('classes', 'tensor'), ('conv_in', 'fsdp'), ('conv_out', 'tensor'))
-  c.model = ml_collections.ConfigDict(dict(name='vit_demo'))
+  # model.remat: '' or 'none' (off), or the jax.checkpoint_policies policy every residual
+  # block is rematerialised with (bigpretrain.models.layers.REMAT_POLICIES): 'nothing_saveable'
+  # recomputes each block in the backward pass, keeping only its input; 'dots_saveable' keeps
+  # the matmul / conv outputs. Less activation memory for more compute, the same parameters
+  # (checkpoints load either way): for a config that does not fit the chip's HBM (plan it with
+  # bigpretrain.tools.plan --topology: XLA:CPU plans show the recompute, not the saving; see
+  # docs/scaling.md). Recipes replacing the section keep it (model_section); a section
+  # without it is off.
+  c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat=''))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
@@ -88,6 +99,13 @@ def base_config() -> ml_collections.ConfigDict:
   # workdir/profile/process_<i> (TensorBoard's profile tab); '' = off.
   c.profile_steps = ''
   return c
+
+
+def model_section(**options: Any) -> ml_collections.ConfigDict:
+  """A `config.model` of `options` ('name' and the model's keyword options) over the base
+  section's defaults, for recipes that replace the section: its keys (model.remat) stay
+  settable from the command line (--config.model.remat=...)."""
+  return ml_collections.ConfigDict({**base_config().model, **options})
 
 
 def _parse_bool(key: str, value: str) -> bool:
@@ -170,6 +188,8 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
     if section in ('optim', 'evals'):
       continue  # Checked by optim.validate_optim_config / by the evaluators at build time.
     for key in sorted(base[section]):
+      if f'{section}.{key}' in _OPTIONAL_KEYS and key not in config[section]:
+        continue
       if key not in config[section] or config[section][key] is None:
         raise ValueError(f'config.{section}.{key} is missing (required).')
     if section in _CLOSED_SECTIONS:
@@ -228,6 +248,11 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.ema.momentum={momentum!r} must be a number in [0, 1) (0 = off; '
                      'a "decay" of 1e-4 is momentum 0.9999).')
   goodput.parse_profile_steps(config.profile_steps)
+  remat = config.model.get('remat', '')
+  if not isinstance(remat, str) or remat not in layers.REMAT_OFF + layers.REMAT_POLICIES:
+    raise ValueError(f'config.model.remat={remat!r} must be one of {layers.REMAT_POLICIES} '
+                     "(the jax.checkpoint_policies policy each residual block is "
+                     "rematerialised with), or '' / 'none' for off.")
   if not isinstance(config.data.dir, str):
     raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
   # The data settings, with the other keys: before any dataset is opened or model compiled.

@@ -71,7 +71,8 @@ def base(arg: ml_collections.ConfigDict, *, tau: float, train_augment: str,
   """What the three cosub recipes share; `arg` needs dataset, data_dir, model, submodels."""
   config = config_lib.base_config()
   demo = arg.dataset == "demo"
-  config.model = cosub_model(arg.model or ("vit_demo" if demo else "vit_b16"), tau)
+  config.model = config_lib.model_section(
+      **cosub_model(arg.model or ("vit_demo" if demo else "vit_b16"), tau))
   config.objective = dict(name="cosub", kind="bce", num_submodels=arg.submodels,
                           label_weight=0.5, label_smoothing=0.0, bce_binarize=False)
   config.data = pipeline.data_defaults()

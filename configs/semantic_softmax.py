@@ -92,7 +92,7 @@ def get_config(arg=None):
   if demo.is_demo_name(arg.dataset):
     # Same code path at laptop size: 32x32 synthetic images, a small convnet as the paper's
     # TResNet-M is one (vit_demo learns the demo's shapes far more slowly), a few minutes.
-    config.model = dict(name=arg.model or "regnety_demo")
+    config.model = config_lib.model_section(name=arg.model or "regnety_demo")
     config.data.image_size = 32
     config.data.train_augment = "flip"
     config.batch_size = 128
@@ -102,7 +102,7 @@ def get_config(arg=None):
     config.eval_every_steps = DEMO_STEPS
     config.ckpt_every_steps = DEMO_STEPS
   else:
-    config.model = dict(name=arg.model or "vit_b16")
+    config.model = config_lib.model_section(name=arg.model or "vit_b16")
     config.data.image_size = 224
     # The authors' order: squish-resize, Cutout (every image), RandAugment.
     config.data.train_augment = "squish|cutout|randaugment(2, 9)"

@@ -99,7 +99,7 @@ BASELINES = ("standard", "long")
 def _trainer(*, model: str, image_size: int, batch_size: int, lr: float) -> ml_collections.ConfigDict:
   """A softmax trainer config with SGD, momentum 0.9 ([13]), weight decay 1e-4 (section 4.1)."""
   c = config_lib.base_config()
-  c.model = dict(name=model)
+  c.model = config_lib.model_section(name=model)
   c.data = pipeline.data_defaults()
   c.data.image_size = image_size
   c.batch_size = batch_size

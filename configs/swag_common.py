@@ -48,7 +48,7 @@ def base(arg: ml_collections.ConfigDict, *, model: str, demo_model: str, paper_b
   """The shared SWAG pretraining config; the recipes set the model's options and optimiser."""
   config = config_lib.base_config()
   demo = arg.dataset == "hashtags:demo"
-  config.model = dict(name=arg.model or (demo_model if demo else model))
+  config.model = config_lib.model_section(name=arg.model or (demo_model if demo else model))
   config.objective = dict(name="soft_target")
   config.data = pipeline.data_defaults()
   config.data.name = arg.dataset  # Train is read through the dataset's resampling sampler.

@@ -140,13 +140,13 @@ def get_config(arg=None):
       raise ValueError(f"model={arg.model!r} and init={arg.init!r}: the checkpoint sets the "
                        "model; leave model out.")
     meta = checkpoint.read_meta(arg.init)
-    config.model = dict(meta["model"])
+    config.model = config_lib.model_section(**meta["model"])
     config.data.normalize = meta["data"]["normalize"]
     pretrain_res = meta["data"]["image_size"]
     if config.model.get("pre_logits") and not arg.zs_head:
       config.model.pre_logits = False  # Table 5's fine-tuned ViTs have no tanh layer.
   else:
-    config.model = dict(name=arg.model or (DEMO_MODEL if demo else PAPER_MODEL))
+    config.model = config_lib.model_section(name=arg.model or (DEMO_MODEL if demo else PAPER_MODEL))
     if config.model.name.startswith("regnety"):  # As the hashtag RegNetYs (swag_regnety.py).
       config.model.zero_init_residual = False
   model = config.model.name

@@ -219,11 +219,11 @@ def get_config(arg=None):
   recipe_model = dict(config.model) if "model" in config else {}
   if arg.init:
     meta = checkpoint.read_meta(arg.init)
-    config.model = dict(meta["model"])
+    config.model = config_lib.model_section(**meta["model"])
     config.data.image_size = meta["data"]["image_size"]
     config.data.normalize = meta["data"]["normalize"]
   else:
-    config.model = dict(name=arg.model)
+    config.model = config_lib.model_section(name=arg.model)
     config.data.image_size = 32 if demo else 224
   if arg.recipe == "swag" and arg.mode == "finetune" and config.model.get("pre_logits"):
     config.model.pre_logits = False  # As configs/swag_finetune.py (SWAG Table 5).

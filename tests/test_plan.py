@@ -164,7 +164,8 @@ def test_cli_sets_its_device_count_and_prints_one_json_line():
           f"--config={helpers.ROOT / 'configs' / 'single_label.py'}", "--devices=4",
           "--mesh=data:1,fsdp:4,tensor:1", "--accelerator=h100", "--json",
           "--config.batch_size=8", "--config.data.image_size=16",
-          "--config.model.name=vit_demo", f"--config.compilation_cache_dir={helpers.JAX_CACHE}"]
+          "--config.model.name=vit_demo", "--config.model.remat=dots_saveable",
+          f"--config.compilation_cache_dir={helpers.JAX_CACHE}"]
   env = helpers.env(1)  # The CLI, not XLA_FLAGS, decides the device count.
   out = subprocess.run(args, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
                        timeout=300, check=True)
@@ -175,6 +176,8 @@ def test_cli_sets_its_device_count_and_prints_one_json_line():
   assert p["accelerator"] == "h100" and p["fits"] is True
   assert np.isclose(p["margin_bytes"], 80 * 2**30 - p["total_bytes"])
   assert p["compiler"].startswith("XLA:CPU")
+  assert p["remat"] == "dots_saveable"  # The recipe keeps model.remat settable.
+  assert "remat dots_saveable" in plan_lib.describe(p)
 
 
 # The forms the TPU and GPU compilers write, as in their compiled HLO (layouts trimmed).

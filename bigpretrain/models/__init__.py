@@ -46,11 +46,14 @@ def accepts(name: str, option: str) -> bool:
   return option not in fixed and (accepted is None or option in accepted)
 
 
-def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Module:
+def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
+              **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
-  Raises ValueError for an unknown name (listing the registered ones) and TypeError for an
-  option the model does not take or one fixed by its architecture.
+  `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
+  rematerialised with (base.remat_blocks); '' or 'none' = off. Raises ValueError for an
+  unknown name (listing the registered ones) and TypeError for an option the model does not
+  take or one fixed by its architecture.
   """
   factory = base.MODELS.get(name)
   accepted, fixed = _accepted_kwargs(factory)
@@ -62,7 +65,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, **kw) -> nnx.Modul
     if unknown:
       raise TypeError(f"model {name!r} got unknown option(s) {unknown}; "
                       f"accepted: {sorted(accepted)}")
-  return factory(num_classes=num_classes, rngs=rngs, **kw)
+  return base.remat_blocks(factory(num_classes=num_classes, rngs=rngs, **kw), remat)
 
 
 @dataclasses.dataclass
@@ -103,9 +106,10 @@ class ModelDef:
     return nnx.merge(self.graphdef, params, extra)
 
   def config(self) -> dict:
-    """The `config.model` mapping that rebuilds this model (a checkpoint's meta)."""
+    """The `config.model` mapping that rebuilds this model (a checkpoint's meta). Without
+    `remat`: how a run trades compute for memory is not part of its weights."""
     return {"name": self.name, **{k: v for k, v in self.kwargs.items()
-                                  if k not in ("dtype", "num_classes")}}
+                                  if k not in ("dtype", "num_classes", "remat")}}
 
   def abstract_pure_params(self):
     return nnx.to_pure_dict(self.abstract_params)

@@ -3,6 +3,7 @@ import jax
 from flax import nnx
 
 from bigpretrain import registry
+from bigpretrain.models import layers
 
 # Model factories by name: `factory(num_classes=..., rngs=..., **options) -> Classifier`.
 MODELS = registry.Registry("model", "config.model.name")
@@ -34,6 +35,26 @@ class Classifier(nnx.Module):
 
   def residual_stages(self) -> list:
     """The nnx.Lists holding the residual blocks, in forward order (the layer ablation of
-    bigpretrain/evaluate.py); [] for a model without them."""
+    bigpretrain/evaluate.py, remat_blocks); [] for a model without them."""
     blocks = getattr(self, "blocks", None)
     return [blocks] if isinstance(blocks, nnx.List) else []
+
+
+def remat_blocks(model: nnx.Module, policy: str) -> nnx.Module:
+  """Rematerialises every residual block of `model` (its residual_stages()) with the
+  jax.checkpoint_policies `policy` (layers.REMAT_POLICIES; '' or 'none' leaves the model as it
+  is): each block's forward pass runs under nnx.remat, so training keeps a block's input and
+  recomputes its insides in the backward pass instead of holding them, trading compute for
+  activation memory (big_vision's ViT `remat_policy`, per encoder block, alike). Parameter
+  and state paths are unchanged, so checkpoints load either way. Returns `model`.
+  """
+  if layers.remat_policy(policy) is None:
+    return model
+  stages = model.residual_stages() if isinstance(model, Classifier) else []
+  if not stages:
+    raise ValueError(f"remat={policy!r}: {type(model).__name__} has no residual blocks "
+                     "(Classifier.residual_stages()) to rematerialise.")
+  for stage in stages:
+    for block in stage:
+      block.__class__ = layers.remat_class(type(block), policy)
+  return model

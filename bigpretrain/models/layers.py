@@ -1,6 +1,7 @@
 """Building blocks shared by the models: stochastic depth, BatchNorm, LayerScale, MLP, init
-helpers."""
+helpers, rematerialised blocks."""
 from collections.abc import Callable, Sequence
+import functools
 import math
 
 import jax
@@ -331,3 +332,56 @@ class Mlp(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.fc2(self.activation(self.fc1(x)))
+
+
+# The jax.checkpoint_policies a block's rematerialisation may name (config.model.remat): what
+# the backward pass keeps of the block's forward; everything else is recomputed. The other
+# names there build a policy from arguments (checkpoint_name tags, memory kinds to offload to).
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "everything_saveable")
+REMAT_OFF = ("", "none")
+
+
+def remat_policy(name: str) -> Callable | None:
+  """The jax.checkpoint_policies policy called `name`; None for '' or 'none' (no remat).
+
+  'nothing_saveable' keeps only the block's input and recomputes the whole block in the
+  backward pass; 'dots_saveable' also keeps every matmul / conv output;
+  'dots_with_no_batch_dims_saveable' keeps those without batch dimensions (the weight
+  matmuls, not attention's); 'everything_saveable' keeps all (no memory saved).
+  """
+  if name in REMAT_OFF:
+    return None
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"remat={name!r} is not a rematerialisation policy: use one of "
+                     f"{REMAT_POLICIES} (jax.checkpoint_policies), or '' / 'none' for off.")
+  return getattr(jax.checkpoint_policies, name)
+
+
+@functools.cache
+def remat_class(block_cls: type, policy: str) -> type:
+  """A subclass of the nnx.Module `block_cls` whose forward pass runs under nnx.remat with
+  the jax.checkpoint_policies `policy`: the backward pass recomputes what the policy does not
+  keep instead of holding it from the forward. Same attributes, so the same parameters.
+
+  The block is called `block(x, **kwargs)`; keyword values that are not arrays (train=True,
+  rng=None) are static, arrays (an rng key) are traced. Variables the block updates
+  (BatchNorm statistics) are updated as without remat.
+  """
+  checkpoint_policy = remat_policy(policy)
+  if checkpoint_policy is None:
+    raise ValueError(f"remat_class needs a policy, got {policy!r}")
+
+  def __call__(self, x, **kwargs):
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+
+    def forward(block, x, arrays):
+      return block_cls.__call__(block, x, **static, **arrays)
+
+    return nnx.remat(forward, policy=checkpoint_policy)(self, x, arrays)
+
+  return type(block_cls.__name__, (block_cls,),
+              {"__call__": __call__, "__module__": block_cls.__module__,
+               "__qualname__": block_cls.__qualname__, "__doc__": block_cls.__doc__,
+               "remat_policy": policy, "remat_of": block_cls})

@@ -50,6 +50,11 @@ class Removed(nnx.Module):
     return self.fn(x)
 
 
+def _kind(block) -> type:
+  """The block's class; a rematerialised block's is the class it wraps (layers.remat_class)."""
+  return getattr(type(block), "remat_of", type(block))
+
+
 def _lists(model) -> list:
   """The nnx.Lists holding the model's residual blocks, in forward order."""
   stages = model.residual_stages()
@@ -68,11 +73,11 @@ def removable(model) -> list[bool]:
   out = []
   for lst, i in blocks(model):
     block = lst[i]
-    if type(block) not in _SKIPS:
+    if _kind(block) not in _SKIPS:
       raise ValueError(f"block {len(out)} of {type(model).__name__} is a "
                        f"{type(block).__name__}, which bigpretrain.models.submodel does not "
                        "know how to remove.")
-    out.append(_SKIPS[type(block)][1](block))
+    out.append(_SKIPS[_kind(block)][1](block))
   return out
 
 
@@ -100,7 +105,7 @@ def remove_blocks(model, indices):
   listed = blocks(model)
   for i in check(model, indices):
     lst, pos = listed[i]
-    lst[pos] = Removed(_SKIPS[type(lst[pos])][0])
+    lst[pos] = Removed(_SKIPS[_kind(lst[pos])][0])
   return model
 
 
