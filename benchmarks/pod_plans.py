@@ -96,7 +96,7 @@ RECIPES = [
            "configs/single_label.py:dataset=tfds:imagenet2012,model=resnet50", 1536,
            1_000_000_000, "1B images (sec. 4.4)",
            "64 GPUs, 8 machines (sec. 4.1); no time given",
-           flags=("--config.batch_size=1536", "--config.model.bn_group_size=24")),
+           flags=("--config.batch_size=1536",)),
     Recipe("semisup_teacher_infer",
            "semi-supervised ResNeXt-101 32x48d teacher ranking YFCC100M (inference, top-10)",
            "configs/single_label.py:dataset=tfds:imagenet2012,model=resnext101_32x48d", 4096,
