@@ -56,12 +56,17 @@ def export_demo(base_builder, raw_dir: pathlib.Path) -> pathlib.Path:
   return raw_dir
 
 
+def prepared_name(base_builder) -> str:
+  """The NAME of 'hashtags:NAME' the demo is prepared under: one per demo version."""
+  return f"{DEMO_NAME}_{str(base_builder.info.version).replace('.', '_')}"
+
+
 def demo_builder(data_dir: str):
   """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
   base = demo.prepare(data_dir or None)
   root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
   version = str(base.info.version).replace(".", "_")
-  name = f"{DEMO_NAME}_{version}"
+  name = prepared_name(base)
   found = hashtag_source.find(f"{hashtag_source.BUILDER_NAME}/{name}", root)
   if found is not None and (pathlib.Path(found.data_dir) /
                             hashtag_source.LABEL_INDEX.format(split="train")).exists():

@@ -175,6 +175,7 @@ def _selection_dir(folder, demo) -> str:
 
 def test_every_registered_dataset_loader_returns_the_declared_contract(tmp_path, monkeypatch):
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  from input_pipeline import hashtag_demo  # pylint: disable=import-outside-toplevel
   from input_pipeline import subset  # pylint: disable=import-outside-toplevel
   demo = datasets.get_dataset({"name": "demo"})
   # Registered key -> (a name it serves, the name its loader is called with), demo-sized.
@@ -184,7 +185,8 @@ def test_every_registered_dataset_loader_returns_the_declared_contract(tmp_path,
       "demo_coarse": ("demo_coarse",) * 2, "demo_plain_coarse": ("demo_plain_coarse",) * 2,
       "tfds:": (f"tfds:{demo.builder.info.full_name.rsplit('/', 1)[0]}",) * 2,
       "hashtags:demo": ("hashtags:demo",) * 2,
-      "hashtags:": ("hashtags:other", "hashtags:demo"),  # The prefix loader, on the demo's.
+      # The prefix loader, on the demo's files as the hashtags:demo loader prepares them.
+      "hashtags:": ("hashtags:other", f"hashtags:{hashtag_demo.prepared_name(demo.builder)}"),
       "selection:": (_selection_dir(tmp_path, demo),) * 2,
       # Prepared by Beam jobs: their loaders read the demo's files here.
       "imagenet21k_p": ("imagenet21k_p",) * 2, "folder:": ("folder:x",) * 2,
