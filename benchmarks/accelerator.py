@@ -20,6 +20,8 @@ Figures (each line's `figure`):
   plan_vs_measured       the plan's prediction for the ViT-B/16 step, compiled for these
                          devices (memory; step time at peak FLOP/s, and the compiler's own
                          estimate where the plan gives one) over what the device measured
+`process_peak_bytes` is the device's peak memory since the process started (the runtime
+keeps no per-step peak): it is the step's own for the first figure only.
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
 device cannot give it, e.g. memory on a CPU), the rest are the figure's details.
 The dry run swaps in the demo models (vit_demo, regnety_demo; ViT vs RegNetY for the
@@ -55,7 +57,8 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", None, "Small sizes (default: on when the
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps per figure (default 10; dry run 1).")
 _ROUNDS = flags.DEFINE_integer("rounds", None, "Alternated rounds of the model comparison "
                                "(default 3; dry run 1).")
-_FIGURES = flags.DEFINE_list("figures", [], "Only these figures (default: all).")
+_FIGURES = flags.DEFINE_list("figures", [], "Only these figures, in this order (default: "
+                              "all).")
 
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "esd_memory_ratio",
@@ -122,7 +125,7 @@ class Suite:
     runner = common.Runner(config, dataset)
     step_s = runner.run(self.steps)
     rep = common.report(config, step_s, runner.compile_s)
-    flops = goodput.compiled_flops(runner.step)
+    flops = runner.flops
     acc = accelerator(jax.devices()[0], config.compute_dtype)
     perf = goodput.interval_metrics(wall_s=step_s, data_wait_s=0.0, steps=1, flops=flops,
                                     peak=acc["peak_flops"])
@@ -133,7 +136,7 @@ class Suite:
            "step_time_ms": rep["step_time_ms"], "compile_time_s": rep["compile_time_s"],
            "flops_per_device": flops, "tflops_per_device": perf.get("perf/tflops_per_device"),
            "mfu": perf.get("perf/mfu"), "peak_flops": acc["peak_flops"],
-           "peak_device_bytes": stats.get("peak_bytes_in_use"), "steps": self.steps}
+           "process_peak_bytes": stats.get("peak_bytes_in_use"), "steps": self.steps}
     self.emit(figure, rep["images_per_sec"], "images/s", **out)
     del runner
     gc.collect()
@@ -201,7 +204,7 @@ class Suite:
     peak = self.vit["peak_flops"]
     at_peak_s = p["flops_per_device"] / peak if peak else None
     compiler_s = p.get("optimal_seconds")
-    measured_bytes = self.vit["peak_device_bytes"]
+    measured_bytes = self.vit["process_peak_bytes"]
     ratio = lambda a, b: a / b if a and b else None
     self.emit("plan_vs_measured", ratio(p["total_bytes"], measured_bytes),
               "planned/measured bytes", model=config.model.name,
@@ -251,12 +254,22 @@ def main(argv):
   run = {"vit_b16_train": suite.vit_b16, "regnety_16gf_train": suite.regnety_16gf,
          "tresnet_m_vs_resnet50": suite.tresnet_vs_resnet, "esd_memory_ratio": suite.esd_memory,
          "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured}
-  for figure in FIGURES:  # vit_b16_train first: its peak memory is the plan's to compare.
-    if not _FIGURES.value or figure in _FIGURES.value:
-      if figure == "vit_b16_train" and suite.vit is not None:
-        continue
+  failed = {}
+  # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's
+  # to compare). A figure that fails is reported and the others still run: one device
+  # session should not lose every figure to one.
+  for figure in _FIGURES.value or FIGURES:
+    if figure == "vit_b16_train" and suite.vit is not None:
+      continue
+    try:
       run[figure]()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      logging.exception("Figure %s failed.", figure)
+      failed[figure] = f"{type(e).__name__}: {e}"
+      print(json.dumps({"figure": figure, "error": failed[figure]}), flush=True)
   print(table(suite.lines), flush=True)
+  if failed:
+    raise SystemExit(f"Failed figures: {sorted(failed)}.")
 
 
 if __name__ == "__main__":

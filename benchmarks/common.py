@@ -5,6 +5,7 @@ import time
 import jax
 import numpy as np
 
+from bigpretrain import flops
 from bigpretrain import sharding
 from bigpretrain import train
 
@@ -42,8 +43,10 @@ class Runner:
     self.batch = sharding.global_batch(self.rows, self.exp.mesh)
     t0 = time.perf_counter()
     with jax.set_mesh(self.exp.mesh):
-      self.step = self.exp.train_step().lower(self.state, self.batch, self.exp.frozen).compile()
+      traced = self.exp.train_step().trace(self.state, self.batch, self.exp.frozen)
+      self.step = traced.lower().compile()
     self.compile_s = time.perf_counter() - t0
+    self.flops = flops.traced_flops_per_device(traced, self.exp.mesh.size)  # Per device.
     self.run(1)  # Warm-up.
 
   def run(self, steps: int) -> float:

@@ -42,7 +42,7 @@ from jax._src import config as jax_config  # enable_compilation_cache as a conte
 import numpy as np
 
 from bigpretrain import accelerators
-from bigpretrain import goodput
+from bigpretrain import flops
 from bigpretrain import hlo_collectives
 from bigpretrain import objectives
 from bigpretrain import pool_predictions
@@ -131,8 +131,9 @@ STEPS = ("train", "infer")
 
 def compile_step(config, num_classes: int | None = None, devices=None,
                  teacher_model: str | None = None, step: str = "train", top_p: int = 10):
-  """(Experiment, abstract state, compiled step) of `config` on the available (or the given)
-  devices, with nothing allocated and no dataset read. The state of step='infer' is the
+  """(Experiment, abstract state, compiled step, its FLOPs per device) of `config` on the
+  available (or the given) devices, with nothing allocated and no dataset read (FLOPs:
+  bigpretrain/flops.py). The state of step='infer' is the
   model's {'params', 'extra'}; `teacher_model` names a distillation teacher's model."""
   if step not in STEPS:
     raise ValueError(f"step={step!r} must be one of {STEPS}.")
@@ -159,15 +160,15 @@ def compile_step(config, num_classes: int | None = None, devices=None,
   with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
     if step == "train":
       state = exp.abstract_state()
-      lowered = exp.train_step().lower(state, abstract_batch(exp), exp.frozen)
+      traced = exp.train_step().trace(state, abstract_batch(exp), exp.frozen)
     else:
       state, shardings = pretrained.abstract_variables(exp.model_def, exp.mesh,
                                                        train.rules_of(config))
       forward = pool_predictions.make_step(exp.model_def, shardings, exp.mesh,
                                            config.data.normalize, top_p, logits=False)
-      lowered = forward.lower(state["params"], state["extra"], abstract_infer_batch(exp))
-    compiled = lowered.compile(compiler_options=options)
-  return exp, state, compiled
+      traced = forward.trace(state["params"], state["extra"], abstract_infer_batch(exp))
+    compiled = traced.lower().compile(compiler_options=options)
+  return exp, state, compiled, flops.traced_flops_per_device(traced, exp.mesh.size)
 
 
 def abstract_infer_batch(exp) -> dict:
@@ -205,7 +206,8 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
   if accelerator is not None:
     accelerators.get(accelerator)  # A clear error before a long compile.
   start = time.perf_counter()
-  exp, state, compiled = compile_step(config, num_classes, devices, teacher_model, step, top_p)
+  exp, state, compiled, step_flops = compile_step(config, num_classes, devices, teacher_model,
+                                                  step, top_p)
   compile_s = time.perf_counter() - start
   device = exp.mesh.devices.flat[0]
   if accelerator is None:
@@ -231,7 +233,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "alias_bytes": int(mem.alias_size_in_bytes),
       "temp_bytes": int(mem.temp_size_in_bytes),
       "generated_code_bytes": int(mem.generated_code_size_in_bytes),
-      "flops_per_device": goodput.compiled_flops(compiled),
+      "flops_per_device": step_flops,
       **cost_estimate(compiled),
       "collectives": hlo_collectives.collectives(compiled.as_text()),
       "compile_seconds": round(compile_s, 1),

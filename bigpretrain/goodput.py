@@ -10,9 +10,10 @@ Per log interval (all host timers; the only sync is the one the log step already
                            ahead of the device (async dispatch), so when the device is the
                            bottleneck this tends to 0; when the input is, to the device's idle
                            share.
-  perf/tflops_per_device   the compiled step's FLOPs per device (XLA's cost analysis of the
-                           partitioned step: with rematerialisation these include the recompute)
-                           over the step time.
+  perf/tflops_per_device   the step's FLOPs per device (its matrix products and convolutions,
+                           counted on the jaxpr by bigpretrain/flops.py: XLA:GPU's cost
+                           analysis leaves out cuBLAS and cuDNN calls; with
+                           rematerialisation they include the recompute) over the step time.
   perf/mfu                 tflops_per_device over the device's peak (PEAK_FLOPS); omitted on CPU
                            and on devices the table does not know.
   perf/host_rss_mb         this process's resident memory.
@@ -47,14 +48,6 @@ def peak_flops(device_kind: str, compute_dtype: str) -> float | None:
   if peaks is None:
     return None
   return peaks[0] if compute_dtype == "bfloat16" else peaks[1]
-
-
-def compiled_flops(compiled) -> float:
-  """FLOPs per device of one call of a compiled (partitioned) computation, from XLA's cost
-  analysis; 0.0 when the backend reports none."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float((cost or {}).get("flops", 0.0))
 
 
 def host_rss_mb() -> float:
@@ -181,8 +174,9 @@ class Goodput:
       logging.info("perf/mfu against %.1f TFLOP/s per device (%s, %s).", self.peak / 1e12,
                    kind, compute_dtype)
 
-  def set_compiled(self, compiled) -> None:
-    self.flops = compiled_flops(compiled)
+  def set_flops(self, flops_per_device: float) -> None:
+    """The step's FLOPs per device (bigpretrain/flops.py)."""
+    self.flops = flops_per_device
 
   def metrics(self) -> dict:
     """This interval's 'perf/...' values (the same on every process's return); warns about a

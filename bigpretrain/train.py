@@ -22,6 +22,7 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain import console
 from bigpretrain import evaluators as evaluators_lib
+from bigpretrain import flops
 from bigpretrain import goodput as goodput_lib
 from bigpretrain import initial_state
 from bigpretrain import metric_writers
@@ -419,7 +420,9 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
       if step == start + 1:  # Compile ahead (the call below reuses it) for the step's FLOPs.
         with timer.excluded():
           t0 = time.perf_counter()
-          perf.set_compiled(step_fn.lower(state, batch, exp.frozen).compile())
+          traced = step_fn.trace(state, batch, exp.frozen)
+          perf.set_flops(flops.traced_flops_per_device(traced, mesh.size))
+          traced.lower().compile()
           out.compile_s = time.perf_counter() - t0
       state, step_metrics = step_fn(state, batch, exp.frozen)
       out.pending.add(step, step_metrics, config.batch_size)
