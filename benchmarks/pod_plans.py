@@ -4,6 +4,7 @@ r"""Every recipe at paper scale, compiled for the hardware its users would rent:
   python benchmarks/pod_plans.py --rows=ss_vit_b16@v5e-16,ss_vit_b16@8xh100 --redo
   python benchmarks/pod_plans.py --list                # row names and their commands
   python benchmarks/pod_plans.py --compare             # vit_demo: TPU vs GPU vs CPU plan
+  python benchmarks/pod_plans.py --refresh_flops       # kept rows' FLOPs, traced again
 
 Each row runs `python -m bigpretrain.tools.plan --topology=... --json` (the real train step,
 or for the semi-supervised teacher the inference engine's pool step, compiled by libtpu or the
@@ -15,8 +16,9 @@ compiled listed with their command.
 Cost to reproduce, per row:
   steps = the paper's total training samples / the batch;
   at 40% MFU: steps x per-chip step FLOPs / (chip bf16 peak x 0.40), in wall hours and chip
-  hours (x chips). XLA:GPU reports no FLOPs, so GPU rows use the global step FLOPs of the
-  same step's TPU compile divided over the GPUs (marked);
+  hours (x chips). The FLOPs are counted on the step's jaxpr (bigpretrain/flops.py), the same
+  on every compiler; a row kept from before that (XLA's cost analysis: none on GPUs) shows
+  n/a until --refresh_flops traces its step again, a minute, no compile;
   the compiler's estimate (TPU rows): steps x its optimal_seconds, a roofline bound of the
   compiled step, not a measurement.
 next to the paper's reported hardware time where it gives one.
@@ -162,18 +164,26 @@ def run_row(name, recipe, topology, mesh, timeout) -> dict:
           "wall_seconds": round(time.perf_counter() - start, 1), "plan": plan}
 
 
-def costs(row: dict, recipe: Recipe, global_flops: float | None) -> dict:
+def refresh_flops(name, recipe, topology, mesh, timeout) -> dict:
+  """The row's step FLOPs per device, traced again (tools.plan --flops_only)."""
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  out = subprocess.run(command(recipe, topology, mesh) + ["--flops_only"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  if out.returncode:
+    raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def costs(row: dict, recipe: Recipe) -> dict:
   """The cost-to-reproduce columns of a row (see the module docstring)."""
   p = row["plan"]
   acc = accelerators.get(p["accelerator"])
   steps = recipe.samples / recipe.batch
   out = {"steps": steps}
-  flops, flops_from = p["flops_per_device"], "compile"
-  if not flops and global_flops:
-    flops, flops_from = global_flops / p["devices"], "tpu compile"
-  if flops:
+  if p.get("flops_from") == "jaxpr":
+    flops = p["flops_per_device"]
     wall_h = steps * flops / (acc.peak_bf16 * MFU) / 3600
-    out.update(flops_per_chip=flops, flops_from=flops_from, mfu_wall_hours=wall_h,
+    out.update(flops_per_chip=flops, mfu_wall_hours=wall_h,
                mfu_chip_hours=wall_h * p["devices"])
   if p.get("optimal_seconds"):
     wall_h = steps * p["optimal_seconds"] / 3600
@@ -221,10 +231,6 @@ def _collectives(col: dict) -> str:
 
 
 def render(results: dict) -> str:
-  global_flops = {}
-  for r in results.values():
-    if "plan" in r and r["plan"]["flops_per_device"]:
-      global_flops.setdefault(r["recipe"], r["plan"]["flops_per_device"] * r["plan"]["devices"])
   lines = [
       "# Every recipe at paper scale, compiled for pods and GPU clusters",
       "",
@@ -245,9 +251,10 @@ def render(results: dict) -> str:
       "dot, see bigpretrain/hlo_collectives.py).",
       "",
       f"Cost to reproduce: steps = the paper's samples / batch. **At {MFU:.0%} MFU** (a stated",
-      "assumption): steps x per-chip step FLOPs / (chip bf16 peak x MFU). XLA:GPU reports no",
-      "FLOPs: GPU rows (marked *) use the same step's global FLOPs from its TPU compile over the",
-      "GPUs. **Compiler's estimate** (TPU only): steps x the compiled step's `optimal_seconds`,",
+      "assumption): steps x per-chip step FLOPs / (chip bf16 peak x MFU), the FLOPs of the",
+      "step's matrix products and convolutions counted on its jaxpr (bigpretrain/flops.py; XLA's",
+      "own cost analysis counts none of the cuBLAS/cuDNN calls on GPUs). **Compiler's",
+      "estimate** (TPU only): steps x the compiled step's `optimal_seconds`,",
       "the TPU compiler's own roofline time for the step: a lower bound, not a measurement",
       "(libtpu 0.0.42 gave a negative, i.e. no, estimate for the paper-scale steps: n/a).",
       "Hours are wall-clock for the whole slice; chip-hours multiply by the chips.",
@@ -263,16 +270,15 @@ def render(results: dict) -> str:
     if r is None or "plan" not in r:
       missing.append((name, recipe, topology, mesh, (r or {}).get("error")))
       continue
-    p, c = r["plan"], costs(r, recipe, global_flops.get(recipe.name))
+    p, c = r["plan"], costs(r, recipe)
     counts = _collectives(p["collectives"])
     fit = (f"yes, {_gib(p['margin_bytes'])} GiB" if p["fits"] else
            f"**no** ({_advice(p)})")
-    star = "*" if c.get("flops_from") == "tpu compile" else ""
-    mfu = (f"{c['mfu_wall_hours']:,.0f} ({c['mfu_chip_hours']:,.0f}){star}"
+    mfu = (f"{c['mfu_wall_hours']:,.0f} ({c['mfu_chip_hours']:,.0f})"
            if "mfu_wall_hours" in c else "n/a")
     est = (f"{c['compiler_wall_hours']:,.0f} ({c['compiler_chip_hours']:,.0f})"
            if "compiler_wall_hours" in c else "n/a")
-    tflop = f"{c['flops_per_chip'] / 1e12:.2f}{star}" if "flops_per_chip" in c else "n/a"
+    tflop = f"{c['flops_per_chip'] / 1e12:.2f}" if "flops_per_chip" in c else "n/a"
     mesh_s = ",".join(f"{k}:{v}" for k, v in p["mesh"].items() if v > 1)
     if p.get("remat", "none") != "none":
       mesh_s += f", remat {p['remat']}"
@@ -319,6 +325,8 @@ def main():
   parser.add_argument("--list", action="store_true", help="List rows and commands.")
   parser.add_argument("--render", action="store_true", help="Only rewrite the markdown.")
   parser.add_argument("--compare", action="store_true", help="TPU vs CPU plan of vit_demo.")
+  parser.add_argument("--refresh_flops", action="store_true",
+                      help="Trace the kept rows' steps again for their FLOPs (no compile).")
   parser.add_argument("--timeout", type=int, default=3600, help="Seconds per row.")
   args = parser.parse_args()
   if args.compare:
@@ -333,6 +341,13 @@ def main():
       print(name, " ".join(command(recipe, topology, mesh)[1:]))
       continue
     if args.render or (wanted and name not in wanted):
+      continue
+    if args.refresh_flops:
+      if "plan" in results.get(name, {}):
+        flops = refresh_flops(name, recipe, topology, mesh, args.timeout)
+        results[name]["plan"].update(flops)
+        print(json.dumps({"row": name, **flops}), flush=True)
+        save(results)
       continue
     if not args.redo and "plan" in results.get(name, {}):
       continue

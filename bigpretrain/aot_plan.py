@@ -12,8 +12,10 @@ only. Devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU 
 lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
 others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
 the compiler's memory analysis (arguments, outputs, aliased, temporaries, generated code),
-FLOPs per step and, where the compiler gives them (the TPU compiler does), its roofline step
-time `optimal_seconds` and `bytes accessed`; the collectives of the compiled HLO by kind
+FLOPs per step (matrix products and convolutions counted on the step's jaxpr, the same on
+every compiler: bigpretrain/flops.py; step_flops gives them without compiling) and, where the
+compiler gives them (the TPU compiler does), its roofline step time `optimal_seconds` and
+`bytes accessed`; the collectives of the compiled HLO by kind
 (bigpretrain.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
 compiler (and version) every figure comes from; `remat` the config's model.remat (the
 residual blocks' rematerialisation policy, which trades temporaries for recompute FLOPs).
@@ -127,13 +129,15 @@ def abstract_batch(exp) -> dict:
 
 
 STEPS = ("train", "infer")
+# How a plan's flops_per_device is counted (bigpretrain/flops.py); plans without the key
+# carry XLA's cost analysis of the compiled step, which on GPUs leaves out cuBLAS/cuDNN.
+FLOPS_FROM = "jaxpr"
 
 
-def compile_step(config, num_classes: int | None = None, devices=None,
-                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
-  """(Experiment, abstract state, compiled step, its FLOPs per device) of `config` on the
-  available (or the given) devices, with nothing allocated and no dataset read (FLOPs:
-  bigpretrain/flops.py). The state of step='infer' is the
+def trace_step(config, num_classes: int | None = None, devices=None,
+               teacher_model: str | None = None, step: str = "train", top_p: int = 10):
+  """(Experiment, abstract state, traced step) of `config` on the available (or the given)
+  devices, with nothing allocated and no dataset read. The state of step='infer' is the
   model's {'params', 'extra'}; `teacher_model` names a distillation teacher's model."""
   if step not in STEPS:
     raise ValueError(f"step={step!r} must be one of {STEPS}.")
@@ -153,11 +157,7 @@ def compile_step(config, num_classes: int | None = None, devices=None,
     raise ValueError(f"--teacher_model={teacher_model!r}: objective "
                      f"{config.objective.name!r} has no teacher.")
   exp = dataclasses.replace(exp, frozen=frozen, frozen_shardings=frozen_shardings)
-  # Compile-only devices have no client to load a cached executable into: no cache for them.
-  platform = exp.mesh.devices.flat[0].platform
-  cache = platform == jax.default_backend()
-  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
-  with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
+  with jax.set_mesh(exp.mesh):
     if step == "train":
       state = exp.abstract_state()
       traced = exp.train_step().trace(state, abstract_batch(exp), exp.frozen)
@@ -167,8 +167,29 @@ def compile_step(config, num_classes: int | None = None, devices=None,
       forward = pool_predictions.make_step(exp.model_def, shardings, exp.mesh,
                                            config.data.normalize, top_p, logits=False)
       traced = forward.trace(state["params"], state["extra"], abstract_infer_batch(exp))
+  return exp, state, traced
+
+
+def compile_step(config, num_classes: int | None = None, devices=None,
+                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
+  """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
+  (bigpretrain/flops.py)."""
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  # Compile-only devices have no client to load a cached executable into: no cache for them.
+  platform = exp.mesh.devices.flat[0].platform
+  cache = platform == jax.default_backend()
+  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
+  with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
     compiled = traced.lower().compile(compiler_options=options)
   return exp, state, compiled, flops.traced_flops_per_device(traced, exp.mesh.size)
+
+
+def step_flops(config, num_classes: int | None = None, devices=None,
+               teacher_model: str | None = None, step: str = "train", top_p: int = 10) -> dict:
+  """The step's FLOPs per device without compiling it (a trace only: seconds)."""
+  exp, _, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  return {"flops_per_device": flops.traced_flops_per_device(traced, exp.mesh.size),
+          "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
 
 
 def abstract_infer_batch(exp) -> dict:
@@ -206,8 +227,8 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
   if accelerator is not None:
     accelerators.get(accelerator)  # A clear error before a long compile.
   start = time.perf_counter()
-  exp, state, compiled, step_flops = compile_step(config, num_classes, devices, teacher_model,
-                                                  step, top_p)
+  exp, state, compiled, flops_per_device = compile_step(config, num_classes, devices,
+                                                        teacher_model, step, top_p)
   compile_s = time.perf_counter() - start
   device = exp.mesh.devices.flat[0]
   if accelerator is None:
@@ -233,7 +254,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "alias_bytes": int(mem.alias_size_in_bytes),
       "temp_bytes": int(mem.temp_size_in_bytes),
       "generated_code_bytes": int(mem.generated_code_size_in_bytes),
-      "flops_per_device": step_flops,
+      "flops_per_device": flops_per_device, "flops_from": FLOPS_FROM,
       **cost_estimate(compiled),
       "collectives": hlo_collectives.collectives(compiled.as_text()),
       "compile_seconds": round(compile_s, 1),

@@ -83,7 +83,8 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
                               - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
   assert p["fits"] and p["margin_bytes"] == 16 * 2**30 - p["total_bytes"]
   # FLOPs are per device: at least the forward+backward matmuls of this device's 2 images.
-  assert p["flops_per_device"] > 0
+  assert p["flops_per_device"] > 0 and p["flops_from"] == "jaxpr"
+  assert plan_lib.step_flops(config)["flops_per_device"] == p["flops_per_device"]  # Traced.
   assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
 
 

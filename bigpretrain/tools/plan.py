@@ -47,6 +47,8 @@ def define_flags() -> None:
                     "engine's pool step (eval-mode forward and top-P scores) at batch_size.")
   flags.DEFINE_integer("top_p", 10, "Classes kept per image by --step=infer.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
+  flags.DEFINE_bool("flops_only", False, "Only the step's FLOPs per device, traced, not "
+                    "compiled (one JSON line).")
   flags.mark_flags_as_required(["config"])
 
 
@@ -86,6 +88,11 @@ def main(argv):
       config = config.copy_and_resolve_references()
       with config.unlocked():
         config.mesh.update(aot_plan.parse_mesh(f.mesh))
+    if f.flops_only:
+      p = aot_plan.step_flops(config, f.num_classes, devices, teacher_model=f.teacher_model,
+                              step=f.step, top_p=f.top_p)
+      print(json.dumps(p), flush=True)
+      return
     p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices,
                       teacher_model=f.teacher_model, step=f.step, top_p=f.top_p)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
