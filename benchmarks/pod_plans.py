@@ -150,11 +150,15 @@ def command(recipe: Recipe, topology: str, mesh: str) -> list[str]:
           f"--topology={topology}", f"--mesh={mesh_flag}", "--json", *recipe.flags]
 
 
+def _run(cmd: list[str], timeout=None) -> subprocess.CompletedProcess:
+  """`cmd` (a tools.plan command) run from the repository, its output captured."""
+  return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        capture_output=True, text=True, timeout=timeout)
+
+
 def run_row(name, recipe, topology, mesh, timeout) -> dict:
   start = time.perf_counter()
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  out = subprocess.run(command(recipe, topology, mesh), cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+  out = _run(command(recipe, topology, mesh), timeout)
   if out.returncode:
     tail = [l for l in out.stderr.strip().splitlines() if "ERROR" in l or "Error" in l][-3:]
     return {"row": name, "topology": topology, "error": " | ".join(tail)[-600:],
@@ -166,9 +170,7 @@ def run_row(name, recipe, topology, mesh, timeout) -> dict:
 
 def refresh_flops(name, recipe, topology, mesh, timeout) -> dict:
   """The row's step FLOPs per device, traced again (tools.plan --flops_only)."""
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  out = subprocess.run(command(recipe, topology, mesh) + ["--flops_only"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+  out = _run(command(recipe, topology, mesh) + ["--flops_only"], timeout)
   if out.returncode:
     raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -306,11 +308,10 @@ def compare() -> None:
          "--config=configs/semantic_softmax.py:model=vit_demo",
          "--mesh=data:1,fsdp:4,tensor:1", "--json", "--config.batch_size=64",
          "--config.data.image_size=32"]
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
   plans = {}
   for name, extra in (("tpu", ["--topology=tpu:v5e:2x2"]), ("cpu", ["--devices=4"])):
-    out = subprocess.run(cmd + extra, cwd=ROOT, env=env, capture_output=True, text=True,
-                         check=True)
+    out = _run(cmd + extra)
+    out.check_returncode()
     plans[name] = json.loads(out.stdout.strip().splitlines()[-1])
   keys = ("compiler", "params_bytes", "opt_state_bytes", "temp_bytes", "total_bytes",
           "flops_per_device", "collectives")

@@ -6,8 +6,8 @@ shards (`<data dir>/hashtags_demo_raw/VERSION/SPLIT/*.tar`, KEY.png + KEY.json {
 min_raw_count = 1 (the vocabulary is every canonical label of the train tags) and
 DEMO_TAIL_THRESHOLD, under a file lock, like the demo itself. VERSION is the demo's tfds
 version (dots as underscores), so a new demo version is exported and prepared anew rather than
-read from an older cache. Building it the first time needs Apache Beam; this module is imported only when the
-name is used.
+read from an older cache. Building it the first time needs Apache Beam; this module is
+imported only when the name is used.
 """
 import io
 import json
@@ -56,23 +56,26 @@ def export_demo(base_builder, raw_dir: pathlib.Path) -> pathlib.Path:
   return raw_dir
 
 
+def _version(base_builder) -> str:
+  return str(base_builder.info.version).replace(".", "_")
+
+
 def prepared_name(base_builder) -> str:
   """The NAME of 'hashtags:NAME' the demo is prepared under: one per demo version."""
-  return f"{DEMO_NAME}_{str(base_builder.info.version).replace('.', '_')}"
+  return f"{DEMO_NAME}_{_version(base_builder)}"
 
 
 def demo_builder(data_dir: str):
   """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
   base = demo.prepare(data_dir or None)
   root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
-  version = str(base.info.version).replace(".", "_")
   name = prepared_name(base)
   found = hashtag_source.find(f"{hashtag_source.BUILDER_NAME}/{name}", root)
   if found is not None and (pathlib.Path(found.data_dir) /
                             hashtag_source.LABEL_INDEX.format(split="train")).exists():
     return found
   with demo.file_lock(root / f".{hashtag_source.BUILDER_NAME}-{name}.lock"):
-    raw = export_demo(base, root / DEMO_RAW / version)
+    raw = export_demo(base, root / DEMO_RAW / _version(base))
     return hashtag_job.prepare(raw, root, name, min_count=1, min_raw_count=1,
                                tail_threshold=DEMO_TAIL_THRESHOLD)
 
