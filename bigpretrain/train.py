@@ -417,7 +417,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
         if input_delay:
           time.sleep(input_delay)
       batch = sharding.global_batch(batch, mesh)
-      if step == start + 1:  # Compile ahead (the call below reuses it) for the step's FLOPs.
+      if step == start + 1:  # FLOPs from the trace; compiled ahead (reused below) and timed.
         with timer.excluded():
           t0 = time.perf_counter()
           traced = step_fn.trace(state, batch, exp.frozen)
