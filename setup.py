@@ -9,8 +9,9 @@ setuptools.setup(
     "billion-scale semi-supervised teacher/student.",
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["bigpretrain*", "input_pipeline*", "configs"]),
-    package_data={"bigpretrain.semantic": ["data/*.txt"], "bigpretrain": ["gpu_specs/*.txtpb"],
-                  "input_pipeline": ["demo_wnids.txt"]},
+    package_data={"bigpretrain.semantic": ["data/*.txt"],
+                  "bigpretrain.plan": ["gpu_specs/*.txtpb"],
+                  "input_pipeline.sources": ["demo_wnids.txt"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -45,9 +45,9 @@ from benchmarks import common
 from benchmarks import cosub
 from benchmarks import keep_up
 from benchmarks import train_step
-from bigpretrain import accelerators
-from bigpretrain import aot_plan
-from bigpretrain import goodput
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import aot_plan
+from bigpretrain.runtime import goodput
 from bigpretrain import objectives
 from configs import semantic_softmax
 from configs import swag_regnety
@@ -66,7 +66,7 @@ FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "esd_
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
 def plan_prediction(config, num_classes=None) -> dict:
-  """The plan's figures (bigpretrain/aot_plan.py) for `config`'s train step compiled for this
+  """The plan's figures (bigpretrain/plan/aot_plan.py) for `config`'s train step compiled for this
   process's devices."""
   return aot_plan.plan(config, num_classes, devices=jax.devices())
 

@@ -5,7 +5,7 @@ import time
 import jax
 import numpy as np
 
-from bigpretrain import flops
+from bigpretrain.plan import flops
 from bigpretrain import sharding
 from bigpretrain import train
 

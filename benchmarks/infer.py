@@ -31,7 +31,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from benchmarks import common
-from bigpretrain import pool_predictions
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
 

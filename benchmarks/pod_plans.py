@@ -9,14 +9,14 @@ r"""Every recipe at paper scale, compiled for the hardware its users would rent:
 Each row runs `python -m bigpretrain.tools.plan --topology=... --json` (the real train step,
 or for the semi-supervised teacher the inference engine's pool step, compiled by libtpu or the
 CUDA plugin with no accelerator attached; a distillation's teacher planned from its model, see
-bigpretrain.aot_plan), prints one JSON line, and is kept in docs/pod_plans.jsonl; the
+bigpretrain.plan.aot_plan), prints one JSON line, and is kept in docs/pod_plans.jsonl; the
 markdown table is rewritten from all kept rows after each one, with the rows not yet
 compiled listed with their command.
 
 Cost to reproduce, per row:
   steps = the paper's total training samples / the batch;
   at 40% MFU: steps x per-chip step FLOPs / (chip bf16 peak x 0.40), in wall hours and chip
-  hours (x chips). The FLOPs are counted on the step's jaxpr (bigpretrain/flops.py), the same
+  hours (x chips). The FLOPs are counted on the step's jaxpr (bigpretrain/plan/flops.py), the same
   on every compiler; a row kept from before that (XLA's cost analysis: none on GPUs) shows
   n/a until --refresh_flops traces its step again, a minute, no compile;
   the compiler's estimate (TPU rows): steps x its optimal_seconds, a roofline bound of the
@@ -35,7 +35,7 @@ import pathlib
 import subprocess
 import time
 
-from bigpretrain import accelerators
+from bigpretrain.plan import accelerators
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "pod_plans.jsonl"
@@ -246,15 +246,15 @@ def render(results: dict) -> str:
       "with no GPU to autotune on, XLA's default Triton GEMM tiling fails on ViT-B's shapes).",
       "Memory is per chip, from",
       "the compiler's memory analysis (arguments + outputs - aliased + temporaries); margin is",
-      "against the chip's HBM (bigpretrain.accelerators). Collectives: counts in the compiled",
+      "against the chip's HBM (bigpretrain.plan.accelerators). Collectives: counts in the compiled",
       "HLO (AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, CP",
       "collective-permute; 'windowed': collective matmuls, the TPU compiler's large FSDP",
       "gathers and gradient reduce-scatters as loops of collective-permutes overlapping the",
-      "dot, see bigpretrain/hlo_collectives.py).",
+      "dot, see bigpretrain/plan/hlo_collectives.py).",
       "",
       f"Cost to reproduce: steps = the paper's samples / batch. **At {MFU:.0%} MFU** (a stated",
       "assumption): steps x per-chip step FLOPs / (chip bf16 peak x MFU), the FLOPs of the",
-      "step's matrix products and convolutions counted on its jaxpr (bigpretrain/flops.py; XLA's",
+      "step's matrix products and convolutions counted on its jaxpr (bigpretrain/plan/flops.py; XLA's",
       "own cost analysis counts none of the cuBLAS/cuDNN calls on GPUs). **Compiler's",
       "estimate** (TPU only): steps x the compiled step's `optimal_seconds`,",
       "the TPU compiler's own roofline time for the step: a lower bound, not a measurement",

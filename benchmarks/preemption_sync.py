@@ -7,7 +7,7 @@ JSON line (from process 0).
 
 Runs the trainer's loop shape on the config's real train step (a fixed host batch put on the
 mesh each step, as the loop does with its pipeline's) with each way of agreeing on a SIGTERM
-(bigpretrain.preemption), alternated round by round:
+(bigpretrain.runtime.preemption), alternated round by round:
   every_step  the flag all-gathered on the devices after every step (the former check)
   sync_point  the runtime's preemption sync point (a host-side call)
   log_steps   the flag all-gathered at log steps only (the fallback without the sync manager)
@@ -32,8 +32,8 @@ import jax
 from ml_collections import config_flags
 
 from benchmarks import common
-from bigpretrain import distributed
-from bigpretrain import preemption
+from bigpretrain.runtime import distributed
+from bigpretrain.runtime import preemption
 from bigpretrain import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)

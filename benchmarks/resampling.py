@@ -5,7 +5,7 @@
 
 Synthetic dataset: each of --images images holds one canonical hashtag drawn from a Zipf
 law (exponent 1) over --hashtags hashtags, like Figure 1's long tail; importance and tail
-flags follow bigpretrain.hashtags.resampling.importance (f^-1/2, tail below the threshold),
+flags follow bigpretrain.swag.resampling.importance (f^-1/2, tail below the threshold),
 computed here with numpy directly since 10M Python label lists would only time Python.
 `importance()` itself is timed on the first --importance_images images.
 
@@ -26,7 +26,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from bigpretrain.hashtags import resampling
+from bigpretrain.swag import resampling
 
 _IMAGES = flags.DEFINE_integer("images", 10_000_000, "Synthetic images.")
 _HASHTAGS = flags.DEFINE_integer("hashtags", 27_000, "Canonical hashtags (paper: ~27k).")

@@ -3,12 +3,12 @@
   python benchmarks/selection.py [--n=1000000] [--num_classes=1000] [--top_p=10] [--k=2000] \
       [--workers=1] [--naive=true]
 
-Synthetic predictions (input_pipeline/selection_job.py's Parquet format, shards of
+Synthetic predictions (input_pipeline/jobs/selection_job.py's Parquet format, shards of
 --rows_per_shard rows, written before timing): N and 4N images, each with --top_p distinct
 classes drawn from a Zipf-like class distribution (p ~ 1 / (rank + 10), so tail classes get few
 candidates, as in the paper's Table 9) and descending scores rounded to 1e-3 (many ties). K is
 chosen so selection is non-trivial: at N = 1M an average class has N * P / C = 10k candidates
-for K = 2000. Timed: `input_pipeline.selection_job.prepare` end to end (pipeline start-up, reading,
+for K = 2000. Timed: `input_pipeline.jobs.selection_job.prepare` end to end (pipeline start-up, reading,
 selecting, writing the index and the report) with the DirectRunner; --workers > 1 uses
 multi_processing workers. Both sizes select the same C * K pairs, so the output side (sorting
 and writing C * K index rows) costs the same at N and 4N; t(4N) / t(N) shows how the input side
@@ -37,7 +37,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from input_pipeline import selection_job
+from input_pipeline.jobs import selection_job
 from input_pipeline import selection_formats
 
 _N = flags.DEFINE_integer("n", 1_000_000, "Images of the small run; the large one has 4x.")

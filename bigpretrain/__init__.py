@@ -1,6 +1,4 @@
 """bigpretrain: large-scale image pretraining recipes on one sharded JAX trainer."""
-import flax
+from bigpretrain import moved
 
-# Parameters are created abstractly and placed by bigpretrain.sharding from logical
-# axis names; Flax's eager variable sharding would require a mesh at construction.
-flax.config.update("flax_always_shard_variable", False)
+moved.install()

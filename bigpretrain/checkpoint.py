@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from bigpretrain import console
+from bigpretrain.runtime import console
 from input_pipeline import stream_position
 
 

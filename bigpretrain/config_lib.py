@@ -13,13 +13,13 @@ from typing import Any
 
 import ml_collections
 
-from bigpretrain import cache
-from bigpretrain import goodput
+from bigpretrain.runtime import cache
+from bigpretrain.runtime import goodput
 from bigpretrain import mixup
 from bigpretrain import model_init
 from bigpretrain import optim
 from bigpretrain import registry
-from bigpretrain.models import layers
+from bigpretrain.models import base as model_base
 from bigpretrain.sharding import MESH_AXES
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
   c.model_init_skip = ''
   # A hook run after model_init (bigpretrain/model_init.py), e.g. 'zero_shot': the head from
-  # a hashtag model's head through the WordNet class map (bigpretrain/head_init.py).
+  # a hashtag model's head through the WordNet class map (bigpretrain/swag/head_init.py).
   c.model_init_head = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
   # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
@@ -73,7 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
                       ('classes', 'tensor'), ('conv_in', 'fsdp'), ('conv_out', 'tensor'))
   # model.remat: '' or 'none' (off), or the jax.checkpoint_policies policy every residual
-  # block is rematerialised with (bigpretrain.models.layers.REMAT_POLICIES): 'nothing_saveable'
+  # block is rematerialised with (bigpretrain.models.base.REMAT_POLICIES): 'nothing_saveable'
   # recomputes each block in the backward pass, keeping only its input; 'dots_saveable' keeps
   # the matmul / conv outputs. Less activation memory for more compute, the same parameters
   # (checkpoints load either way): for a config that does not fit the chip's HBM (plan it with
@@ -249,8 +249,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
                      'a "decay" of 1e-4 is momentum 0.9999).')
   goodput.parse_profile_steps(config.profile_steps)
   remat = config.model.get('remat', '')
-  if not isinstance(remat, str) or remat not in layers.REMAT_OFF + layers.REMAT_POLICIES:
-    raise ValueError(f'config.model.remat={remat!r} must be one of {layers.REMAT_POLICIES} '
+  if not isinstance(remat, str) or remat not in model_base.REMAT_OFF + model_base.REMAT_POLICIES:
+    raise ValueError(f'config.model.remat={remat!r} must be one of {model_base.REMAT_POLICIES} '
                      "(the jax.checkpoint_policies policy each residual block is "
                      "rematerialised with), or '' / 'none' for off.")
   if not isinstance(config.data.dir, str):

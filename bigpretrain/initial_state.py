@@ -14,7 +14,7 @@ import os
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
-from bigpretrain import console
+from bigpretrain.runtime import console
 from bigpretrain import model_init
 
 

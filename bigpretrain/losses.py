@@ -2,7 +2,9 @@
 
 Each loss is the formula of the paper it comes from (see each docstring); objectives in
 bigpretrain/objectives/ decide which to call with which arrays. Losses that need the semantic
-tree take it as a static Python object: its index tables become constants under jit.
+tree take it as a static Python object (a bigpretrain.semantic.tree.SemanticTree, read through
+its attributes only: the core imports no recipe library): its index tables become constants
+under jit.
 """
 import math
 from typing import Sequence
@@ -11,14 +13,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bigpretrain.semantic.tree import SemanticTree
-
 
 def _f32(x) -> jax.Array:
   return jnp.asarray(x).astype(jnp.float32)
 
 
-def _check_classes(logits: jax.Array, tree: SemanticTree, name: str = "logits"):
+def _check_classes(logits: jax.Array, tree, name: str = "logits"):
   if logits.ndim != 2 or logits.shape[-1] != tree.num_classes:
     raise ValueError(
         f"{name} must be [B, {tree.num_classes}] for this tree; got shape {logits.shape}.")
@@ -98,7 +98,7 @@ def asymmetric_loss(logits: jax.Array, multi_hot: jax.Array, *, gamma_neg: float
   return -jnp.mean(jnp.sum(positive + negative, axis=-1))
 
 
-def semantic_softmax_loss(logits: jax.Array, semantic_targets: jax.Array, tree: SemanticTree, *,
+def semantic_softmax_loss(logits: jax.Array, semantic_targets: jax.Array, tree, *,
                           label_smoothing: float = 0.2,
                           max_weight: float = 20.0) -> tuple[jax.Array, dict]:
   """Semantic softmax loss (Ridnik et al. 2021, section 3.3, eq. 2).
@@ -137,7 +137,7 @@ def semantic_softmax_loss(logits: jax.Array, semantic_targets: jax.Array, tree: 
 
 
 def semantic_kd_loss(student_logits: jax.Array, teacher_logits: jax.Array,
-                     tree: SemanticTree) -> tuple[jax.Array, dict]:
+                     tree) -> tuple[jax.Array, dict]:
   """Semantic knowledge distillation (Ridnik et al. 2021, section 3.4, eq. 4).
 
   Per level k: student and teacher softmax over the level's n_k classes; the teacher's

@@ -52,9 +52,9 @@ def main(argv):
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
   from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
-  from bigpretrain import distributed  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
-  from bigpretrain import workdir_lock  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import workdir_lock  # pylint: disable=import-outside-toplevel
   distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   workdir = _WORKDIR.value
   if not workdir:

@@ -9,4 +9,4 @@ from bigpretrain import registry
 
 HOOKS = registry.Registry("model-init hook", "config.model_init_head")
 # SWAG: the classifier initialised from a hashtag model's head through the WordNet class map.
-HOOKS.register_lazy("zero_shot", "bigpretrain.head_init")
+HOOKS.register_lazy("zero_shot", "bigpretrain.swag.head_init")

@@ -6,7 +6,9 @@ it; a miss says which names exist and which one was probably meant. Registering 
 object twice is a no-op (a module may be imported twice, e.g. as a plugin and by a test);
 another object under a taken name is an error. A registry made with `prefixes=True` also
 serves names by prefix: a key ending in ':' or '/' (e.g. 'tfds:') serves every longer name
-that starts with it, the longest such key winning, and an exact key winning over all.
+that starts with it, the longest such key winning, and an exact key winning over all. A
+registry made with `builtins=MODULE` imports that module (its built-in entries, which register
+themselves) on its first lookup, so the module holding the registry need not import them.
 
 Pure Python: the input pipeline uses it too (see DESIGN: it is one of the few libraries the
 lower layer may import).
@@ -19,8 +21,9 @@ from typing import Any
 class Registry:
   """Names -> objects of one kind; `config_key` names the config field in error messages."""
 
-  def __init__(self, kind: str, config_key: str, *, prefixes: bool = False):
+  def __init__(self, kind: str, config_key: str, *, prefixes: bool = False, builtins: str = ""):
     self.kind, self.config_key, self.prefixes = kind, config_key, prefixes
+    self._builtins = builtins
     self._items: dict[str, Any] = {}
     self._usage: dict[str, str] = {}
     self._lazy: dict[str, str] = {}
@@ -45,7 +48,13 @@ class Registry:
     self._lazy[name] = module
     self._usage.setdefault(name, usage or name)
 
+  def _load_builtins(self) -> None:
+    if self._builtins:
+      module, self._builtins = self._builtins, ""
+      importlib.import_module(module)
+
   def _key(self, name: str) -> str | None:
+    self._load_builtins()
     if name in self._items or name in self._lazy:
       if not (self.prefixes and name.endswith((":", "/"))):
         return name
@@ -71,9 +80,11 @@ class Registry:
 
   def names(self) -> list[str]:
     """The registered names as written in messages, sorted."""
+    self._load_builtins()
     return sorted(self._usage[k] for k in {*self._items, *self._lazy})
 
   def keys(self) -> list[str]:
+    self._load_builtins()
     return sorted({*self._items, *self._lazy})
 
   def unknown_message(self, name) -> str:

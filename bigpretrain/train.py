@@ -20,19 +20,19 @@ import optax
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
-from bigpretrain import console
+from bigpretrain.runtime import console
 from bigpretrain import evaluators as evaluators_lib
-from bigpretrain import flops
-from bigpretrain import goodput as goodput_lib
+from bigpretrain.plan import flops
+from bigpretrain.runtime import goodput as goodput_lib
 from bigpretrain import initial_state
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import optim
-from bigpretrain import preemption as preemption_lib
+from bigpretrain.runtime import preemption as preemption_lib
 from bigpretrain import preprocess
 from bigpretrain import sharding
-from bigpretrain import workdir_lock
+from bigpretrain.runtime import workdir_lock
 from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline import stream_position
@@ -94,7 +94,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
 
   def train_step(state, batch, frozen):
     # The key is made inside the step: an eager one would need a device to run on, which
-    # the compile-only devices of an ahead-of-time plan (bigpretrain.accelerators) are not.
+    # the compile-only devices of an ahead-of-time plan (bigpretrain.plan.accelerators) are not.
     rng = jax.random.fold_in(jax.random.key(seed), state["step"])
     batch = {**batch, "image": preprocess.normalize(batch["image"], normalize)}
     if use_mixup:
@@ -222,7 +222,7 @@ class Experiment(ModelSetup):
 
   def abstract_state(self) -> dict:
     """The train state as jax.ShapeDtypeStructs with their shardings: nothing is allocated
-    (ahead-of-time compilation, bigpretrain.aot_plan)."""
+    (ahead-of-time compilation, bigpretrain.plan.aot_plan)."""
     shapes = jax.eval_shape(lambda: self._init(jax.random.key(self.config.seed)))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, self.shardings)
@@ -247,7 +247,7 @@ class Experiment(ModelSetup):
 
 def build_model(config, devices=None, dataset=None) -> ModelSetup:
   """Validates the config, then builds the mesh, the dataset and the model definition.
-  `dataset` replaces config.data's (e.g. bigpretrain.aot_plan's stand-in, with only its info)."""
+  `dataset` replaces config.data's (e.g. bigpretrain.plan.aot_plan's stand-in, with only its info)."""
   config_lib.validate(config)
   setup_compilation_cache(config)
   mesh = sharding.make_mesh(config.mesh, devices)

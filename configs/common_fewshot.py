@@ -15,7 +15,7 @@ hundreds of thousands of images per probe.
 """
 import ml_collections
 
-from bigpretrain import linear_probe
+from bigpretrain.evaluators import linear_probe
 
 DEMO_POOL = 5000  # 50 records per demo class on average; the 25-shot draw needs 25.
 # The demo's 128-d features: big_vision's 2^10 (for the 768-d and wider features of real

@@ -23,7 +23,7 @@ alone would decay 64 times harder than the reference. The demo keeps loss_scale 
 Args: those of configs/semantic_softmax.py, plus loss (asl | bce).
 """
 from configs import semantic_softmax
-from input_pipeline import demo
+from input_pipeline.sources import demo
 
 # Images per GPU in the authors' runs (64 on each of 8 GPUs, configs/semantic_softmax.py).
 ASL_PER_DEVICE_BATCH = 64.0

@@ -45,13 +45,13 @@ its 2 ops' magnitude from 1..9 and its op list has Cutout, not SolarizeAdd; ours
 rand-m9-n2 (magnitude 9; both apply each op with probability 0.5).
 
 Args: dataset (demo | demo_plain | imagenet21k_p | tfds:NAME; demo_plain is the demo's
-earlier look, input_pipeline/demo.py), data_dir, model (registry name),
+earlier look, input_pipeline/sources/demo.py), data_dir, model (registry name),
 init (checkpoint -> config.model_init), epochs (paper scale, -1: 80 with init, else 140).
 """
 from bigpretrain import config_lib
 from bigpretrain.semantic import tree as tree_lib
 from configs import common_fewshot
-from input_pipeline import demo
+from input_pipeline.sources import demo
 from input_pipeline import pipeline
 
 EPOCHS_FROM_INIT = 80.0  # Section 3.1, from an ImageNet-1K initialisation.

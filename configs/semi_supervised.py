@@ -7,7 +7,7 @@ then fine-tunes on D (the four stages of section 3.2). All stages, in sub-folder
   python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
 
 Re-running the command skips finished stages and resumes an interrupted one; see
-bigpretrain/semi_supervised.py. The sections `teacher`, `student`, `finetune` and `baseline`
+bigpretrain/semisup/semi_supervised.py. The sections `teacher`, `student`, `finetune` and `baseline`
 are ordinary trainer configs (override e.g. `--config.student.total_steps=...`); `data`,
 `infer`, `dedup` and `selection` feed the other stages; `rounds=2` makes the fine-tuned
 student the next round's teacher (supplement section 3; section 4.2's text: +0.3% for a

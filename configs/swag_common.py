@@ -8,7 +8,7 @@ Both recipes (section 3.2, "Optimization" and what follows):
 - mixed precision (bfloat16 here) at paper scale; random-resized crop to 224 and a random
   horizontal flip; no EMA, mixup, label smoothing, AutoAugment or stochastic depth (tried,
   "did not find those approaches to lead to performance improvements");
-- eval (and zero-shot, bigpretrain/zero_shot.py) at the pre-training resolution, the shorter
+- eval (and zero-shot, bigpretrain/swag/zero_shot.py) at the pre-training resolution, the shorter
   side resized to it and a centre crop (sections 4.1 and 4.4), not the usual 87.5% crop;
 - objective soft_target (1/K on each of an image's K canonical hashtags, section 3.2) on a
   hashtag dataset read through the head/tail resampling sampler (appendix A: head share

@@ -8,7 +8,7 @@ from the checkpoint's meta; the class count comes from the dataset, and the clas
 always starts fresh (model_init_skip='^params/head/'). `dataset` is any prepared dataset
 name (tfds:NAME, folder:NAME, imagenet21k_p, demo, ...); the default, `demo_coarse`, is the
 demo's second task: demo images labelled one WordNet level up (12 classes,
-input_pipeline/demo_coarse.py).
+input_pipeline/sources/demo_coarse.py).
 
 Modes:
 - finetune: the whole network trained by a named recipe (`recipe=`):
@@ -37,7 +37,7 @@ Modes:
     (Table 8, ResNet-50 on CUB-2011): 82.1 from ImageNet, 83.6 semi-supervised, 84.8
     semi-weakly supervised.
 - linear: a linear classifier on frozen pooled features (model.features(), eval mode) of the
-  whole train split (bigpretrain/linear_probe.py), `classifier=`: ridge (default), in closed
+  whole train split (bigpretrain/evaluators/linear_probe.py), `classifier=`: ridge (default), in closed
   form, chosen over SGD on a frozen backbone because it is exact and has no lr/epoch grid,
   and because the eval-mode features keep BatchNorm statistics frozen, which the trainer's
   train-mode forward would update; or logistic, multinomial logistic regression by L-BFGS,
@@ -68,12 +68,12 @@ import ml_collections
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import linear_probe
+from bigpretrain.evaluators import linear_probe
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
 from configs import swag_finetune
-from input_pipeline import demo as demo_lib
-from input_pipeline import demo_coarse
+from input_pipeline.sources import demo as demo_lib
+from input_pipeline.sources import demo_coarse
 from input_pipeline import pipeline
 
 MODES = ("finetune", "linear", "fewshot")

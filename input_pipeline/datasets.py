@@ -4,9 +4,9 @@
 of dataset registers its loader `loader(name, data_dir) -> Dataset` where it is defined
 (`@datasets.SOURCES.register("myprefix:")`, in a module listed in config.plugins); Dataset
 and Source (dataset_base.py) say what a loader's dataset and its split sources provide. The
-sources that wrap another dataset register from their own modules, imported on first use.
-Built in:
-  'demo'                 the embedded demo (input_pipeline/demo.py), generated on first use
+built-in sources of the sources/ package register themselves the same way; the package is
+imported on the registry's first lookup. Built in:
+  'demo'                 the embedded demo (input_pipeline/sources/demo.py), generated on first use
                          into data.dir or `<cache>/tensorflow_datasets`; 'demo/trunc35' sets
                          the share of truncated train labels (percent, default 20).
                          'demo_plain[/truncNN]': the demo with inner classes drawn in their
@@ -49,14 +49,16 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from bigpretrain import registry
+from bigpretrain.runtime import cache
 from input_pipeline import dataset_base
 from input_pipeline import decoding
-from input_pipeline import demo
 from input_pipeline import subset
 
 # Loaders by config.data.name: exact names, and prefixes (ending in ':' or '/') that serve
 # every longer name starting with them.
-SOURCES = registry.Registry("dataset", "config.data.name", prefixes=True)
+# The built-ins (input_pipeline/sources/) import this module: imported on first lookup.
+SOURCES = registry.Registry("dataset", "config.data.name", prefixes=True,
+                            builtins="input_pipeline.sources")
 register_source = SOURCES.register
 
 # The contract every loader's dataset and source follow (dataset_base.py).
@@ -218,33 +220,21 @@ class TfdsDataset(Dataset):
     return RecordSource(source, split)
 
 
+def default_data_dir() -> pathlib.Path:
+  """Where datasets are read and the demo is generated without data.dir:
+  `<cache>/tensorflow_datasets` (bigpretrain/runtime/cache.py)."""
+  return cache.root() / "tensorflow_datasets"
+
+
 def _data_dir(data_cfg) -> str:
   return str(data_cfg.get("dir", "") or "")
-
-
-@SOURCES.register("demo_plain/", usage="demo_plain/truncPERCENT")
-@SOURCES.register("demo_plain")
-@SOURCES.register("demo/", usage="demo/truncPERCENT")
-@SOURCES.register("demo")
-def _demo(name: str, data_dir: str) -> Dataset:
-  """'demo[/truncNN]' or 'demo_plain[/truncNN]' -> the generated demo dataset, its inner
-  classes picturing their members or (demo_plain) their own plain look."""
-  match = re.fullmatch(r"(demo|demo_plain)(?:/trunc(\d+(?:\.\d+)?))?", name)
-  if not match or (match.group(2) and float(match.group(2)) > 100):
-    base = name.split("/")[0]
-    raise ValueError(f"Unknown demo variant {name!r}; use '{base}' or '{base}/truncNN' with "
-                     "NN the percent (0-100) of train labels truncated to an ancestor.")
-  look = {v: k for k, v in demo.DATASET_NAMES.items()}[match.group(1)]
-  truncation = (float(match.group(2)) / 100.0 if match.group(2)
-                else demo.DEFAULT_TRUNCATION)
-  return TfdsDataset(name, demo.prepare(data_dir or None, truncation=truncation, look=look))
 
 
 @SOURCES.register("tfds:", usage="tfds:NAME[/CONFIG]")
 def _tfds(name: str, data_dir: str) -> Dataset:
   """'tfds:NAME[/CONFIG]' -> a dataset already prepared in data_dir."""
   tfds_name = name[len("tfds:"):]
-  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  root = pathlib.Path(data_dir) if data_dir else default_data_dir()
   how = (f"Prepare it first, e.g. `tfds build {tfds_name.split('/')[0]} --data_dir={root} "
          "--file_format=array_record`, or point --config.data.dir at the folder holding it.")
   if not root.is_dir():
@@ -262,7 +252,7 @@ def _tfds(name: str, data_dir: str) -> Dataset:
 
 def _prepared(name: str, tfds_name: str, data_dir: str, command: str) -> Dataset:
   """A dataset made by input_pipeline.prepare, read from its files (no builder code)."""
-  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  root = pathlib.Path(data_dir) if data_dir else default_data_dir()
   how = f"Prepare it with `python -m input_pipeline.prepare {command}` (--data_dir={root})."
   if not root.is_dir():
     raise FileNotFoundError(f"Data dir {root} for dataset {name!r} does not exist. {how}")
@@ -289,11 +279,6 @@ def _folder(name: str, data_dir: str) -> Dataset:
                    f"folder --manual_dir=RAW --data_dir=DIR --name={folder}")
 
 
-SOURCES.register_lazy("demo_coarse", "input_pipeline.demo_coarse")
-SOURCES.register_lazy("demo_plain_coarse", "input_pipeline.demo_coarse")
-SOURCES.register_lazy("selection:", "input_pipeline.selection_source", "selection:DIR")
-SOURCES.register_lazy("hashtags:", "input_pipeline.hashtag_source", "hashtags:NAME")
-SOURCES.register_lazy("hashtags:demo", "input_pipeline.hashtag_demo")
 
 
 def name_prefixes() -> list[str]:

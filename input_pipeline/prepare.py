@@ -14,13 +14,13 @@ and the semi-supervised selection index.
       [--min_count=1] [--min_raw_count=2] [--tail_threshold=5000] [--image_size=keep] \
       [--max_pixels=N]
 
-imagenet21k_p: input_pipeline/imagenet21k_p.py (the paper's three steps); folder: any
-ImageFolder tree, input_pipeline/image_folder.py. Train on the result with
+imagenet21k_p: input_pipeline/jobs/imagenet21k_p.py (the paper's three steps); folder: any
+ImageFolder tree, input_pipeline/jobs/image_folder.py. Train on the result with
 `--config.data.name=imagenet21k_p` (or `folder:NAME`) and `--config.data.dir=OUT`.
 selection: the semi-supervised recipe's top-K selection of D-hat from teacher predictions, an
-index into the source dataset (input_pipeline/selection_job.py, which documents both formats).
+index into the source dataset (input_pipeline/jobs/selection_job.py, which documents both formats).
 hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manifests
-(input_pipeline/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
+(input_pipeline/jobs/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
 The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
 FlinkRunner, SparkRunner, ...). Flags this command does not define are handed to Beam as
@@ -35,12 +35,12 @@ from typing import Sequence
 
 from absl import logging
 
-from input_pipeline import beam_images
-from input_pipeline import hashtag_job
-from input_pipeline import hashtag_source
-from input_pipeline import image_folder
-from input_pipeline import imagenet21k_p
-from input_pipeline import selection_job
+from input_pipeline.jobs import beam_images
+from input_pipeline.jobs import hashtag_job
+from input_pipeline.sources import hashtag_source
+from input_pipeline.jobs import image_folder
+from input_pipeline.jobs import imagenet21k_p
+from input_pipeline.jobs import selection_job
 
 
 def _size(text: str) -> int | None:

@@ -1,7 +1,7 @@
 """The files of the semi-supervised stages, readable without Apache Beam: prediction shards and
 predictions.json (written by bigpretrain.tools.infer, read by the selection job) and the names of
 the selection's output files (read by the `selection:DIR` data source). The formats are
-described in input_pipeline/selection_job.py's docstring.
+described in input_pipeline/jobs/selection_job.py's docstring.
 """
 import dataclasses
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FORMAT = "bigpretrain.selection/1"
+FORMAT = "bigpretrain.semisup/1"
 INFO_FILE = "predictions.json"
 SELECTION_FILE = "selection.json"
 
@@ -77,7 +77,7 @@ def load_predictions(pred_dir, expected_class_names: Sequence[str] | None = None
   info_path = root / INFO_FILE
   if not info_path.exists():
     raise FileNotFoundError(f"{info_path} is missing: a predictions folder holds Parquet shards "
-                            f"and {INFO_FILE} (see input_pipeline/selection_job.py).")
+                            f"and {INFO_FILE} (see input_pipeline/jobs/selection_job.py).")
   info = json.loads(info_path.read_text())
   missing = [key for key in ("class_names", "top_p", "dataset", "splits") if key not in info]
   if missing:

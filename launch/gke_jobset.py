@@ -9,7 +9,7 @@ One JobSet (jobset.x-k8s.io/v1alpha2) with one Indexed Job of one pod per host, 
 jax[tpu]). GPU: a process per node owns all its GPUs; pod 0, reached at its stable name
 `<name>-workers-0-0.<name>` through the JobSet's headless service, hosts the coordinator, and a
 pod's completion index is its process id (BIGPRETRAIN_* variables, read by
-bigpretrain.distributed). TPU: GKE gives each pod of the slice TPU_WORKER_ID and
+bigpretrain.runtime.distributed). TPU: GKE gives each pod of the slice TPU_WORKER_ID and
 TPU_WORKER_HOSTNAMES, from which JAX finds the slice. A preempted or deleted pod gets SIGTERM and
 --grace_seconds to checkpoint; a failed pod restarts the whole JobSet (every process must
 rejoin), up to --max_restarts times, resuming from --workdir. Not set here: the GPU fabric's

@@ -19,7 +19,7 @@
 #   --dry_run                print the commands, run nothing
 # The workers run detached (nohup): Ctrl-C stops the log stream, not the training. workdir and
 # data_dir must be shared storage (GCS), since every host reads and writes them. JAX finds the
-# slice's hosts itself (bigpretrain.distributed).
+# slice's hosts itself (bigpretrain.runtime.distributed).
 set -euo pipefail
 
 die() { echo "tpu_pod.sh: $*" >&2; exit 2; }

@@ -9,7 +9,7 @@ import jax  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 # CPU whatever accelerator plugins are installed (libtpu, the CUDA plugin: their compile-only
-# devices come from bigpretrain.accelerators, not from the default backend).
+# devices come from bigpretrain.plan.accelerators, not from the default backend).
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", str(_ROOT / ".cache" / "jax"))

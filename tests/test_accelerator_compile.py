@@ -11,9 +11,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-from bigpretrain import accelerators
-from bigpretrain import aot_plan
-from bigpretrain import hlo_collectives
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import aot_plan
+from bigpretrain.plan import hlo_collectives
 from tests import helpers
 
 pytestmark = pytest.mark.compile

@@ -17,7 +17,7 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import convert
+from bigpretrain.models import convert
 from bigpretrain.tools import convert as convert_tool
 from bigpretrain import models
 from bigpretrain import sharding

@@ -27,15 +27,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain import dedup
-from bigpretrain import pool_predictions
+from bigpretrain.semisup import dedup
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import models
 from bigpretrain.semantic import tree as tree_lib
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import exclusions
-from input_pipeline import selection_job
+from input_pipeline.jobs import selection_job
 from tests import helpers
 
 pytestmark = pytest.mark.slow  # end-to-end recipe runs

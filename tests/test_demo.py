@@ -1,4 +1,4 @@
-"""Tests for the demo dataset (input_pipeline/demo.py) and dataset lookup (datasets.py)."""
+"""Tests for the demo dataset (input_pipeline/sources/demo.py) and dataset lookup (datasets.py)."""
 import colorsys
 import io
 import os
@@ -17,7 +17,7 @@ import tensorflow_datasets as tfds
 from bigpretrain.semantic import tree as tree_lib
 from bigpretrain.semantic import wordnet
 from input_pipeline import datasets
-from input_pipeline import demo
+from input_pipeline.sources import demo
 
 pytestmark = pytest.mark.slow  # end-to-end recipe runs
 
@@ -293,7 +293,7 @@ def test_learnable_nearest_class_mean_well_above_chance(full_records):
 
 _PREPARE = textwrap.dedent("""
     import sys
-    from input_pipeline import demo
+    from input_pipeline.sources import demo
     real = demo.BigpretrainDemo.download_and_prepare
     def counted(self, *a, **k):
       with open(sys.argv[2], "a") as f:

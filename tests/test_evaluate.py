@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bigpretrain import evaluate
+from bigpretrain.evaluators import evaluate
 from bigpretrain import models
 from bigpretrain import preprocess
 from bigpretrain import train

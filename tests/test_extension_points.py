@@ -13,7 +13,7 @@ from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain import evaluators
 from bigpretrain import losses
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import mixup
 from bigpretrain import models
 from bigpretrain import objectives
@@ -24,7 +24,7 @@ from bigpretrain.evaluators import base as evaluator_base
 from bigpretrain.evaluators import classification
 from bigpretrain.objectives import base as objective_base
 from input_pipeline import datasets
-from input_pipeline import demo
+from input_pipeline.sources import demo
 from input_pipeline import pipeline
 from tests import helpers
 

@@ -1,11 +1,11 @@
-"""bigpretrain/flops.py: FLOPs counted on the jaxpr, against hand formulas and XLA:CPU's own
+"""bigpretrain/plan/flops.py: FLOPs counted on the jaxpr, against hand formulas and XLA:CPU's own
 count (which, unlike XLA:GPU's, includes matrix products and convolutions)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bigpretrain import flops
+from bigpretrain.plan import flops
 
 
 def _count(f, *args):

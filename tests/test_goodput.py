@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from bigpretrain import aot_plan
+from bigpretrain.plan import aot_plan
 from bigpretrain import config_lib
-from bigpretrain import goodput
-from bigpretrain import metric_writers
+from bigpretrain.runtime import goodput
+from bigpretrain.runtime import metric_writers
 from bigpretrain import train
 from tests import helpers
 

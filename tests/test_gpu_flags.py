@@ -3,8 +3,8 @@ import os
 import subprocess
 import sys
 
-from bigpretrain import distributed
-from bigpretrain import gpu_flags
+from bigpretrain.runtime import distributed
+from bigpretrain.plan import gpu_flags
 
 EXPECTED_XLA = [
     "--xla_gpu_enable_latency_hiding_scheduler=true",

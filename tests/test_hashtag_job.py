@@ -1,4 +1,4 @@
-"""The SWAG hashtag dataset job (input_pipeline/hashtag_job.py, crawl_inputs.py) and reading
+"""The SWAG hashtag dataset job (input_pipeline/jobs/hashtag_job.py, crawl_inputs.py) and reading
 its output as `hashtags:NAME` (hashtag_source.py).
 
 One small crawl: a WebDataset shard (json, txt and caption tags, a truncated JPEG, a
@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain.hashtags import resampling
-from input_pipeline import crawl_inputs
+from bigpretrain.swag import resampling
+from input_pipeline.jobs import crawl_inputs
 from input_pipeline import datasets
-from input_pipeline import hashtag_job
+from input_pipeline.jobs import hashtag_job
 from input_pipeline import pipeline
 from input_pipeline import prepare
 

@@ -1,4 +1,4 @@
-"""Tests for the SWAG hashtag vocabulary and head/tail resampling (bigpretrain.hashtags)."""
+"""Tests for the SWAG hashtag vocabulary and head/tail resampling (bigpretrain.swag)."""
 import json
 import os
 import pathlib
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bigpretrain.hashtags import resampling
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import resampling
+from bigpretrain.swag import vocabulary
 from bigpretrain.semantic import wordnet
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -88,7 +88,7 @@ def test_non_string_hashtag_is_a_clear_error():
 
 _SCRIPT = """
 import json, sys
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import vocabulary
 tags = json.loads(sys.argv[1])
 print(json.dumps([[vocabulary.canonical_hashtag(t), sorted(vocabulary.get_synsets(t))]
                   for t in tags]))

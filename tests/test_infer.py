@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain import pool_predictions
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import models
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import pipeline
-from input_pipeline import selection_job
+from input_pipeline.jobs import selection_job
 from input_pipeline import selection_formats
 from input_pipeline import subset
 from tests import helpers

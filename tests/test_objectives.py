@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import train
 from bigpretrain.objectives import multi_label
 from input_pipeline import datasets

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from bigpretrain import accelerators
-from bigpretrain import aot_plan as plan_lib
-from bigpretrain import goodput
-from bigpretrain import hlo_collectives
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import aot_plan as plan_lib
+from bigpretrain.runtime import goodput
+from bigpretrain.plan import hlo_collectives
 from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train

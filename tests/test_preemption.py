@@ -1,4 +1,4 @@
-"""bigpretrain.preemption: how the loop learns of a SIGTERM on one and on several processes
+"""bigpretrain.runtime.preemption: how the loop learns of a SIGTERM on one and on several processes
 (a whole 2-process run, SIGTERMed and resumed, is tests/test_topology_resume.py's)."""
 import os
 import signal
@@ -7,7 +7,7 @@ import jax
 from jax.experimental import multihost_utils
 import pytest
 
-from bigpretrain import preemption
+from bigpretrain.runtime import preemption
 
 
 def _no_allgather(*args, **kwargs):

@@ -26,10 +26,10 @@ import tensorflow_datasets as tfds
 from bigpretrain import train
 from bigpretrain.semantic import tree as tree_lib
 from tests import helpers
-from input_pipeline import beam_images
+from input_pipeline.jobs import beam_images
 from input_pipeline import datasets
-from input_pipeline import image_folder
-from input_pipeline import imagenet21k_p as i21k
+from input_pipeline.jobs import image_folder
+from input_pipeline.jobs import imagenet21k_p as i21k
 from input_pipeline import pipeline
 from input_pipeline import prepare
 

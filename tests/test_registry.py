@@ -1,6 +1,8 @@
 """The one registry, config.plugins, and the layering it keeps: a user's objective, data
 source and model in their own package train without editing this repository; no import
-cycles; the input pipeline imports only its declared pure libraries from bigpretrain."""
+cycles; the input pipeline imports only its declared pure libraries from bigpretrain; the
+trainer's core reaches models, objectives and evaluators only through their contracts and
+imports no recipe library; no library imports a command."""
 import ast
 import json
 import os
@@ -15,10 +17,10 @@ from tests import helpers
 
 ROOT = helpers.ROOT
 # What input_pipeline (the lower layer) may import from bigpretrain: pure libraries.
-LOWER_LAYER_MAY_USE = ("bigpretrain.cache", "bigpretrain.registry", "bigpretrain.semantic.tree",
-                       "bigpretrain.semantic.wordnet", "bigpretrain.hashtags.vocabulary",
-                       "bigpretrain.hashtags.resampling", "bigpretrain.selection.tags",
-                       "bigpretrain.selection.topk")
+LOWER_LAYER_MAY_USE = ("bigpretrain.runtime.cache", "bigpretrain.registry", "bigpretrain.semantic.tree",
+                       "bigpretrain.semantic.wordnet", "bigpretrain.swag.vocabulary",
+                       "bigpretrain.swag.resampling", "bigpretrain.semisup.tags",
+                       "bigpretrain.semisup.topk")
 
 
 def test_registry_lookup_suggestion_idempotence_and_prefixes():
@@ -76,15 +78,36 @@ def _import_graph() -> dict[str, set[str]]:
   return graph
 
 
-def test_no_import_cycles_and_the_input_pipeline_stays_below_the_trainer():
-  graph = _import_graph()
-  state, cycles = {}, []
+# The trainer's core: it reaches models, objectives and evaluators through their contracts
+# (the packages' registries and base modules) only.
+CORE = ("bigpretrain.train", "bigpretrain.config_lib", "bigpretrain.registry",
+        "bigpretrain.checkpoint", "bigpretrain.sharding", "bigpretrain.optim",
+        "bigpretrain.losses", "bigpretrain.inference", "bigpretrain.initial_state",
+        "bigpretrain.mixup", "bigpretrain.preprocess", "bigpretrain.model_init",
+        "bigpretrain.moved", "bigpretrain.runtime")
+CONTRACTS = ("bigpretrain.models", "bigpretrain.models.base", "bigpretrain.objectives",
+             "bigpretrain.objectives.base", "bigpretrain.evaluators",
+             "bigpretrain.evaluators.base")
+EXTENSIONS = ("bigpretrain.models", "bigpretrain.objectives", "bigpretrain.evaluators")
+RECIPE_LIBRARIES = ("bigpretrain.semantic", "bigpretrain.swag", "bigpretrain.semisup")
+COMMANDS = ("bigpretrain.main", "bigpretrain.tools", "input_pipeline.prepare")
+
+
+def _within(name: str, packages) -> bool:
+  return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+  """The imports that break the layers: a cycle; the input pipeline importing the trainer
+  side (beyond LOWER_LAYER_MAY_USE); the core importing a model family, an objective, an
+  evaluator, a recipe library or a command; any library importing a command."""
+  out, state = [], {}
 
   def visit(node, path):
     state[node] = "open"
     for dep in sorted(graph[node]):
       if state.get(dep) == "open":
-        cycles.append(path[path.index(dep):] + [dep])
+        out.append("cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
       elif dep not in state:
         visit(dep, path + [dep])
     state[node] = "done"
@@ -92,11 +115,34 @@ def test_no_import_cycles_and_the_input_pipeline_stays_below_the_trainer():
   for node in sorted(graph):
     if node not in state:
       visit(node, [node])
-  assert not cycles
-  lower = {n: sorted(d for d in deps
-                     if d.startswith("bigpretrain") and d not in LOWER_LAYER_MAY_USE)
-           for n, deps in graph.items() if n.startswith("input_pipeline")}
-  assert not {n: d for n, d in lower.items() if d}
+  for name, deps in sorted(graph.items()):
+    for dep in sorted(deps):
+      if (name.startswith("input_pipeline") and dep.startswith("bigpretrain")
+          and dep not in LOWER_LAYER_MAY_USE):
+        out.append(f"lower layer: {name} imports {dep}")
+      if _within(name, CORE) and dep not in CONTRACTS and _within(dep, EXTENSIONS
+                                                                    + RECIPE_LIBRARIES):
+        out.append(f"core: {name} imports {dep}")
+      if not _within(name, COMMANDS) and _within(dep, COMMANDS):
+        out.append(f"library imports a command: {name} imports {dep}")
+  return out
+
+
+def test_the_layers_hold_and_a_planted_violation_is_caught():
+  graph = _import_graph()
+  assert not layer_violations(graph)
+  planted = {
+      "bigpretrain.checkpoint": "bigpretrain.models.vit",  # a model family
+      "bigpretrain.train": "bigpretrain.swag.zero_shot",  # a recipe library
+      "bigpretrain.config_lib": "bigpretrain.tools.plan",  # a command, from the core
+      "bigpretrain.swag.zero_shot": "bigpretrain.tools.zero_shot",  # a command, from a library
+      "input_pipeline.pipeline": "bigpretrain.train",  # the lower layer reaching up
+      "bigpretrain.registry": "bigpretrain.train",  # a cycle (train imports the registry)
+  }
+  for module, dep in planted.items():
+    bad = {m: set(d) for m, d in graph.items()}
+    bad[module].add(dep)
+    assert layer_violations(bad), (module, dep)
 
 
 PLUGIN = '''
@@ -175,7 +221,7 @@ def _selection_dir(folder, demo) -> str:
 
 def test_every_registered_dataset_loader_returns_the_declared_contract(tmp_path, monkeypatch):
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
-  from input_pipeline import hashtag_demo  # pylint: disable=import-outside-toplevel
+  from input_pipeline.sources import hashtag_demo  # pylint: disable=import-outside-toplevel
   from input_pipeline import subset  # pylint: disable=import-outside-toplevel
   demo = datasets.get_dataset({"name": "demo"})
   # Registered key -> (a name it serves, the name its loader is called with), demo-sized.

@@ -16,8 +16,8 @@ from PIL import Image
 import pytest
 
 from bigpretrain import checkpoint
-from bigpretrain import metric_writers
-from bigpretrain import workdir_lock
+from bigpretrain.runtime import metric_writers
+from bigpretrain.runtime import workdir_lock
 from tests import helpers
 
 
@@ -233,7 +233,7 @@ def _gradients():
 
 
 def test_16bit_pngs_are_scaled_to_8_bits():
-  from input_pipeline import beam_images  # pylint: disable=import-outside-toplevel
+  from input_pipeline.jobs import beam_images  # pylint: disable=import-outside-toplevel
   from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
   grey, rgb = _gradients()
   want_grey = np.repeat((grey // 256).astype(np.uint8)[..., None], 3, axis=-1)
@@ -252,7 +252,7 @@ def test_16bit_pngs_are_scaled_to_8_bits():
 def folder_dataset(tmp_path_factory):
   """A prepared ImageFolder dataset of 40 small PNGs in two classes (with a 16-bit PNG and
   a notes.txt among them)."""
-  from input_pipeline import image_folder  # pylint: disable=import-outside-toplevel
+  from input_pipeline.jobs import image_folder  # pylint: disable=import-outside-toplevel
   raw = tmp_path_factory.mktemp("raw")
   rng = np.random.default_rng(0)
   for c in ("cat_a", "cat_b"):
@@ -272,7 +272,7 @@ def folder_dataset(tmp_path_factory):
 def test_folder_job_ignores_non_image_files_and_keeps_16bit_pngs(folder_dataset):
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
-  from input_pipeline import imagenet21k_p  # pylint: disable=import-outside-toplevel
+  from input_pipeline.jobs import imagenet21k_p  # pylint: disable=import-outside-toplevel
   raw, out, builder = folder_dataset
   meta = imagenet21k_p.report(builder)
   assert meta["corrupt_files"] == []  # notes.txt is not a corrupt image...

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from tests import helpers
 
 

@@ -1,5 +1,5 @@
 """Tests for the top-K selection rules (bigpretrain/selection) and the Beam selection job
-(input_pipeline/selection_job.py).
+(input_pipeline/jobs/selection_job.py).
 
 The rules are checked against brute-force Python loops on random data with planted score ties;
 the Beam job against topk.select / tags.select_with_tags on the same data, on one and two
@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain.selection import tags
-from bigpretrain.selection import topk
+from bigpretrain.semisup import tags
+from bigpretrain.semisup import topk
 from bigpretrain.semantic import wordnet
 from input_pipeline import prepare
-from input_pipeline import selection_job
+from input_pipeline.jobs import selection_job
 from input_pipeline import selection_formats
 
 pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner

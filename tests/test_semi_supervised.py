@@ -16,10 +16,10 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import pool_predictions
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import optim
-from bigpretrain import preemption
-from bigpretrain import semi_supervised
+from bigpretrain.runtime import preemption
+from bigpretrain.semisup import semi_supervised
 from bigpretrain import train
 from configs import semi_supervised as recipe
 from input_pipeline import datasets

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bigpretrain import config_lib
-from bigpretrain import dedup
+from bigpretrain.semisup import dedup
 from bigpretrain import optim
-from bigpretrain import semi_supervised
+from bigpretrain.semisup import semi_supervised
 from configs import semi_supervised as recipe
 from input_pipeline import exclusions
 from input_pipeline import selection_formats

@@ -8,11 +8,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import mixup
 from bigpretrain import objectives
 from bigpretrain import train
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import vocabulary
 from bigpretrain.objectives import multi_label
 from bigpretrain.objectives import soft_target
 from input_pipeline import datasets

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from bigpretrain import checkpoint
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import optim
 from bigpretrain import sharding
 from bigpretrain import train
-from bigpretrain import zero_shot
-from bigpretrain.hashtags import resampling
+from bigpretrain.swag import zero_shot
+from bigpretrain.swag import resampling
 from bigpretrain.models import regnet
 from tests import helpers
 

@@ -15,7 +15,7 @@ from PIL import Image
 import pytest
 
 from bigpretrain import config_lib
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from input_pipeline import pipeline
 from input_pipeline import stream_position as sp
 from tests import helpers

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import evaluators
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import sharding
 from bigpretrain import train
 from input_pipeline import pipeline

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from bigpretrain import linear_probe
+from bigpretrain.evaluators import linear_probe
 from bigpretrain import train
 from configs import transfer
 from input_pipeline import datasets
-from input_pipeline import demo_coarse
+from input_pipeline.sources import demo_coarse
 from tests import helpers
 
 pytestmark = pytest.mark.slow  # end-to-end recipe runs
@@ -136,7 +136,7 @@ def _transfer(arg, workdir, **overrides):
 
 
 def _features(checkpoint, data_cfg, source):
-  """Features and labels of `source`, computed apart from bigpretrain.linear_probe: the loaded
+  """Features and labels of `source`, computed apart from bigpretrain.evaluators.linear_probe: the loaded
   model's features() on the eval pipeline's images, one device."""
   import jax
   from bigpretrain import preprocess

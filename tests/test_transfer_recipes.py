@@ -1,4 +1,4 @@
-"""Paper 002's transfer pieces: the 'logistic' fc-only probe of bigpretrain/linear_probe.py
+"""Paper 002's transfer pieces: the 'logistic' fc-only probe of bigpretrain/evaluators/linear_probe.py
 (checked against an independent numpy objective) and configs/transfer.py's semisup_cub
 recipe (supplement Table 13). Cheap: numpy on tiny problems and config checks."""
 import math
@@ -8,7 +8,7 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import linear_probe
+from bigpretrain.evaluators import linear_probe
 from bigpretrain import optim
 from configs import transfer
 

@@ -9,12 +9,12 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import head_init
+from bigpretrain.swag import head_init
 from bigpretrain import models
 from bigpretrain import sharding
 from bigpretrain import train
-from bigpretrain import zero_shot
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import zero_shot
+from bigpretrain.swag import vocabulary
 from configs import swag_finetune
 from input_pipeline import augment_spec
 from input_pipeline import pipeline

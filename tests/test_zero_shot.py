@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from bigpretrain import zero_shot
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import zero_shot
+from bigpretrain.swag import vocabulary
 from bigpretrain.semantic import wordnet
 
 CRANE_BIRD, CRANE_MACHINE = "n02012849", "n03126707"

@@ -1,7 +1,7 @@
 """Transfer probes on frozen features during (or instead of) training: `fewshot` (k-shot
 ridge regression, big_vision's few-shot evaluator) and `linear` (a classifier on a whole
 train split: the same closed-form ridge by default, or `classifier='logistic'`, L-BFGS
-logistic regression). The math is in bigpretrain/linear_probe.py.
+logistic regression). The math is in bigpretrain/evaluators/linear_probe.py.
 
   config.evals.fewshot = dict(type='fewshot', datasets={'demo': ('demo', 'train',
       'validation')}, shots=(1, 5, 10, 25), seeds=3)
@@ -11,7 +11,7 @@ datasets or shots (`--config.evals.fewshot.shots='()'`) turn it off.
 """
 import numpy as np
 
-from bigpretrain import linear_probe
+from bigpretrain.evaluators import linear_probe
 from bigpretrain.evaluators import base
 from input_pipeline import datasets
 from input_pipeline import subset

@@ -1,8 +1,8 @@
 """Zero-shot top-1 of a hashtag model during its training (SWAG, Singh et al. 2022, section
 4.4): the hashtag softmax mapped onto a WordNet-labelled dataset's classes through WordNet, with
-and without transductive Platt scaling (bigpretrain/zero_shot.py; the command
+and without transductive Platt scaling (bigpretrain/swag/zero_shot.py; the command
 bigpretrain/tools/zero_shot.py does the same for a finished checkpoint)."""
-from bigpretrain import zero_shot
+from bigpretrain.swag import zero_shot
 from bigpretrain.evaluators import base
 
 

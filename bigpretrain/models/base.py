@@ -8,6 +8,11 @@ from bigpretrain.models import layers
 # Model factories by name: `factory(num_classes=..., rngs=..., **options) -> Classifier`.
 MODELS = registry.Registry("model", "config.model.name")
 
+# What every model's `remat` option accepts (config.model.remat): a jax.checkpoint_policies
+# name, or one of REMAT_OFF for no rematerialisation.
+REMAT_POLICIES = layers.REMAT_POLICIES
+REMAT_OFF = layers.REMAT_OFF
+
 
 class Classifier(nnx.Module):
   """An image classifier: `features` (uint8-normalised images [B, H, W, 3] -> pooled [B, D])
@@ -35,7 +40,7 @@ class Classifier(nnx.Module):
 
   def residual_stages(self) -> list:
     """The nnx.Lists holding the residual blocks, in forward order (the layer ablation of
-    bigpretrain/evaluate.py, remat_blocks); [] for a model without them."""
+    bigpretrain/evaluators/evaluate.py, remat_blocks); [] for a model without them."""
     blocks = getattr(self, "blocks", None)
     return [blocks] if isinstance(blocks, nnx.List) else []
 

@@ -6,7 +6,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import flax
 from flax import nnx
+
+# Parameters are created abstractly and placed by bigpretrain.sharding from logical axis
+# names; Flax's eager variable sharding would require a mesh at construction.
+flax.config.update("flax_always_shard_variable", False)
 
 Dtype = jnp.dtype | type
 

@@ -56,7 +56,7 @@ class Objective:
 
   def abstract_frozen(self, mesh, rules, compute_dtype, data_cfg, model=None):
     """load_frozen's (tree, shardings) as ShapeDtypeStructs, for compiling a step ahead of
-    time (bigpretrain.aot_plan): no weights read. `model` (a config.model mapping) stands in
+    time (bigpretrain.plan.aot_plan): no weights read. `model` (a config.model mapping) stands in
     for a checkpoint's model, e.g. to plan a distillation before its teacher exists."""
     del mesh, rules, compute_dtype, data_cfg, model
     return None, None

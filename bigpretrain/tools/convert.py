@@ -6,13 +6,13 @@ r"""Weight import and export: timm / torchvision state dicts <-> bigpretrain che
   python -m bigpretrain.tools.convert --export --weights=DIR --out=FILE.safetensors|.pth \
       [--to=FORMAT:ARCH]
 
-What it computes and why: bigpretrain/convert.py.
+What it computes and why: bigpretrain/models/convert.py.
 """
 
 from absl import app
 from absl import flags
 
-from bigpretrain import convert
+from bigpretrain.models import convert
 from bigpretrain.tools import cli
 
 

@@ -4,15 +4,15 @@ r"""Near-duplicates of evaluation images in an unlabelled pool: an exclusion lis
       (--top_n=N | --max_distance=D) --out=DIR [--data_dir=...] [--batch_size=256] \
       [--ivf_threshold=1000000] [--nlist=0] [--nprobe=64] [--seed=0] [--fsdp=1]
 
-What it computes and why: bigpretrain/dedup.py.
+What it computes and why: bigpretrain/semisup/dedup.py.
 """
 
 from absl import app
 from absl import flags
 import jax
 
-from bigpretrain import distributed
-from bigpretrain import dedup
+from bigpretrain.runtime import distributed
+from bigpretrain.semisup import dedup
 from bigpretrain.tools import cli
 
 

@@ -6,7 +6,7 @@ r"""Evaluates a trained model on several test sets, whole or with residual block
   python -m bigpretrain.tools.evaluate --workdir=DIR --drop_blocks=3,7     # that submodel
   python -m bigpretrain.tools.evaluate --workdir=DIR --drop_blocks=sweep   # each block removed
 
-What it computes and why: bigpretrain/evaluate.py.
+What it computes and why: bigpretrain/evaluators/evaluate.py.
 """
 
 import json
@@ -14,7 +14,7 @@ import json
 from absl import app
 from absl import flags
 
-from bigpretrain import evaluate
+from bigpretrain.evaluators import evaluate
 from bigpretrain.evaluators import mapped
 from bigpretrain.tools import cli
 

@@ -4,7 +4,7 @@
       [--data_dir=...] [--top_p=10] [--batch_size=256] [--logits] [--shard_size=50000] \
       [--exclude=FILE]
 
-What it writes, how it resumes and how hosts share the work: bigpretrain/pool_predictions.py.
+What it writes, how it resumes and how hosts share the work: bigpretrain/semisup/pool_predictions.py.
 """
 
 import time
@@ -13,8 +13,8 @@ from absl import app
 from absl import flags
 import jax
 
-from bigpretrain import distributed
-from bigpretrain import pool_predictions
+from bigpretrain.runtime import distributed
+from bigpretrain.semisup import pool_predictions
 from bigpretrain.tools import cli
 
 

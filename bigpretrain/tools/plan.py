@@ -12,7 +12,7 @@ r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per 
 --topology compiles with the accelerator's own compiler and no accelerator attached (libtpu,
 pip install 'bigpretrain[tpu]'; the CUDA plugin, pip install 'bigpretrain[cuda]'); when it is
 not installed the plan falls back to as many fake CPU devices, says so, and every figure names
-its compiler. See bigpretrain.aot_plan for what is measured and how the compilers differ.
+its compiler. See bigpretrain.plan.aot_plan for what is measured and how the compilers differ.
 """
 import json
 import sys
@@ -23,8 +23,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from bigpretrain import accelerators
-from bigpretrain import aot_plan
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import aot_plan
 
 
 def define_flags() -> None:

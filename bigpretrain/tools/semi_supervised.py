@@ -2,7 +2,7 @@
 
   python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py --workdir=DIR
 
-What it computes and why: bigpretrain/semi_supervised.py.
+What it computes and why: bigpretrain/semisup/semi_supervised.py.
 """
 
 import os
@@ -13,8 +13,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from bigpretrain import distributed
-from bigpretrain import semi_supervised
+from bigpretrain.runtime import distributed
+from bigpretrain.semisup import semi_supervised
 from bigpretrain.tools import cli
 
 

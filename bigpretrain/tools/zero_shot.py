@@ -4,7 +4,7 @@
       [--split=validation] [--aggregation=sum|mean|max_split] [--platt=on|off|both] [--json]
       [--eval_resize=shorter_center_crop|center_crop|squish]
 
-What it computes and why: bigpretrain/zero_shot.py.
+What it computes and why: bigpretrain/swag/zero_shot.py.
 """
 import json
 
@@ -12,8 +12,8 @@ from absl import app
 from absl import flags
 import jax
 
-from bigpretrain import distributed
-from bigpretrain import zero_shot
+from bigpretrain.runtime import distributed
+from bigpretrain.swag import zero_shot
 from bigpretrain.tools import cli
 
 

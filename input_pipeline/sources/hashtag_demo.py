@@ -15,9 +15,8 @@ import pathlib
 import tarfile
 
 from input_pipeline import datasets
-from input_pipeline import demo
-from input_pipeline import hashtag_job
-from input_pipeline import hashtag_source
+from input_pipeline.sources import demo
+from input_pipeline.sources import hashtag_source
 
 DEMO_NAME = hashtag_source.DEMO_NAME
 DEMO_SPLITS = ("train", "validation")
@@ -68,7 +67,7 @@ def prepared_name(base_builder) -> str:
 def demo_builder(data_dir: str):
   """The hashtags:demo builder, exported and prepared by the Beam job on first use."""
   base = demo.prepare(data_dir or None)
-  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  root = pathlib.Path(data_dir) if data_dir else datasets.default_data_dir()
   name = prepared_name(base)
   found = hashtag_source.find(f"{hashtag_source.BUILDER_NAME}/{name}", root)
   if found is not None and (pathlib.Path(found.data_dir) /
@@ -76,6 +75,8 @@ def demo_builder(data_dir: str):
     return found
   with demo.file_lock(root / f".{hashtag_source.BUILDER_NAME}-{name}.lock"):
     raw = export_demo(base, root / DEMO_RAW / _version(base))
+    # Apache Beam is imported only when the demo's tags are first prepared.
+    from input_pipeline.jobs import hashtag_job  # pylint: disable=import-outside-toplevel
     return hashtag_job.prepare(raw, root, name, min_count=1, min_raw_count=1,
                                tail_threshold=DEMO_TAIL_THRESHOLD)
 

@@ -10,7 +10,7 @@ the layouts, the accepted tag keys and how splits are found). The job:
   2. counts each raw tag's train images (every train sample read, before its image is
      checked) and keeps the tags in at least `min_raw_count` of them (the paper keeps
      hashtags "used more than once": 2);
-  3. canonicalises each DISTINCT kept tag once (bigpretrain.hashtags.vocabulary, Listing 1),
+  3. canonicalises each DISTINCT kept tag once (bigpretrain.swag.vocabulary, Listing 1),
      and hands the tag -> label map to the samples as a side input (only tags with a label,
      a small share of a crawl's tags);
   4. drops train images left with no label, then reads, checks and (optionally) resizes the
@@ -51,10 +51,10 @@ import numpy as np
 from PIL import Image
 import tensorflow_datasets as tfds
 
-from bigpretrain.hashtags import vocabulary
-from input_pipeline import beam_images as job
-from input_pipeline import crawl_inputs
-from input_pipeline import hashtag_source
+from bigpretrain.swag import vocabulary
+from input_pipeline.jobs import beam_images as job
+from input_pipeline.jobs import crawl_inputs
+from input_pipeline.sources import hashtag_source
 
 BUILDER_NAME = hashtag_source.BUILDER_NAME
 FIELD = hashtag_source.FIELD
@@ -350,7 +350,7 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
 
 
 class BigpretrainHashtags(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A hashtag dataset made by input_pipeline/hashtag_job.py; config name = NAME."""
+  """A hashtag dataset made by input_pipeline/jobs/hashtag_job.py; config name = NAME."""
 
   name = BUILDER_NAME
   VERSION = tfds.core.Version("1.0.0")

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from etils import epath
 
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import vocabulary
 
 SPLIT_DIRS = {"train": "train", "val": "validation", "validation": "validation",
               "test": "test"}

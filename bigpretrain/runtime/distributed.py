@@ -11,7 +11,7 @@ from absl import flags
 from absl import logging
 import jax
 
-from bigpretrain import gpu_flags
+from bigpretrain.plan import gpu_flags
 
 
 def _env_int(name: str) -> int | None:

@@ -2,7 +2,7 @@
 2022, section 4.2: "initializes this linear classifier using the zero-shot transfer approach
 described in Section 4.4 (without Platt scaling) before finetuning the full model").
 
-The rule: with the class map of bigpretrain/zero_shot.py (class c -> its hashtags H_c), the new
+The rule: with the class map of bigpretrain/swag/zero_shot.py (class c -> its hashtags H_c), the new
 head's weights and bias for class c are the MEAN of the hashtag head's over H_c, so that the
 initialised model's logit for c is exactly the mean of the hashtag logits over H_c, i.e.
 zero_shot.aggregate(hashtag_logits, class_map, 'mean'). The paper aggregates hashtag
@@ -17,7 +17,7 @@ import numpy as np
 
 from bigpretrain import checkpoint
 from bigpretrain import model_init
-from bigpretrain import zero_shot
+from bigpretrain.swag import zero_shot
 
 KERNEL, BIAS = "params/head/kernel", "params/head/bias"
 

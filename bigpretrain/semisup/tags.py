@@ -11,13 +11,13 @@ of the lemma names of c's synset lower-cased with '_' removed ('#GoldenRetriever
 splitmix64-hash(seed, class, id) for each class its tags map to, and each class keeps its K
 highest priorities (ties: smaller id). The draw is thus uniform without replacement, exact, and
 independent of the order, grouping and worker count of whatever enumerates the images, so the
-Beam job (input_pipeline/selection_job.py) selects the same images as `select_with_tags`.
+Beam job (input_pipeline/jobs/selection_job.py) selects the same images as `select_with_tags`.
 """
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from bigpretrain.selection import topk
+from bigpretrain.semisup import topk
 from bigpretrain.semantic import wordnet
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

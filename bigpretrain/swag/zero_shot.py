@@ -31,7 +31,7 @@ from nltk.corpus.reader.wordnet import WordNetError
 import scipy.optimize
 
 from bigpretrain import inference
-from bigpretrain.hashtags import vocabulary
+from bigpretrain.swag import vocabulary
 from bigpretrain.semantic import wordnet
 
 AGGREGATIONS = ("sum", "mean", "max_split")

@@ -2,7 +2,7 @@
 second (downstream) task for transfer experiments (configs/transfer.py).
 
 Each image's label is the ancestor at level COARSE_LEVEL of the class it pictures (its
-'member', input_pipeline/demo.py; the class itself when it sits at or above that level),
+'member', input_pipeline/sources/demo.py; the class itself when it sits at or above that level),
 named by its wnid. Every demo image pictures a leaf, and every leaf is below a level-1
 class, so `demo_coarse` has the 12 level-1 classes; `demo_plain_coarse`, whose root-class
 images picture the root itself, has those and the 4 roots. A pretraining on `demo` learned the fine classes; this task asks for a

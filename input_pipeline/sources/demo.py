@@ -35,7 +35,7 @@ Features: 'image' (PNG), 'label' (ClassLabel over the wnids), 'hashtags' (list o
 image shows: a leaf under `members`, 'true_label' itself under `plain`), for analysis.
 
 Generation happens on first use into `<cache>/tensorflow_datasets` (<cache>: see
-bigpretrain/cache.py) or a given data dir, under a file lock
+bigpretrain/runtime/cache.py) or a given data dir, under a file lock
 so that concurrent processes generate it once. Change the truncation share with the config
 name: `--config.data.name=demo/trunc35` (35%), `demo/trunc0` (exact labels); plain `demo` is
 `demo/trunc20`; `demo_plain[/truncNN]` is the plain look. In code:
@@ -60,9 +60,9 @@ from PIL import Image
 from PIL import ImageDraw
 import tensorflow_datasets as tfds
 
-from bigpretrain import cache
 from bigpretrain.semantic import tree as tree_lib
 from bigpretrain.semantic import wordnet
+from input_pipeline import datasets
 
 WNIDS_PATH = pathlib.Path(__file__).with_name("demo_wnids.txt")
 IMAGE_SIZE = 32
@@ -103,11 +103,6 @@ DATASET_NAMES = {"members": "demo", "plain": "demo_plain"}
 def is_demo_name(name: str) -> bool:
   """Whether config.data.name names the demo itself (any look, any truncation)."""
   return any(name == n or name.startswith(n + "/") for n in DATASET_NAMES.values())
-
-
-def default_data_dir() -> pathlib.Path:
-  """`<cache>/tensorflow_datasets`, <cache> the bigpretrain cache (bigpretrain/cache.py)."""
-  return cache.root() / "tensorflow_datasets"
 
 
 # ------------------------------------------------------------------------------------------
@@ -557,14 +552,14 @@ def prepare(data_dir: str | os.PathLike | None = None, *,
             look: str = DEFAULT_LOOK) -> BigpretrainDemo:
   """The demo builder, with its ArrayRecord files generated on first use.
 
-  data_dir defaults to default_data_dir(); split_sizes (examples per class, e.g. smaller for
+  data_dir defaults to datasets.default_data_dir(); split_sizes (examples per class, e.g. smaller for
   tests) defaults to SPLIT_SIZES; look is one of LOOKS. Each (truncation, split_sizes, look)
   has its own config folder.
 
   Processes starting together (hosts of a local multi-process run) serialise on a file lock
   in data_dir: the first generates, the others wait, then read the finished files.
   """
-  data_dir = pathlib.Path(data_dir) if data_dir else default_data_dir()
+  data_dir = pathlib.Path(data_dir) if data_dir else datasets.default_data_dir()
   config = demo_config(truncation, split_sizes, look)
   # tfds takes predefined configs by name only; other shares as a config object.
   predefined = {c.name for c in BigpretrainDemo.BUILDER_CONFIGS}
@@ -583,3 +578,21 @@ def prepare(data_dir: str | os.PathLike | None = None, *,
       logging.info("Generating the demo dataset into %s", builder.data_dir)
       builder.download_and_prepare()
   return builder
+
+
+@datasets.SOURCES.register("demo_plain/", usage="demo_plain/truncPERCENT")
+@datasets.SOURCES.register("demo_plain")
+@datasets.SOURCES.register("demo/", usage="demo/truncPERCENT")
+@datasets.SOURCES.register("demo")
+def _demo(name: str, data_dir: str) -> datasets.Dataset:
+  """'demo[/truncNN]' or 'demo_plain[/truncNN]' -> the generated demo dataset, its inner
+  classes picturing their members or (demo_plain) their own plain look."""
+  match = re.fullmatch(r"(demo|demo_plain)(?:/trunc(\d+(?:\.\d+)?))?", name)
+  if not match or (match.group(2) and float(match.group(2)) > 100):
+    base = name.split("/")[0]
+    raise ValueError(f"Unknown demo variant {name!r}; use '{base}' or '{base}/truncNN' with "
+                     "NN the percent (0-100) of train labels truncated to an ancestor.")
+  look = {v: k for k, v in DATASET_NAMES.items()}[match.group(1)]
+  truncation = (float(match.group(2)) / 100.0 if match.group(2)
+                else DEFAULT_TRUNCATION)
+  return datasets.TfdsDataset(name, prepare(data_dir or None, truncation=truncation, look=look))

@@ -1,6 +1,6 @@
 """'selection:DIR': the selected dataset D-hat, read through its index from the source dataset.
 
-DIR is the output of `python -m input_pipeline.prepare selection` (input_pipeline/selection_job.py:
+DIR is the output of `python -m input_pipeline.prepare selection` (input_pipeline/jobs/selection_job.py:
 selection.json + index-*.parquet). Split 'train' is D-hat: example i is record `index` of
 split `split` of dataset `dataset` (looked up by name in the same data.dir), with label
 `label`; rows in index-file order, so an image selected for two classes appears twice (the

@@ -11,7 +11,7 @@ Per log interval (all host timers; the only sync is the one the log step already
                            bottleneck this tends to 0; when the input is, to the device's idle
                            share.
   perf/tflops_per_device   the step's FLOPs per device (its matrix products and convolutions,
-                           counted on the jaxpr by bigpretrain/flops.py: XLA:GPU's cost
+                           counted on the jaxpr by bigpretrain/plan/flops.py: XLA:GPU's cost
                            analysis leaves out cuBLAS and cuDNN calls; with
                            rematerialisation they include the recompute) over the step time.
   perf/mfu                 tflops_per_device over the device's peak (PEAK_FLOPS); omitted on CPU
@@ -30,10 +30,10 @@ from absl import logging
 import jax
 import numpy as np
 
-from bigpretrain import accelerators
+from bigpretrain.plan import accelerators
 
 # Peak dense FLOP/s per JAX device kind (one chip), as (bfloat16, float32): a view of
-# bigpretrain.accelerators' table, the one the plan's fit reads too.
+# bigpretrain.plan.accelerators' table, the one the plan's fit reads too.
 PEAK_FLOPS = {kind: (a.peak_bf16, a.peak_f32) for a in accelerators.ACCELERATORS.values()
               for kind in a.device_kinds}
 STRAGGLER_RATIO = 1.2  # Issue 11: warn when the slowest process is > 20% above the median.
@@ -175,7 +175,7 @@ class Goodput:
                    kind, compute_dtype)
 
   def set_flops(self, flops_per_device: float) -> None:
-    """The step's FLOPs per device (bigpretrain/flops.py)."""
+    """The step's FLOPs per device (bigpretrain/plan/flops.py)."""
     self.flops = flops_per_device
 
   def metrics(self) -> dict:

@@ -8,15 +8,15 @@ checkpoint's meta or by `teacher_model` before it exists. step='infer' compiles 
 engine's pool step instead (the eval-mode forward and its top-P scores, as a semi-supervised
 teacher ranks the unlabelled pool: pool_predictions.make_step) with the model's variables
 only. Devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU slice
-(libtpu) or a GPU cluster (the CUDA PJRT plugin) from bigpretrain.accelerators. The class
+(libtpu) or a GPU cluster (the CUDA PJRT plugin) from bigpretrain.plan.accelerators. The class
 lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
 others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
 the compiler's memory analysis (arguments, outputs, aliased, temporaries, generated code),
 FLOPs per step (matrix products and convolutions counted on the step's jaxpr, the same on
-every compiler: bigpretrain/flops.py; step_flops gives them without compiling) and, where the
+every compiler: bigpretrain/plan/flops.py; step_flops gives them without compiling) and, where the
 compiler gives them (the TPU compiler does), its roofline step time `optimal_seconds` and
 `bytes accessed`; the collectives of the compiled HLO by kind
-(bigpretrain.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
+(bigpretrain.plan.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
 compiler (and version) every figure comes from; `remat` the config's model.remat (the
 residual blocks' rematerialisation policy, which trades temporaries for recompute FLOPs).
 
@@ -43,23 +43,23 @@ import jax
 from jax._src import config as jax_config  # enable_compilation_cache as a context.
 import numpy as np
 
-from bigpretrain import accelerators
-from bigpretrain import flops
-from bigpretrain import hlo_collectives
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import flops
+from bigpretrain.plan import hlo_collectives
 from bigpretrain import objectives
-from bigpretrain import pool_predictions
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
-from input_pipeline import demo
+from input_pipeline.sources import demo
 
 # XLA:GPU with no GPU cannot autotune, and its default Triton GEMM tiling fails on some
 # shapes ("Couldn't find output tile sizes", e.g. ViT-B/16's bf16[12608,768] dot): a
 # compile-only plan emits GEMMs as cuBLAS calls instead (memory and collectives unchanged).
 GPU_COMPILE_ONLY_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # Known datasets' class lists, shipped with the package.
-_SEMANTIC_DATA = pathlib.Path(__file__).parent / "semantic" / "data"
+_SEMANTIC_DATA = pathlib.Path(__file__).parent.parent / "semantic" / "data"
 
 
 def shard_bytes(abstract_tree) -> int:
@@ -129,7 +129,7 @@ def abstract_batch(exp) -> dict:
 
 
 STEPS = ("train", "infer")
-# How a plan's flops_per_device is counted (bigpretrain/flops.py); plans without the key
+# How a plan's flops_per_device is counted (bigpretrain/plan/flops.py); plans without the key
 # carry XLA's cost analysis of the compiled step, which on GPUs leaves out cuBLAS/cuDNN.
 FLOPS_FROM = "jaxpr"
 
@@ -173,7 +173,7 @@ def trace_step(config, num_classes: int | None = None, devices=None,
 def compile_step(config, num_classes: int | None = None, devices=None,
                  teacher_model: str | None = None, step: str = "train", top_p: int = 10):
   """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
-  (bigpretrain/flops.py)."""
+  (bigpretrain/plan/flops.py)."""
   exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
   # Compile-only devices have no client to load a cached executable into: no cache for them.
   platform = exp.mesh.devices.flat[0].platform

@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from bigpretrain import console
+from bigpretrain.runtime import console
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0

@@ -6,7 +6,7 @@ Stage 2 of the semi-supervised recipe (Yalniz et al., 2019, section 3.1): the te
 mode and with its checkpoint's preprocessing (meta['data']: image_size, eval_resize,
 normalize), scores every record of the split; the top_p (P = 10 in the paper, section 4.1)
 classes of each image and their softmax scores (raw logits with --logits: the supplement's
-ablation, section 1) are written in the predictions format (input_pipeline/selection_job.py's
+ablation, section 1) are written in the predictions format (input_pipeline/jobs/selection_job.py's
 docstring; selection_formats.py), keyed by (--data, --split, record index), for the selection
 job. --exclude names an exclusion list (input_pipeline/exclusions.py, e.g. the near-duplicates
 of evaluation images found by bigpretrain.tools.dedup): its records of this split are never scored,

@@ -21,9 +21,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
-from bigpretrain.hashtags import resampling
+from bigpretrain.swag import resampling
 from input_pipeline import datasets
-from input_pipeline import demo
+from input_pipeline.sources import demo
 
 FIELD = "hashtag_ids"
 BUILDER_NAME = "bigpretrain_hashtags"
@@ -160,7 +160,7 @@ def load(name: str, data_dir: str) -> HashtagDataset:
   if not NAME_RE.fullmatch(rest):
     raise ValueError(f"Bad dataset name {name!r}: use 'hashtags:NAME' with NAME the --name "
                      "given to `python -m input_pipeline.prepare hashtags`, or 'hashtags:demo'.")
-  root = pathlib.Path(data_dir) if data_dir else demo.default_data_dir()
+  root = pathlib.Path(data_dir) if data_dir else datasets.default_data_dir()
   how = (f"Prepare it with `python -m input_pipeline.prepare hashtags --manual_dir=RAW "
          f"--data_dir={root} --name={rest}`.")
   builder = find(f"{BUILDER_NAME}/{rest}", root) if root.is_dir() else None

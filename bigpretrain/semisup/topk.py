@@ -4,13 +4,13 @@ The teacher keeps, for each unlabelled image, its P highest-scoring classes. For
 the images that kept l are ranked by their score for l and the first K form D-hat_l; D-hat is
 the union over classes, an image appearing once for each class that selected it (the paper
 replicates it). Equal scores rank the smaller id first, so the selection is one exact set
-whatever the order or grouping of the input: the rule the Beam job input_pipeline/selection_job.py
+whatever the order or grouping of the input: the rule the Beam job input_pipeline/jobs/selection_job.py
 applies at scale (its combiner merges partial top-Ks with `top_k_unsorted`), here on arrays in
 memory.
 
 Variants (section 4.4, supplement section 2): balanced-ranked is `select(..., k=K)`;
 unbalanced-ranked is `select(..., k=sizes)` with per-class sizes, e.g. `zipf_sizes(C, total)`;
-balanced-with-tags is bigpretrain/selection/tags.py.
+balanced-with-tags is bigpretrain/semisup/tags.py.
 """
 from typing import Mapping
 

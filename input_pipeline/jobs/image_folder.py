@@ -29,7 +29,7 @@ from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
-from input_pipeline import beam_images as job
+from input_pipeline.jobs import beam_images as job
 
 BUILDER_NAME = "bigpretrain_folder"
 SPLIT_DIRS = {"train": "train", "val": "validation", "validation": "validation",
@@ -38,7 +38,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 
 
 class BigpretrainFolder(job.BeamImageBuilder):
-  """An ImageFolder tree converted by input_pipeline/image_folder.py; config name = NAME."""
+  """An ImageFolder tree converted by input_pipeline/jobs/image_folder.py; config name = NAME."""
 
   name = BUILDER_NAME
   IMAGE_ENCODING = None  # Original JPEG or PNG bytes.

@@ -2,7 +2,7 @@
 
 One table, ACCELERATORS, keyed by a short name ('v5e', 'h100', ...): per chip, its memory,
 its peak dense FLOP/s and the JAX `device_kind` strings it reports, so that the plan's fit
-(bigpretrain.aot_plan) and the trainer's perf/mfu (bigpretrain.goodput) read the same entry.
+(bigpretrain.plan.aot_plan) and the trainer's perf/mfu (bigpretrain.runtime.goodput) read the same entry.
 
 `topology_devices('tpu:v5e:4x4')` / `topology_devices('gpu:h100:4x8')` returns the devices of a
 TPU slice or a GPU cluster without the hardware: jax.experimental.topologies with libtpu (TPU)

@@ -11,9 +11,9 @@ appears once per class. Ties go to the smaller image key (dataset, split, index)
 is exact and identical on any runner and worker count. Variants (section 4.4, supplement
 section 2): balanced_ranked (K per class, the default), unbalanced_ranked (per-class K from
 --class_sizes, a JSON {class name: K}, absent classes 0; or Zipf with a fixed --zipf_total,
-bigpretrain.selection.topk.zipf_sizes, classes ranked by a --seed permutation), and
+bigpretrain.semisup.topk.zipf_sizes, classes ranked by a --seed permutation), and
 balanced_with_tags (K images per class drawn at random, --seed, among those whose tags map to
-the class; bigpretrain.selection.tags). In-memory equivalents: bigpretrain.selection.
+the class; bigpretrain.semisup.tags). In-memory equivalents: bigpretrain.semisup.
 
 Input, DIR (written by bigpretrain.tools.infer with selection_formats.py's writers, which need no
 Beam):
@@ -77,10 +77,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from bigpretrain.selection import tags as tags_lib
+from bigpretrain.semisup import tags as tags_lib
 from input_pipeline import exclusions
 from input_pipeline import selection_formats as formats
-from bigpretrain.selection import topk
+from bigpretrain.semisup import topk
 
 RAW_REPORT_FILE = "selection_raw_report.json"  # Written by the pipeline, folded into selection.json.
 VARIANTS = ("balanced_ranked", "unbalanced_ranked", "balanced_with_tags")

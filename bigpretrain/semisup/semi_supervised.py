@@ -13,7 +13,7 @@ round r is round r + 1's teacher (supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
 (train.train_and_evaluate), of pool_predictions.run and of the Beam selection job
-(input_pipeline.selection_job.prepare): one jax.distributed initialisation serves every stage on a
+(input_pipeline.jobs.selection_job.prepare): one jax.distributed initialisation serves every stage on a
 multi-host run, and JAX starts and compiles from the persistent cache once, not per stage.
 Stages share no state but the files: each gets a fresh copy of its config section, read
 nowhere else, and the trainer restores its signal handler and mesh context when it returns.
@@ -26,7 +26,7 @@ plain dataset.
 
 Deduplication (supplement section 5: "remove images in the large-scale dataset that are also
 present in the labeled test or validation set"): with config.dedup.against set, each pool
-split is deduplicated against those sets by bigpretrain.dedup (the features of
+split is deduplicated against those sets by bigpretrain.semisup.dedup (the features of
 config.dedup.model, '' = the round-1 teacher, a model trained on the labelled set as the
 paper's ImageNet ResNet-18 is; the dedup.top_n closest pool images of each split, or all
 within dedup.max_distance), and the `pool` stage drops them with D's records, so no round
@@ -46,9 +46,9 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain import console
-from bigpretrain import dedup
-from bigpretrain import pool_predictions
+from bigpretrain.runtime import console
+from bigpretrain.semisup import dedup
+from bigpretrain.semisup import pool_predictions
 from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import exclusions
@@ -224,7 +224,7 @@ def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
 
 def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarray:
   """The records of pool split `split` that are near-duplicates of config.dedup.against's
-  images (bigpretrain.dedup; a finished run in `folder` with the same parameters is reused);
+  images (bigpretrain.semisup.dedup; a finished run in `folder` with the same parameters is reused);
   returns their sorted indices."""
   c = config.dedup
   top_n = c.top_n if c.top_n > 0 else None
@@ -249,7 +249,7 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
                     folder: epath.Path) -> dict:
   """D-hat's index (the Beam job); reuses a finished one with the same parameters."""
   # Imported here: Apache Beam is only needed by this stage.
-  from input_pipeline import selection_job as selection  # pylint: disable=import-outside-toplevel
+  from input_pipeline.jobs import selection_job as selection  # pylint: disable=import-outside-toplevel
   c = config.selection
   class_sizes = None
   if c.class_sizes:

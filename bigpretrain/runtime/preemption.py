@@ -11,7 +11,7 @@ notice arrived. It is a host-side check that never waits for the device, so the 
 dispatching steps ahead of it (an all-gather of a flag would wait for the step just
 dispatched). No Python handler is installed then: it would replace the runtime's. The call
 counter is per process, not the train step, so that a notice that arrives before a loop (while
-compiling, or between the stages of bigpretrain.semi_supervised) stops at that loop's first
+compiling, or between the stages of bigpretrain.semisup.semi_supervised) stops at that loop's first
 step. A SIGTERM after the last loop is not acted on: the run finishes.
 
 Without the sync manager (the service turned off), the flag is all-gathered at log steps only,

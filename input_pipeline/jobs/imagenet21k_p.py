@@ -33,7 +33,7 @@ counts per split, dropped classes with counts, the semantic tree of the kept cla
 (`SemanticTree.from_wnids`, as `semantic_tree(builder)`), and every corrupt or unreadable file
 with its error: those are skipped and counted, never fatal, never silent.
 
-Engine (input_pipeline/beam_images.py, shared with ImageFolder conversions): step 1 is a small Beam job (counting each class's files in parallel: listing tars of a
+Engine (input_pipeline/jobs/beam_images.py, shared with ImageFolder conversions): step 1 is a small Beam job (counting each class's files in parallel: listing tars of a
 1.3 TB release is real work), steps 2-3 are the Beam pipeline of the tfds builder (tfds's
 Beam path writes ArrayRecord without TensorFlow). Both run on the DirectRunner by default, or on
 any runner given by `beam_runner`; extra Beam options (`--project=...`, `--direct_num_workers=4`,
@@ -58,7 +58,7 @@ import tensorflow_datasets as tfds
 
 from bigpretrain.semantic import tree as tree_lib
 from bigpretrain.semantic import wordnet
-from input_pipeline import beam_images as job
+from input_pipeline.jobs import beam_images as job
 
 NAME = "imagenet21k_p"
 MIN_IMAGES = 500  # A class is kept only with at least this many files.
@@ -108,7 +108,7 @@ class Imagenet21kP(job.BeamImageBuilder):
   name = NAME
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
       "Give the raw ImageNet-21K release (winter21 `train/` folders of JPEGs per wnid, or "
-      "fall11 one .tar per wnid) as --manual_dir; see input_pipeline/imagenet21k_p.py.")
+      "fall11 one .tar per wnid) as --manual_dir; see input_pipeline/jobs/imagenet21k_p.py.")
 
 
 def readable_name(wnid: str) -> str:

@@ -99,7 +99,7 @@ def _faiss():
   try:
     import faiss  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise ImportError("bigpretrain.dedup needs faiss: pip install 'bigpretrain[dedup]' (or "
+    raise ImportError("bigpretrain.semisup.dedup needs faiss: pip install 'bigpretrain[dedup]' (or "
                       "faiss-cpu).") from e
   return faiss
 

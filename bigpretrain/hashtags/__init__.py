@@ -1,1 +1,0 @@
-"""SWAG hashtags: the WordNet vocabulary (canonical hashtags) and head/tail resampling."""
