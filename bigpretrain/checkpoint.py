@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from bigpretrain import registry
 from bigpretrain.runtime import console
 from input_pipeline import stream_position
 
@@ -125,6 +126,9 @@ def run_meta(config, model_config: dict, class_names, num_classes: int) -> dict:
       "dataset": config.data.name,
       "data": {k: config.data[k] for k in ("image_size", "normalize", "eval_resize")},
       "objective": _plain(config.objective),
+      # The run's own modules (config.plugins): read_meta imports them, so that every
+      # command opening the checkpoint finds a model or objective from a user's package.
+      "plugins": list(config.get("plugins", ())),
   }
 
 
@@ -445,6 +449,8 @@ def read_meta(path: str, step: int | None = None) -> dict:
   if meta.get("version") != META_VERSION:
     raise ValueError(f"Checkpoint {directory}/{step} has meta version {meta.get('version')!r}; "
                      f"this bigpretrain reads version {META_VERSION}.")
+  registry.import_plugins(meta.get("plugins", ()),
+                          where=f"checkpoint {directory}/{step} (its run's config.plugins)")
   return meta
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+from PIL import Image
 import pytest
 
 from bigpretrain import registry
@@ -199,6 +201,26 @@ def test_a_plugin_outside_the_repo_trains_from_the_command_line(tmp_path):
   assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
   config = json.loads((workdir / "config.json").read_text())
   assert config["model"]["name"] == "my_mean_pixels" and config["plugins"] == ["my_plugin"]
+
+  # The checkpoint names its plugins: the commands that open it import them themselves.
+  image = tmp_path / "photo.png"
+  Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(image)
+  commands = {
+      "predict": ["bigpretrain.tools.predict", f"--workdir={workdir}", "--json", str(image)],
+      "evaluate": ["bigpretrain.tools.evaluate", f"--checkpoint={workdir}",
+                   "--datasets=demo:validation", "--batch_size=16", "--json"],
+  }
+  for name, args in commands.items():
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0, (name, r.stderr[-3000:])
+    assert json.loads(r.stdout.strip().splitlines()[-1]), name
+  # Without the plugin's folder on the path: one error naming the module, no traceback.
+  r = subprocess.run([sys.executable, "-m", *commands["predict"]], cwd=ROOT,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                     text=True, timeout=600, check=False)
+  assert r.returncode != 0
+  assert "cannot import plugin module 'my_plugin'" in r.stderr, r.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- the dataset contract
