@@ -17,11 +17,12 @@ import pytest
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
-from bigpretrain.models import convert
-from bigpretrain.tools import convert as convert_tool
 from bigpretrain import models
+from bigpretrain import predict
 from bigpretrain import sharding
+from bigpretrain.models import convert
 from bigpretrain.models import pretrained
+from bigpretrain.tools import convert as convert_tool
 
 pytestmark = pytest.mark.interop  # torch / timm references (the interop extra)
 
@@ -263,7 +264,6 @@ def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
 def test_converted_checkpoint_serves_predict(tmp_path):
   """bigpretrain.tools.predict reads the meta (normalisation, eval resize, objective)."""
   from PIL import Image  # pylint: disable=import-outside-toplevel
-  from bigpretrain.tools import predict  # pylint: disable=import-outside-toplevel
   torch_model = _timm("resnet18", num_classes=10)
   convert.import_weights("timm:resnet18", _save(torch_model, tmp_path / "w.safetensors"),
                          str(tmp_path / "c"), image_size=64)
