@@ -253,7 +253,6 @@ def build_model(config, devices=None, dataset=None) -> ModelSetup:
   mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_batch_size(config.batch_size, mesh)
   dataset = datasets.get_dataset(config.data) if dataset is None else dataset
-  datasets.parse_mix(config.data.mix)  # A bad spec fails here, before anything is compiled.
   model_def = models.ModelDef.from_config(config.model, dataset.info.num_classes,
                                           config.compute_dtype, config.data.image_size)
   return ModelSetup(config=config, mesh=mesh, dataset=dataset, model_def=model_def,
