@@ -44,6 +44,7 @@ import pathlib
 import re
 from typing import Any, Mapping
 
+from array_record.python import array_record_module
 import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
@@ -152,7 +153,6 @@ def _shard_of(source, index: int) -> tuple[str | None, bool]:
 def _shard_opens(path: str) -> bool:
   """False when ArrayRecord cannot read the shard's footer and record index at all (a
   truncated or overwritten tail): no record of it is readable."""
-  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
   try:
     reader = array_record_module.ArrayRecordReader(path)
   except Exception:  # pylint: disable=broad-except

@@ -121,6 +121,7 @@ class ModelDef:
 def load_pretrained(path: str) -> nnx.Module:
   """The model of a run's workdir, a checkpoint dir or a `bigpretrain.tools.convert` output, with
   its weights, on the first local device; call it with train=False (the default)."""
+  # pretrained.py imports this package: imported at the call.
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
   return pretrained.load(path).module()
 

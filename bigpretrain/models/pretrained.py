@@ -6,6 +6,7 @@ from flax import nnx
 import jax
 
 from bigpretrain import checkpoint
+from bigpretrain import models
 from bigpretrain import sharding
 
 
@@ -25,7 +26,6 @@ def load(path: str, *, mesh=None, rules=(), compute_dtype: str | None = None) ->
   """Loads a run's workdir or checkpoint dir. With `mesh`, arrays are sharded by the logical
   `rules`; without, they land on the first local device. `compute_dtype` overrides the
   checkpoint's (a teacher computes in the student's precision)."""
-  from bigpretrain import models  # pylint: disable=import-outside-toplevel
   meta = checkpoint.read_meta(path)
   model_def = models.ModelDef.from_config(meta["model"], meta["num_classes"],
                                           compute_dtype or meta["compute_dtype"])

@@ -16,6 +16,7 @@ import jax
 
 from bigpretrain import checkpoint
 from bigpretrain import losses
+from bigpretrain import models
 from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
 from bigpretrain.objectives import semantic_softmax
@@ -49,7 +50,6 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
   def abstract_frozen(self, mesh, rules, compute_dtype, data_cfg, model=None):
     """The teacher's shapes and shardings: from its checkpoint's meta, or `model` in its
     place (a teacher of this dataset's classes)."""
-    from bigpretrain import models  # pylint: disable=import-outside-toplevel
     if model is None:
       meta = checkpoint.read_meta(self.teacher_dir)
       self._check_teacher(meta, data_cfg)

@@ -28,6 +28,7 @@ import time
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from bigpretrain.plan import accelerators
@@ -186,7 +187,6 @@ class Goodput:
                            flops=self.flops, peak=self.peak)
     out["perf/host_rss_mb"] = host_rss_mb()
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
       mine = np.array([t.wall_s, t.blocked_s, t.data_s], np.float32)
       wall, blocked, data = multihost_utils.process_allgather(mine).T
       index, step_s, median, straggler = slowest(process_step_times(wall, blocked, t.steps))

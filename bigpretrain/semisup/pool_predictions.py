@@ -30,6 +30,7 @@ import uuid
 from absl import logging
 from etils import epath
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
@@ -109,7 +110,6 @@ def _agree(flags_: np.ndarray) -> np.ndarray:
   """Process 0's view of which shards are pending, on every process."""
   if jax.process_count() == 1:
     return flags_
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return np.asarray(multihost_utils.broadcast_one_to_all(flags_))
 
 
@@ -225,6 +225,5 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     (tmp / selection_formats.INFO_FILE).rename(info_path)
     tmp.rmdir()
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices("infer_done")
   return json.loads(info_path.read_text())

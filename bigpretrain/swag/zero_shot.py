@@ -30,9 +30,14 @@ import numpy as np
 from nltk.corpus.reader.wordnet import WordNetError
 import scipy.optimize
 
+from bigpretrain import checkpoint
+from bigpretrain import config_lib
 from bigpretrain import inference
-from bigpretrain.swag import vocabulary
+from bigpretrain import sharding
+from bigpretrain.models import pretrained
 from bigpretrain.semantic import wordnet
+from bigpretrain.swag import vocabulary
+from input_pipeline import datasets
 
 AGGREGATIONS = ("sum", "mean", "max_split")
 PLATT_MODES = ("on", "off", "both")
@@ -382,13 +387,6 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   Returns {'top1_platt', 'top1_no_platt' (None when not computed), 'aggregation_platt',
   'aggregation_no_platt', 'num_examples', 'num_classes', 'num_hashtags', 'class_map'}.
   """
-  # pylint: disable=import-outside-toplevel
-  from bigpretrain import checkpoint
-  from bigpretrain import config_lib
-  from bigpretrain import sharding
-  from bigpretrain.models import pretrained
-  from input_pipeline import datasets
-  # pylint: enable=import-outside-toplevel
   meta = checkpoint.read_meta(workdir)
   chosen = aggregations(meta["model"]["name"], aggregation, platt)
   hashtags = check_hashtag_model(meta, workdir)
