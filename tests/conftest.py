@@ -7,6 +7,7 @@ os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain")
 
 import jax  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 
 # CPU whatever accelerator plugins are installed (libtpu, the CUDA plugin: their compile-only
 # devices come from bigpretrain.plan.accelerators, not from the default backend).
@@ -16,6 +17,18 @@ jax.config.update("jax_compilation_cache_dir", str(_ROOT / ".cache" / "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags.
 
+from bigpretrain import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+
+@pytest.fixture(scope="session")
+def demo_run() -> str:
+  """A 2-step semantic-softmax demo run (vit_demo, tests.helpers.tiny_config), trained once for
+  all test files: a real checkpoint that tests read (teachers, predict, meta)."""
+  return helpers.shared_run(
+      "semantic_softmax_vit_demo_2",
+      lambda d: train.train_and_evaluate(helpers.tiny_config(total_steps=2), d))
 
 
 def pytest_terminal_summary(terminalreporter):

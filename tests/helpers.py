@@ -1,6 +1,9 @@
-"""Small configs and subprocess runners shared by the trainer tests."""
+"""Small configs, subprocess runners and shared trained runs for the trainer tests."""
+import fcntl
+import hashlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -97,4 +100,30 @@ def random_checkpoint(folder, noise: float = 0.0, **overrides) -> str:
   ckpt.save(1, {"params": params, "extra": extra, "step": zero, "opt_state": zero,
                 "skipped_records": zero})
   ckpt.close()
+  return str(folder)
+
+
+def _code_digest() -> str:
+  """A digest of the code a trained run depends on: a change to it rebuilds shared runs."""
+  h = hashlib.sha256()
+  for folder in ("bigpretrain", "input_pipeline", "configs"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+  h.update(pathlib.Path(__file__).read_bytes())
+  return h.hexdigest()[:16]
+
+
+def shared_run(name: str, build) -> str:
+  """A run folder that `build(folder)` fills once for every test of every pytest worker, and
+  again only when the code changes (kept under .cache/test_runs, keyed by the code's digest).
+  Tests only read it. Returns the folder."""
+  root = ROOT / ".cache" / "test_runs"
+  root.mkdir(parents=True, exist_ok=True)
+  folder = root / f"{name}-{_code_digest()}"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # One builder; the other workers wait for its result.
+    if not (folder / "DONE").exists():
+      shutil.rmtree(folder, ignore_errors=True)
+      build(str(folder))
+      (folder / "DONE").touch()
   return str(folder)

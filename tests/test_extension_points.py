@@ -292,19 +292,18 @@ def test_mixup_trains_against_the_mixed_targets(recipe):
 # ---------------------------------------------------------------- self-describing checkpoints
 
 
-def test_checkpoints_describe_their_model_and_load_from_the_path_alone(tmp_path):
-  config = helpers.tiny_config(total_steps=2)
-  train.train_and_evaluate(config, str(tmp_path))
-  meta = checkpoint.read_meta(str(tmp_path))
+def test_checkpoints_describe_their_model_and_load_from_the_path_alone(demo_run):
+  config = helpers.tiny_config(total_steps=2)  # What demo_run trained.
+  meta = checkpoint.read_meta(demo_run)
   info = datasets.get_dataset(config.data).info
   assert meta["model"]["name"] == "vit_demo" and meta["num_classes"] == info.num_classes
   assert meta["class_names"] == info.class_names and meta["dataset"] == "demo"
   assert meta["data"] == {"image_size": 32, "normalize": "0_1", "eval_resize": "squish"}
   assert meta["objective"]["name"] == "semantic_softmax"
-  model = models.load_pretrained(str(tmp_path))
+  model = models.load_pretrained(demo_run)
   # The same weights through the config-based path.
   model_def = models.ModelDef.from_config(config.model, info.num_classes)
-  variables = checkpoint.load_params(str(tmp_path), {
+  variables = checkpoint.load_params(demo_run, {
       "params": model_def.abstract_pure_params(), "extra": model_def.abstract_pure_extra()})
   images = jax.random.uniform(jax.random.key(1), (4, 32, 32, 3))
   want = model_def.merge(variables["params"], variables["extra"])(images, train=False)
@@ -312,17 +311,15 @@ def test_checkpoints_describe_their_model_and_load_from_the_path_alone(tmp_path)
   assert float(jnp.abs(want).max()) > 0  # Trained, not the zero-initialised head.
 
 
-def test_kd_teacher_in_the_step_is_the_saved_teacher(tmp_path):
-  teacher_dir = tmp_path / "teacher"
-  train.train_and_evaluate(helpers.tiny_config(total_steps=2), str(teacher_dir))
-  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint":
-                                                     str(teacher_dir)})
+def test_kd_teacher_in_the_step_is_the_saved_teacher(demo_run):
+  teacher_dir = demo_run
+  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint": teacher_dir})
   exp = train.build(config)
   images = jax.random.uniform(jax.random.key(2), (16, 32, 32, 3))
   with jax.set_mesh(exp.mesh):
     inside = jax.jit(exp.objective.teacher_logits)(
         exp.frozen, jax.device_put(images, sharding.batch_sharding(exp.mesh)))
-  own = models.load_pretrained(str(teacher_dir))(images)
+  own = models.load_pretrained(teacher_dir)(images)
   np.testing.assert_allclose(np.asarray(inside), np.asarray(own), rtol=1e-5, atol=1e-5)
 
 
@@ -335,11 +332,8 @@ def test_kd_teacher_with_other_classes_is_refused(tmp_path):
     train.build(config)
 
 
-def test_kd_teacher_with_another_normalisation_is_refused(tmp_path):
-  teacher_dir = tmp_path / "teacher"
-  train.train_and_evaluate(helpers.tiny_config(total_steps=1, **{"evals": {}}), str(teacher_dir))
-  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint":
-                                                     str(teacher_dir),
+def test_kd_teacher_with_another_normalisation_is_refused(demo_run):
+  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint": demo_run,
                                                  "data.normalize": "imagenet"})
   with pytest.raises(ValueError, match="normalised by '0_1'"):
     train.build(config)

@@ -60,11 +60,9 @@ def test_multi_hot_is_label_plus_ancestors():
   assert got.sum(1).max() == obj.tree.num_levels  # The deepest classes have every level.
 
 
-def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path):
-  teacher = tmp_path / "teacher"
-  train.train_and_evaluate(helpers.tiny_config(total_steps=2), str(teacher))
+def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path, demo_run):
   from configs import semantic_kd
-  config = semantic_kd.get_config(f"teacher={teacher}")
+  config = semantic_kd.get_config(f"teacher={demo_run}")
   for key, value in helpers.tiny_config(total_steps=3).items():
     if key not in ("objective",):
       config[key] = value
@@ -77,20 +75,19 @@ def test_semantic_kd_trains_from_a_teacher_checkpoint(tmp_path):
     assert r["train/kd_loss"] > 0
 
 
-def test_semantic_kd_teacher_logits_in_the_step_are_the_saved_teachers(tmp_path):
+def test_semantic_kd_teacher_logits_in_the_step_are_the_saved_teachers(demo_run):
   # The teacher's load path (checkpoint -> student mesh -> frozen input of the jitted step) is
   # what breaks silently: compare with the teacher rebuilt through the trainer's own restore.
   import jax
   from bigpretrain import checkpoint
   from bigpretrain import sharding
   from configs import semantic_kd
-  teacher_dir = tmp_path / "teacher"
-  teacher_config = helpers.tiny_config(total_steps=3)
-  train.train_and_evaluate(teacher_config, str(teacher_dir))
+  teacher_dir = demo_run
+  teacher_config = helpers.tiny_config(total_steps=2)  # What demo_run trained.
   t_exp = train.build(teacher_config)
-  restored = checkpoint.Checkpointer(str(teacher_dir / "checkpoints"),
+  restored = checkpoint.Checkpointer(f"{teacher_dir}/checkpoints",
                                      async_save=False).restore(t_exp.init_state())
-  assert restored is not None and restored[1] == 3
+  assert restored is not None and restored[1] == 2
   t_state = restored[0]
   images = np.random.default_rng(0).random((16, 32, 32, 3), np.float32)
   teacher = t_exp.model_def.merge(t_state["params"], t_state["extra"])

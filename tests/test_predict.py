@@ -5,9 +5,8 @@ import sys
 
 import numpy as np
 
-from bigpretrain.semantic import view
-from bigpretrain import train
 from bigpretrain.semantic import tree as semantic_tree
+from bigpretrain.semantic import view
 from input_pipeline import datasets
 from tests import helpers
 
@@ -27,8 +26,7 @@ def test_semantic_view_by_hand():
   assert [v["wnid"] for v in sig] == ["n02087122"]  # sigmoid(-1) < 0.5 at level 0.
 
 
-def test_predict_cli_on_a_trained_run(tmp_path):
-  train.train_and_evaluate(helpers.tiny_config(total_steps=2), str(tmp_path / "run"))
+def test_predict_cli_on_a_trained_run(tmp_path, demo_run):
   from ml_collections import ConfigDict
   src = datasets.get_dataset(ConfigDict(dict(name="demo", dir=""))).source("validation")
   image = tmp_path / "x.png"
@@ -41,7 +39,7 @@ def test_predict_cli_on_a_trained_run(tmp_path):
   broken.write_bytes(b"this is not a png")
   missing = tmp_path / "missing.jpg"
   out = subprocess.run([sys.executable, "-m", "bigpretrain.tools.predict",
-                        f"--workdir={tmp_path / 'run'}", "--json", "--threshold=0", str(image),
+                        f"--workdir={demo_run}", "--json", "--threshold=0", str(image),
                         str(broken), str(missing), str(folder)],
                        env=helpers.env(), cwd=helpers.ROOT, capture_output=True, text=True,
                        timeout=300)
