@@ -58,7 +58,7 @@ cores of their own.
 
 --stages times, in one process and without workers, each stage of --augment per record (in
 microseconds, mean over --records records): decode (the JPEG decode the crop asks for), crop
-and resize (inception_crop less its decode), randaugment, flip, the rest of the op chain
+and resize (inception_crop or squish less its decode), cutout, randaugment, flip, the rest of the op chain
 (header read, conversion to an array) and batching (stacking a batch), in CPU time of the
 thread (time.thread_time: what each costs the worker, less sensitive to other load on the
 machine than wall time). The stages are found by
@@ -76,10 +76,10 @@ import tempfile
 import time
 
 # Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# input_pipeline package.
+# input_pipeline package; the repository comes last (an older checkout on PYTHONPATH wins).
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [
-    p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [
+    os.path.dirname(_HERE)]
 
 from absl import app
 from absl import flags
@@ -330,6 +330,8 @@ def stage_costs(source) -> dict[str, float]:
     for name in ("decode_scaled", "decode_array", "decode"):
       timer.wrap(decoding, name, "decode")
     timer.wrap(augment, "inception_crop", "crop_resize")
+    timer.wrap(augment, "squish", "crop_resize")
+    timer.wrap(augment, "cutout", "cutout")
     timer.wrap(augment, "rand_augment", "randaugment")
     timer.wrap(augment, "random_flip", "flip")
     t0 = time.thread_time()
@@ -345,7 +347,8 @@ def stage_costs(source) -> dict[str, float]:
     for module in (decoding, augment):  # Undo the wrapping.
       importlib.reload(module)
     sec = dict(timer.seconds)
-    sec["crop_resize"] = sec.get("crop_resize", 0.0) - sec.get("decode", 0.0)
+    if "crop_resize" in sec:  # The resizing op decodes: its own share without the decode.
+      sec["crop_resize"] -= sec.get("decode", 0.0)
     sec["other"] = total - sum(sec.values())
     sec["batching"] = batching
     sec["total"] = total + batching
