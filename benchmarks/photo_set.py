@@ -1,7 +1,7 @@
 """A raw ImageNet-21K-style folder of real photo crops, for the input pipeline's per-core
 figure from JPEGs as `prepare imagenet21k_p` writes them (224 x 224, quality 75):
 
-  python benchmarks/photo_set.py --out=RAW [--photos=DIR] [--classes=4] [--per_class=550]
+  python benchmarks/photo_set.py --out=RAW [--photos=DIR] [--per_class=550]
   python -m input_pipeline.prepare imagenet21k_p --manual_dir=RAW --data_dir=DATA
   python benchmarks/input_pipeline.py --data_dir=DATA \
       --augment='squish|cutout|randaugment(2, 9)' --workers=1
@@ -11,9 +11,8 @@ folder: astronaut, chelsea, coffee, rocket, the Hubble deep field, a stained tis
 two motorcycle views). Each raw image is a random crop of one of them (a side between
 PHOTO_CROP of the photo's shorter side and all of it, and at least the prepared size, aspect
 3/4 to 4/3, mirrored half the time) saved as a JPEG at RAW_QUALITY, in one folder per class
-named by the first --classes wnids of the demo's class list, so that prepare keeps them.
---per_class 550 gives prepare's defaults (at least 500 images, 50 to validation) 500 train
-images per class.
+of WNIDS (ImageNet classes, so that prepare keeps them). --per_class 550 gives prepare's
+defaults (at least 500 images, 50 to validation) 500 train images per class: 2,000 in all.
 """
 import argparse
 import importlib.util
@@ -30,7 +29,7 @@ SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg",
 PHOTO_CROP = 0.3  # Smallest crop side, as a share of the photo's shorter side.
 MIN_SIDE = 224  # Not below the prepared size: prepare squishes every image to it.
 RAW_QUALITY = 90
-WNIDS = pathlib.Path(__file__).resolve().parent.parent / "input_pipeline" / "demo_wnids.txt"
+WNIDS = ("n01440764", "n01443537", "n01484850", "n01491361")  # Tench, goldfish, two sharks.
 
 
 def skimage_photos() -> list[pathlib.Path]:
@@ -76,12 +75,11 @@ def main():
   parser.add_argument("--out", required=True, help="Raw folder to write (wnid folders).")
   parser.add_argument("--photos", default=None, help="Folder of colour photos (default: "
                       "scikit-image's sample photos).")
-  parser.add_argument("--classes", type=int, default=4)
   parser.add_argument("--per_class", type=int, default=550)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
   photos = load_photos(args.photos)
-  wnids = WNIDS.read_text().split()[:args.classes]
+  wnids = WNIDS
   rng = np.random.default_rng(args.seed)
   for wnid in wnids:
     folder = pathlib.Path(args.out) / wnid
