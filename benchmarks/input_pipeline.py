@@ -32,7 +32,7 @@ Measured on those records:
 The pipeline's first op may decode a JPEG at 1/2-1/8 scale where its output allows (see
 input_pipeline/augment.py); the decode loop always decodes in full, as a plain loop would.
 `ratio` = pipeline records/s / decode-loop records/s. `images_per_sec` and `step_time_ms` are
-the pipeline's (per batch); `peak_rss_mb` is this process, `peak_rss_workers_mb` the largest
+the pipeline's (the median round's with --peer; per batch); `peak_rss_mb` is this process, `peak_rss_workers_mb` the largest
 worker.
 
 --peer (needs torch and timm) replaces the decode loop with the tool users would otherwise
@@ -377,10 +377,11 @@ def ceiling(source) -> dict:
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   out = pipeline_rate(source, "squish", lambda batch: jax.block_until_ready(
       sharding.global_batch(batch, mesh)))
-  # Between these two (benchmarks/steady_state.py).
-  out["consumer_ceiling_records_per_sec"] = 1 / out["consumer_cpu_s_per_record"]
-  out["busiest_thread_ceiling_records_per_sec"] = 1 / out[
-      "consumer_busiest_thread_cpu_s_per_record"]
+  # Between these two (benchmarks/steady_state.py); None below the CPU clock's resolution.
+  per_sec = lambda cpu_s: 1 / cpu_s if cpu_s else None
+  out["consumer_ceiling_records_per_sec"] = per_sec(out["consumer_cpu_s_per_record"])
+  out["busiest_thread_ceiling_records_per_sec"] = per_sec(
+      out["consumer_busiest_thread_cpu_s_per_record"])
   out["devices"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
   return out
 
@@ -391,9 +392,9 @@ def _source_text(source, what: str) -> str:
           f"(mean {mean_bytes / 1024:.1f} KiB)")
 
 
-def _rounded(figures: dict) -> dict:
-  return {k: round(v, 1) if k.endswith("_sec") else v
-          for k, v in steady_state.rounded(figures).items()}
+def _report(figures: dict) -> dict:
+  return {k: round(v, 1) if k.endswith("_sec") and v is not None else v
+          for k, v in steady_state.report(figures).items()}
 
 
 def main(argv):
@@ -411,7 +412,7 @@ def main(argv):
       out = ceiling(source)
       print(json.dumps({**common, "mode": "ceiling", "augment": "squish",
                         "source": _source_text(source, f"uint8 {_SIZE.value}-px PPMs"),
-                        **_rounded(out)}))
+                        **_report(out)}))
       return
     if _DATA_DIR.value:
       source = PreparedRecords(_DATA_DIR.value, _DATASET_SIZE.value)
@@ -442,16 +443,18 @@ def main(argv):
           "pipeline_cpu_ms_per_record": [cpu_ms(o) for o in ours],
           "peer_cpu_ms_per_record": [cpu_ms(p) for p in peers],
           "timed_batches": [o["timed_batches"] for o in ours],
+          "images_per_sec": float(np.median(rates(ours))),
+          "step_time_ms": round(float(np.median(
+              [1e3 * o["timed_s"] / o["timed_batches"] for o in ours])), 2),
           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       }))
       return
     decode_rps = decode_loop(source, _DECODE_SECONDS.value)
     pipe = pipeline_rate(source)
   print(json.dumps({
-      **common, **_rounded(pipe),
+      **common, **_report(pipe),
       "decode_loop_records_per_sec": round(decode_rps, 1),
       "ratio": round(pipe["records_per_sec"] / decode_rps, 3),
-      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       "peak_rss_workers_mb": round(
           resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
   }))

@@ -57,7 +57,7 @@ def main(argv):
   pipe = pipeline_rate(config, f.min_seconds, f.batches_per_worker)
   out = {"benchmark": "keep_up", "config": config.objective.name,
          "dataset": config.data.name, "augment": config.data.train_augment,
-         "host_cpus": os.cpu_count(), **steady_state.rounded(pipe)}
+         "host_cpus": os.cpu_count(), **steady_state.report(pipe)}
   if f.steps:
     runner = common.Runner(config)
     step = common.report(config, runner.run(f.steps), runner.compile_s)

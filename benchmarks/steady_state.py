@@ -15,6 +15,7 @@ each per record; and of the consumer's busiest thread. The consumer's serial cei
 between 1 / its CPU per record (all its threads on one core) and 1 / its busiest thread's
 (threads on their own cores, e.g. grain's thread that frees each batch's shared memory).
 """
+import resource
 import time
 from typing import Any, Callable, Iterator
 
@@ -76,9 +77,15 @@ def measure(it: Iterator[dict], *, batch_size: int, workers: int,
           "timed_batches": rounds * round_size, "timed_s": elapsed}
 
 
-def rounded(figures: dict) -> dict:
-  """`figures` with rates to 0.1 record/s, CPU to 0.1 microsecond per record, time to ms."""
+def report(figures: dict) -> dict:
+  """`figures` as a benchmark line gives them: rates to 0.1 record/s, CPU to 0.1 microsecond
+  per record, time to ms; with the benchmarks' common `images_per_sec` (records/s) and
+  `step_time_ms` (per batch) and this process's `peak_rss_mb`."""
   digits = {"records_per_sec": 1, "records_per_sec_per_worker": 1, "timed_s": 3,
             "worker_cpu_s_per_record": 7, "consumer_cpu_s_per_record": 7,
             "consumer_busiest_thread_cpu_s_per_record": 7}
-  return {k: round(v, digits[k]) if k in digits else v for k, v in figures.items()}
+  out = {k: round(v, digits[k]) if k in digits else v for k, v in figures.items()}
+  out["images_per_sec"] = out["records_per_sec"]
+  out["step_time_ms"] = round(1e3 * figures["timed_s"] / figures["timed_batches"], 2)
+  out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+  return out
