@@ -31,6 +31,8 @@ setuptools.setup(
         "pillow>=10.0",
         # The train augmentations' pixel work (warps, filters, lookup tables).
         "opencv-python-headless>=4.10",
+        # Pins the BLAS/OpenMP thread pools of each input worker process to one thread.
+        "threadpoolctl>=3.1",
         "tensorboardX>=2.6",
         "tqdm>=4.66",
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.

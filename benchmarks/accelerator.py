@@ -14,9 +14,11 @@ Figures (each line's `figure`):
                          alternated rounds (the ImageNet-21K paper: TResNet-M trains as fast)
   esd_memory_ratio       cosub's efficient stochastic depth: step memory ESD / masked for
                          ViT-B/16 at 224 (benchmarks/cosub.py)
-  keep_up                the train pipeline's records/s on this host's cores (all of them as
-                         grain workers) over the ViT-B/16 step's images/s, per host; the demo
-                         dataset's small PNGs at 224 px with the recipe's augmentations
+  keep_up                the train pipeline's steady-state records/s on this host's cores
+                         (all of them as grain workers; benchmarks/steady_state.py) over the
+                         ViT-B/16 step's images/s, per host; the demo dataset's small PNGs
+                         (or --keep_up_data_dir's imagenet21k_p JPEGs) at 224 px with the
+                         recipe's augmentations
   plan_vs_measured       the plan's prediction for the ViT-B/16 step, compiled for these
                          devices (memory; step time at peak FLOP/s, and the compiler's own
                          estimate where the plan gives one) over what the device measured
@@ -59,6 +61,10 @@ _ROUNDS = flags.DEFINE_integer("rounds", None, "Alternated rounds of the model c
                                "(default 3; dry run 1).")
 _FIGURES = flags.DEFINE_list("figures", [], "Only these figures, in this order (default: "
                               "all).")
+
+_KEEP_UP_DATA_DIR = flags.DEFINE_string(
+    "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
+    "(224-px JPEGs; e.g. benchmarks/photo_set.py's crops) instead of the demo's PNGs.")
 
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "esd_memory_ratio",
@@ -178,20 +184,24 @@ class Suite:
   def keep_up(self):
     if self.vit is None:
       self.vit_b16()
-    config = semantic_softmax.get_config(None)  # The demo data; the paper's augmentations.
+    # The demo data, or imagenet21k_p prepared in --keep_up_data_dir; the paper's augmentations.
+    data_dir = _KEEP_UP_DATA_DIR.value
+    config = semantic_softmax.get_config("dataset=imagenet21k_p" if data_dir else None)
+    config.data.dir = data_dir or config.data.dir
     paper = semantic_softmax.get_config("dataset=imagenet21k_p")
     config.batch_size = self.vit["batch_size"]
     config.data.image_size = self.image_size
     config.data.train_augment = paper.data.train_augment
-    workers = 0 if self.dry_run else os.cpu_count()
+    workers = 1 if self.dry_run else os.cpu_count()
     config.data.num_workers = workers
-    batches = 2 if self.dry_run else 20
-    records = keep_up.pipeline_rate(config, batches, 1 if self.dry_run else 3)
+    # Steady state (benchmarks/steady_state.py); the dry run: 3 timed batches after 2.
+    pipe = keep_up.pipeline_rate(config, batches_per_worker=3 if self.dry_run else None)
+    records = pipe.pop("records_per_sec")
     train_rate = self.vit["batch_size"] / (self.vit["step_time_ms"] / 1e3) / jax.process_count()
     self.emit("keep_up", records / train_rate, "pipeline/train records per s",
               pipeline_records_per_sec=records, train_images_per_sec=train_rate,
-              dataset=config.data.name, augment=config.data.train_augment, workers=workers,
-              host_cpus=os.cpu_count(), batches=batches, image_size=self.image_size)
+              dataset=config.data.name, augment=config.data.train_augment,
+              host_cpus=os.cpu_count(), image_size=self.image_size, **pipe)
 
   def plan_vs_measured(self):
     if self.vit is None:

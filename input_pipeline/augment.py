@@ -238,9 +238,13 @@ def cutout(image: Img, rng: np.random.Generator, prob: float = 1.0,
   colour = tuple(int(c) for c in rng.integers(0, 256, 3))
   box = (max(0, cx - cw // 2), max(0, cy - ch // 2),
          min(w, cx + cw // 2 + 1), min(h, cy + ch // 2 + 1))
+  if isinstance(image, np.ndarray):  # One copy, not three through PIL.
+    out = _check_array(image).copy()
+    out[box[1]:box[3], box[0]:box[2]] = colour
+    return out
   out = to_pil(image).copy()
   out.paste(colour, box)
-  return _like(out, image)
+  return out
 
 
 def color_jitter(image: Img, rng: np.random.Generator, brightness: float = 0.3,

@@ -43,6 +43,7 @@ from absl import logging
 import grain
 import ml_collections
 import numpy as np
+import threadpoolctl
 
 from input_pipeline import augment
 from input_pipeline import augment_spec
@@ -371,11 +372,21 @@ def _read_options(buffer: int, settings: _Settings) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=min(threads, buffer), prefetch_buffer_size=buffer)
 
 
+def _one_thread_per_worker(worker_index: int, worker_count: int) -> None:
+  """Worker process init: the BLAS and OpenMP thread pools (numpy's OpenBLAS and the one
+  OpenCV bundles) default to one thread per core, so W workers on C cores would hold W x C
+  threads; each worker is one core's worth of work. (OpenCV's own pool is set to one thread
+  where augment.py is imported.)"""
+  del worker_index, worker_count
+  threadpoolctl.threadpool_limits(1)
+
+
 def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.IterDataset:
   if settings.num_workers == 0:
     return ds
   return ds.mp_prefetch(grain.MultiprocessingOptions(
-      num_workers=settings.num_workers, per_worker_buffer_size=settings.prefetch))
+      num_workers=settings.num_workers, per_worker_buffer_size=settings.prefetch),
+      worker_init_fn=_one_thread_per_worker)
 
 
 def _derived_seed(seed: int, *keys: int) -> int:

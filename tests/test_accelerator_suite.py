@@ -34,6 +34,10 @@ def test_dry_run_prints_every_figure_and_the_table():
   assert 0 < by["esd_memory_ratio"]["value"] < 1  # ESD keeps only the kept rows' activations.
   keep = by["keep_up"]
   assert keep["value"] == keep["pipeline_records_per_sec"] / keep["train_images_per_sec"]
+  # The steady-state method: two batches from the one worker first, then whole rounds.
+  assert (keep["workers"], keep["warmup_batches"], keep["timed_batches"]) == (1, 2, 3)
+  assert keep["records_per_sec_per_worker"] == keep["pipeline_records_per_sec"]
+  assert keep["worker_cpu_s_per_record"] >= 0 and keep["consumer_cpu_s_per_record"] >= 0
   # The plan compiles the very step the ViT figure ran: the same FLOPs.
   plan = by["plan_vs_measured"]
   assert plan["planned_flops_per_device"] == plan["measured_flops_per_device"] > 0

@@ -3,11 +3,13 @@ repeated augmentation and weighted mixing of sources."""
 import io
 import json
 
+import cv2
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from PIL import Image
+import threadpoolctl
 
 from input_pipeline import pipeline
 
@@ -34,6 +36,20 @@ def _noise_source(n):
           for i in range(n)]
 
 
+def _blas_threads() -> int:
+  """Threads of the largest BLAS/OpenMP pool loaded in this process."""
+  return max(p["num_threads"] for p in threadpoolctl.threadpool_info())
+
+
+class _ThreadReport(list):
+  """Records that also carry the thread counts of OpenCV's pool and of the largest BLAS pool
+  in the process that reads them."""
+
+  def __getitem__(self, index):
+    return {**super().__getitem__(index), "cv2_threads": cv2.getNumThreads(),
+            "blas_threads": _blas_threads()}
+
+
 def _cfg(**overrides):
   cfg = pipeline.data_defaults()
   cfg.image_size = 4
@@ -42,9 +58,9 @@ def _cfg(**overrides):
   return cfg
 
 
-def _train(source, cfg, *, gbs=4, seed=0, p=0, count=1):
+def _train(source, cfg, *, gbs=4, seed=0, p=0, count=1, **kw):
   return pipeline.train_iterator(source, cfg, global_batch_size=gbs, seed=seed,
-                                 process_index=p, process_count=count)
+                                 process_index=p, process_count=count, **kw)
 
 
 def _take(it, k):
@@ -151,21 +167,29 @@ def test_train_state_restore_through_orbax(tmp_path):
 
 
 def test_train_workers_same_records_and_state_restore():
-  source = _noise_source(8)
+  source = _ThreadReport(_noise_source(8))
+  fields = {"label": 0, "cv2_threads": 0, "blas_threads": 0}
   cfg = _cfg(train_augment="inception_crop|flip")
   in_process = _rows(_take(_train(source, cfg, gbs=4), 6))
   cfg.num_workers = 2
-  it = _train(source, cfg, gbs=4)
+  own_blas = _blas_threads()
+  it = _train(source, cfg, gbs=4, fields=fields)
   try:
-    with_workers = _rows(_take(it, 6))
+    batches = _take(it, 6)
+    with_workers = _rows(batches)
     # Workers regroup rows into batches, but each stream position keeps its augmentation.
     key = lambda row: (row[0], row[1].tobytes())
     assert sorted(map(key, with_workers)) == sorted(map(key, in_process))
+    # Each worker process runs OpenCV and BLAS on one thread (W workers fill W cores);
+    # this process keeps its own pools.
+    for b in batches:
+      assert b["cv2_threads"].tolist() == b["blas_threads"].tolist() == [1] * 4
+    assert _blas_threads() == own_blas
     state = json.loads(json.dumps(it.get_state()))
     expected = _take(it, 3)
   finally:
     it.close()
-  resumed = _train(source, cfg, gbs=4)
+  resumed = _train(source, cfg, gbs=4, fields=fields)
   try:
     resumed.set_state(state)
     _assert_same_batches(_take(resumed, 3), expected)
