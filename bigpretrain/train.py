@@ -129,7 +129,6 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
         "train/lr": schedule(state["step"]),
         "train/grad_norm": optax.global_norm(grads),
         "train/update_norm": optax.global_norm(updates),
-        "train/param_norm": optax.global_norm(params),
         **aux,
     }
     skipped = state["skipped_records"] + jnp.sum(batch.get("_skipped", 0))
@@ -144,6 +143,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
       learned = divergence.keep_if(healthy, learned, {k: state[k] for k in learned})
       health["skipped_steps"] += (~healthy).astype(jnp.int32)
       metrics["train/skipped_steps"] = health["skipped_steps"]
+    metrics["train/param_norm"] = optax.global_norm(learned["params"])  # As kept.
     metrics.update({"_healthy": healthy, "_loss_median": median})
     new_state = {"step": state["step"] + 1, **learned, "skipped_records": skipped,
                  "health": health}
@@ -180,10 +180,15 @@ class _Pending:
     self.monitor.observe(self.rows)
 
   def flush(self, timer: goodput_lib.IntervalTimer):
-    """Host values averaged over the interval; raises on a diverged step. Waits for the
-    interval's steps (counted as `timer.blocked`: processes wait for each other here)."""
+    """(host values averaged over the interval, the divergence.Diverged to raise once they
+    are written, or None). Waits for the interval's steps (counted as `timer.blocked`:
+    processes wait for each other here)."""
     with timer.blocked():
-      self.check()
+      try:
+        self.check()
+        error = None
+      except divergence.Diverged as e:  # Raised by the caller, after the row that shows it.
+        error = e
     rows = self.rows
     # Running counters report their latest value; the rest, the interval mean ('_...': the
     # divergence verdicts, read by the monitor only).
@@ -193,7 +198,7 @@ class _Pending:
     # Over the interval's own time (timer: compile, evals and checkpoints excluded).
     out["train/images_per_sec"] = self.images / max(timer.wall_s, 1e-9)
     self.rows, self.images = [], 0
-    return out
+    return out, error
 
 
 def _every(step: int, every: int, last: int) -> bool:
@@ -362,11 +367,13 @@ class _StepOutputs:
     with timer.excluded():
       self.profiler.after_step(step, step_metrics)
     if log or stop:
-      row = self.pending.flush(timer)
+      row, diverged = self.pending.flush(timer)
       row.update(self.perf.metrics())
       if self.compile_s is not None:
         row["perf/compile_s"], self.compile_s = self.compile_s, None
       self.writer.write(step, row)
+      if diverged:
+        raise diverged
       self.bar.set_postfix(loss=f"{row['train/loss']:.4f}",
                            img_s=f"{row['train/images_per_sec']:.0f}")
     if stop:
@@ -380,10 +387,10 @@ class _StepOutputs:
     if save or any(_every(step, ev.every_steps, total_steps) for ev in self.evaluators):
       with timer.blocked():  # The steps so far belong to the interval, not to the evals.
         jax.block_until_ready(step_metrics)
+        self.pending.check()  # No evaluation or checkpoint of a diverged state.
       with timer.excluded():
         self.results.update(self.run_evals(step, state))
         if save:
-          self.pending.check()  # Never checkpoint a state of a diverged step.
           self.checkpointer.save(step, state, self.train_iter)
     return False
 
