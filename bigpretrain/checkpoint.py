@@ -16,9 +16,10 @@ to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used
 Rotation keeps the `keep` newest checkpoints whose state is known good (its loss, measured
 by the next step, was good: see bigpretrain/divergence.py) and every newer one; a diverged run
 moves the checkpoints of its diverging state to `<dir>_diverged/`, so the newest checkpoint
-taken before it is never rotated out, nor a diverged one resumed from. Consumers
-of the weights (model_init, teachers, load_pretrained) read the 'ema' item when there is one:
-the weights the run evaluated.
+taken before it is never rotated out, nor a diverged one resumed from.
+
+Consumers of the weights (model_init, teachers, load_pretrained) read the 'ema' item when
+there is one: the weights the run evaluated.
 """
 import json
 import logging as logging_std

@@ -141,7 +141,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
                                   ema_momentum)
     if divergence_cfg.policy == "skip":
       learned = divergence.keep_if(healthy, learned, {k: state[k] for k in learned})
-      health["skipped_steps"] += (~healthy).astype(jnp.int32)
+      health = {**health, "skipped_steps": health["skipped_steps"] + (~healthy).astype(jnp.int32)}
       metrics["train/skipped_steps"] = health["skipped_steps"]
     metrics["train/param_norm"] = optax.global_norm(learned["params"])  # As kept.
     metrics.update({"_healthy": healthy, "_loss_median": median})
@@ -341,7 +341,7 @@ class _StepOutputs:
   perf: goodput_lib.Goodput
   profiler: goodput_lib.Profiler
   bar: object  # metric_writers.progress_bar
-  pending: _Pending = None
+  pending: _Pending
   compile_s: float | None = None  # Logged once, in the first row.
   results: dict = dataclasses.field(default_factory=dict)  # The latest evaluations.
 
