@@ -112,8 +112,10 @@ class Monitor:
              f"No checkpoint was taken before it in {where}")
     if moved:
       text += f"; checkpoints {moved} (of the diverging state) moved to {aside}"
-    text += (". Re-run to resume from the last good one with a lower optim.lr "
-             "(--config.allow_schedule_change=True), optim.grad_clip_norm or "
-             "--config.divergence.policy=skip; --config.resume_step=N resumes from an earlier "
-             "step.")
+    if last is not None:
+      text += (". Re-run to resume from it with a lower optim.lr "
+               "(--config.allow_schedule_change=True), optim.grad_clip_norm or "
+               "--config.divergence.policy=skip; --config.resume_step=N goes back further.")
+    else:
+      text += ". Re-run with a lower optim.lr or optim.grad_clip_norm."
     raise Diverged(text)
