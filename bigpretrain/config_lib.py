@@ -105,10 +105,10 @@ def base_config() -> ml_collections.ConfigDict:
   # the running median of the last `window` good losses (loss_factor 0 = only non-finite).
   # policy 'stop' ends the run at the first bad step, naming it and the last good checkpoint
   # (later ones, from the diverging state, are moved to checkpoints_diverged/); 'skip' applies
-  # no update on a bad step (counted in 'train/skipped_steps') and stops only after
-  # max_consecutive_skips bad steps in a row. A factor of 10 leaves the noise of small batches
-  # alone and catches a blow-up; a run whose loss nears 0 (fine-tuning to a tiny training
-  # loss) may need a higher one.
+  # no update on a bad step (counted in 'train/skipped_steps' since the run started or
+  # resumed) and stops only after max_consecutive_skips bad steps in a row. A factor of 10
+  # leaves the noise of small batches alone and catches a blow-up; a run whose loss nears 0
+  # (fine-tuning to a tiny training loss) may need a higher one.
   c.divergence = ml_collections.ConfigDict(dict(
       policy='stop', loss_factor=10.0, window=100, max_consecutive_skips=20))
   # 'START,COUNT': a JAX profiler trace of steps START..START+COUNT-1 into

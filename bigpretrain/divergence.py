@@ -12,10 +12,12 @@ after step t - 1 has already diverged (an exploding update shows only in the nex
 so has every later one. Checkpoints of those states are moved aside, never kept as the latest.
 
 Policies (config.divergence.policy): 'stop' ends the run at the first bad step with one line
-naming it and the last good checkpoint; 'skip' applies no update on a bad step (PaLM's
-remedy for loss spikes is to skip the batches around them, Chowdhery et al. 2022, section 5.1),
-counts it in 'train/skipped_steps', and stops only after `max_consecutive_skips` bad steps
-in a row (the weights themselves have diverged: no batch gives a good loss any more).
+naming it and the last good checkpoint; 'skip' applies no update on a bad step, counts it
+in 'train/skipped_steps' (since the run started or resumed) and stops only after
+`max_consecutive_skips` bad steps in a row (the weights themselves have diverged: no batch
+gives a good loss any more). PaLM (Chowdhery et al. 2022, section 5.1) met loss spikes by
+restarting about 100 steps before one and skipping the 200-500 batches around it; 'skip' is
+the in-step form, skipping the bad batches alone, and `resume_step` the restart.
 """
 import jax
 import jax.numpy as jnp
