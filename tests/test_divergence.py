@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -62,7 +63,8 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(diver
 def test_a_rerun_resumes_from_the_last_good_and_resume_step_goes_back(diverged, capsys):
   workdir, _ = diverged
   sane = {**_DIVERGING, "optim.lr": 1e-3, "optim.schedule.warmup_steps": 0,
-          "allow_schedule_change": True, "total_steps": 4}
+          "allow_schedule_change": True, "total_steps": 4,
+          "evals": ml_collections.ConfigDict()}  # Training only: what is tested here.
   train.train_and_evaluate(helpers.tiny_config(**sane), str(workdir))
   assert "Resuming from step 1 in" in capsys.readouterr().out
   # Step 4 waits for a later step's loss to confirm it: kept beside keep_ckpts=1 good ones.
