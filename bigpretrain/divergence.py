@@ -48,8 +48,7 @@ def assess(health: dict, loss, grad_norm, loss_factor: float):
   healthy = finite & ~spike
   pushed = jnp.roll(losses, 1).at[0].set(loss.astype(jnp.float32))
   losses = jnp.where(healthy, pushed, losses)
-  return healthy, median, {"losses": losses,
-                           "skipped_steps": health["skipped_steps"]}
+  return healthy, median, {**health, "losses": losses}
 
 
 def keep_if(healthy, new, old):

@@ -3,11 +3,12 @@
 The order: (1) resume from the newest readable checkpoint in the workdir (a re-run of the
 same command), or from its step `config.resume_step` (going back: the later checkpoints are
 moved to `checkpoints_superseded/`, so that they are not resumed from again); else (2)
-resume from `config.resume` (another run's checkpoints, its step `config.resume_step` if set:
-the whole train state and data position); else (3) initialise the weights from `config.model_init`
-(fine-tuning: weights only, the optimizer and step start fresh; `config.model_init_head`
-may then initialise the head); else (4) the scratch initialisation. A checkpoint written for
-another configuration stops the run (checkpoint.CheckpointMismatch) at (1) or (2).
+resume from `config.resume` (another run's checkpoints, its step `config.resume_step` if
+set: the whole train state and data position); else (3) initialise the weights from
+`config.model_init` (fine-tuning: weights only, the optimizer and step start fresh;
+`config.model_init_head` may then initialise the head); else (4) the scratch initialisation.
+A checkpoint written for another configuration stops the run (checkpoint.CheckpointMismatch)
+at (1) or (2).
 
 The EMA of the weights (config.ema) restarts from the starting weights unless the restored
 checkpoint carried its own EMA.
