@@ -11,9 +11,15 @@ resumes from grain's own state on the same topology and from the global stream p
 another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
 another model, class list or objective, or its arrays do not fit the state) is refused with
 the differing keys named, and nothing is moved; one whose data cannot be read is moved aside
-to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used. Consumers
-of the weights (model_init, teachers, load_pretrained) read the 'ema' item when there is one:
-the weights the run evaluated.
+to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used.
+
+Rotation keeps the `keep` newest checkpoints whose state is known good (its loss, measured
+by the next step, was good: see bigpretrain/divergence.py) and every newer one; a diverged run
+moves the checkpoints of its diverging state to `<dir>_diverged/`, so the newest checkpoint
+taken before it is never rotated out, nor a diverged one resumed from.
+
+Consumers of the weights (model_init, teachers, load_pretrained) read the 'ema' item when
+there is one: the weights the run evaluated.
 """
 import json
 import logging as logging_std
@@ -193,16 +199,23 @@ def _tree_differences(saved_meta, abstract: dict) -> list[str]:
 
 class Checkpointer:
   """Saves and restores the train state and the data iterator under `directory`; `meta`
-  (see run_meta) is written into every checkpoint."""
+  (see run_meta) is written into every checkpoint. Keeps the `keep` newest checkpoints
+  confirmed good (see `confirm`) and every newer one."""
 
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
                meta: dict | None = None):
     self.directory = os.path.abspath(directory)
     self.meta = meta
+    self.keep = keep
     self._pending = None  # The step of a save that may still be running.
+    # Checkpoints of steps up to this one hold a good state: those a run resumes past were
+    # good, the one it resumes from is confirmed by its first step.
+    self._good_through = -1
+    # Rotation is this class's (see `confirm`), not Orbax's max_to_keep, which would delete
+    # the last good checkpoint as soon as a newer one, perhaps diverged, is written.
     self.manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                              enable_async_checkpointing=async_save),
     )
 
@@ -234,6 +247,27 @@ class Checkpointer:
       raise self._save_error(step, e) from e
     self._pending = step
 
+  def confirm(self, step: int) -> None:
+    """The states up to `step` gave good losses: their checkpoints count towards `keep`, and
+    the older ones beyond it are deleted. Checkpoints being written wait for the next call."""
+    self._good_through = max(self._good_through, step)
+    self._rotate()
+
+  def _rotate(self) -> None:
+    writing = self._pending if self.manager.is_saving_in_progress() else None
+    good = [s for s in self.manager.all_steps() if s <= self._good_through and s != writing]
+    for step in sorted(good)[:-self.keep]:
+      self.manager.delete(step)
+
+  def set_aside_from(self, step: int, why: str) -> tuple[list[int], str]:
+    """Moves the checkpoints of `step` and later to `<dir>_<why>/` once the save in flight
+    has finished (it may be one of them). Returns (their steps, that folder)."""
+    self.wait(rotate=False)
+    moved = sorted(s for s in self.manager.all_steps() if s >= step)
+    for s in moved:
+      self._move_aside(s, why)
+    return moved, f"{self.directory}_{why}/"
+
   def check(self) -> None:
     """Raises CheckpointSaveError as soon as the last asynchronous save has failed; cheap
     (the trainer calls it every step). Nothing while it runs or once it succeeded."""
@@ -249,8 +283,10 @@ class Checkpointer:
         f"{max(kept) if kept else 'none'}). Fix the cause (e.g. free disk space) and re-run "
         "the same command to resume.")
 
-  def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
-    """Restores the newest readable checkpoint into `state`'s structure and shardings.
+  def restore(self, state: dict, data_iter=None, step: int | None = None
+              ) -> tuple[dict, int] | None:
+    """Restores the newest readable checkpoint (or that of `step`: ValueError listing the
+    steps there are when it is absent or unreadable) into `state`'s structure and shardings.
 
     A state with 'ema' gets it back only from a checkpoint that has one (saved with EMA on);
     otherwise the result has no 'ema' and the caller starts the average anew. `data_iter`:
@@ -259,8 +295,12 @@ class Checkpointer:
     topology).
     """
     _quiet_storage_noise()
-    attempted = False
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    attempted, wanted = False, step
+    available = sorted(self.manager.all_steps())
+    if wanted is not None and wanted not in available:
+      raise ValueError(f"config.resume_step={wanted}: {self.directory} has no checkpoint of "
+                       f"that step; it has steps {available}.")
+    for step in sorted(available if wanted is None else [wanted], reverse=True):
       try:  # A readable checkpoint of another configuration is the user's error: refuse.
         self._check_meta(step)
       except CheckpointMismatch:
@@ -299,7 +339,11 @@ class Checkpointer:
       if "ema" in items:
         restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
+      self._good_through = step - 1
       return restored, step
+    if wanted is not None:
+      raise ValueError(f"config.resume_step={wanted}: checkpoint step {wanted} in "
+                       f"{self.directory} is unreadable (moved to {self.directory}_corrupt/).")
     if isinstance(data_iter, stream_position.TrainStream):
       # From the beginning, and rebuilt: a failed restore may have set the iterator's state.
       data_iter.restart(stream_position.Position(), rebuild=attempted)
@@ -381,30 +425,34 @@ class Checkpointer:
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
                  f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to "
                  "the previous checkpoint.")
-    self._move_aside(step)
+    self._move_aside(step, "corrupt")
 
-  def _move_aside(self, step: int) -> None:
-    """Keeps a corrupt checkpoint for inspection, out of the manager's way; an earlier copy
-    of the same step there is kept too (the new one gets a '.N' suffix)."""
+  def _move_aside(self, step: int, why: str) -> None:
+    """Keeps a checkpoint for inspection in `<dir>_<why>/`, out of the manager's way; an
+    earlier copy of the same step there is kept too (the new one gets a '.N' suffix)."""
     if jax.process_index() == 0:
       src = os.path.join(self.directory, str(step))
-      dst = os.path.join(self.directory + "_corrupt", str(step))
+      folder = f"{self.directory}_{why}"
+      dst = os.path.join(folder, str(step))
       n = 1
       while os.path.exists(dst):
-        dst, n = os.path.join(self.directory + "_corrupt", f"{step}.{n}"), n + 1
+        dst, n = os.path.join(folder, f"{step}.{n}"), n + 1
       if os.path.exists(src):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.move(src, dst)
     self.manager.reload()
 
-  def wait(self) -> None:
-    """Waits for the last save; raises CheckpointSaveError if it failed."""
+  def wait(self, rotate: bool = True) -> None:
+    """Waits for the last save; raises CheckpointSaveError if it failed. Then rotates, as
+    `confirm` would have done had the save been finished."""
     step, self._pending = self._pending, None
     try:
       self.manager.wait_until_finished()
       self.manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except
       raise self._save_error(step, e) from e
+    if rotate:
+      self._rotate()
 
   def close(self) -> None:
     self.manager.close()

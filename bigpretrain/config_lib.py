@@ -13,6 +13,7 @@ from typing import Any
 
 import ml_collections
 
+from bigpretrain import divergence
 from bigpretrain.runtime import cache
 from bigpretrain.runtime import goodput
 from bigpretrain import mixup
@@ -26,7 +27,7 @@ from input_pipeline import pipeline
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
-_CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema')
+_CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema', 'divergence')
 # Sections recipes extend with their own kwargs; only their base keys are required.
 # (config.evals entries are checked by the evaluators they name.)
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
@@ -56,6 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
   # '' = '<cache>/jax' (see compilation_cache_dir()); 'none' disables the persistent cache.
   c.compilation_cache_dir = ''
   c.resume = ''  # Checkpoint dir to resume from when the workdir has none.
+  # The checkpoint step to resume from (-1 = the newest): an earlier one of the workdir (its
+  # later checkpoints are moved to checkpoints_superseded/), else of config.resume. Remove
+  # it from the command for later re-runs, or each would go back to step N again.
+  c.resume_step = -1
   # Resuming with another run length, batch size, lr or lr schedule than the checkpoint's run
   # (SCHEDULE_KEYS) is refused unless this is True.
   c.allow_schedule_change = False
@@ -95,6 +100,17 @@ def base_config() -> ml_collections.ConfigDict:
   # every evaluator (the 'eval/...' rows) evaluates the EMA weights, checkpoints hold them
   # beside the raw ones, and model_init / load_pretrained read the EMA weights.
   c.ema = ml_collections.ConfigDict(dict(momentum=0.0))
+  # What a bad step is and what the run does about one (bigpretrain/divergence.py): a step
+  # is bad when its loss or gradient norm is non-finite, or its loss is above loss_factor x
+  # the running median of the last `window` good losses (loss_factor 0 = only non-finite).
+  # policy 'stop' ends the run at the first bad step, naming it and the last good checkpoint
+  # (later ones, from the diverging state, are moved to checkpoints_diverged/); 'skip' applies
+  # no update on a bad step (counted in 'train/skipped_steps' since the run started or
+  # resumed) and stops only after max_consecutive_skips bad steps in a row. A factor of 10
+  # leaves the noise of small batches alone and catches a blow-up; a run whose loss nears 0
+  # (fine-tuning to a tiny training loss) may need a higher one.
+  c.divergence = ml_collections.ConfigDict(dict(
+      policy='stop', loss_factor=10.0, window=100, max_consecutive_skips=20))
   # 'START,COUNT': a JAX profiler trace of steps START..START+COUNT-1 into
   # workdir/profile/process_<i> (TensorBoard's profile tab); '' = off.
   c.profile_steps = ''
@@ -201,7 +217,8 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
 
 def _check_values(config: Mapping[str, Any]) -> None:
   """Types and ranges of the trainer's own keys."""
-  for key in ('seed', 'total_steps', 'num_examples', 'batch_size', 'keep_ckpts') + _STEP_KEYS:
+  for key in ('seed', 'total_steps', 'num_examples', 'batch_size', 'keep_ckpts',
+              'resume_step') + _STEP_KEYS:
     if not _is_int(config[key]):
       raise ValueError(f'config.{key}={config[key]!r} must be an int.')
   if not _is_number(config.num_epochs):
@@ -213,6 +230,10 @@ def _check_values(config: Mapping[str, Any]) -> None:
       raise ValueError(f'config.{key}={config[key]} must be >= 0.')
   if config.keep_ckpts < 1:
     raise ValueError(f'config.keep_ckpts={config.keep_ckpts} must be >= 1.')
+  if config.resume_step < -1:
+    raise ValueError(f'config.resume_step={config.resume_step} must be a checkpoint step >= 0, '
+                     'or -1 (the newest).')
+  _check_divergence(config.divergence)
   if not (config.total_steps >= 0 or config.num_epochs > 0 or config.num_examples > 0):
     raise ValueError('config.total_steps, config.num_epochs and config.num_examples are all '
                      '<= 0: set one of them to give the run a duration.')
@@ -274,6 +295,18 @@ def _check_values(config: Mapping[str, Any]) -> None:
         or rule[1] not in MESH_AXES + (None,)):
       raise ValueError(f'config.sharding_rules: bad rule {rule!r}; each must be a pair '
                        f'(logical name, one of {MESH_AXES} or None).')
+
+
+def _check_divergence(d: Mapping[str, Any]) -> None:
+  if d.policy not in divergence.POLICIES:
+    raise ValueError(f'config.divergence.policy={d.policy!r} must be one of '
+                     f'{divergence.POLICIES}.')
+  if not _is_number(d.loss_factor) or not (d.loss_factor == 0 or d.loss_factor > 1):
+    raise ValueError(f'config.divergence.loss_factor={d.loss_factor!r} must be a number > 1 '
+                     '(0 = only non-finite losses are bad).')
+  for key in ('window', 'max_consecutive_skips'):
+    if not _is_int(d[key]) or d[key] < 1:
+      raise ValueError(f'config.divergence.{key}={d[key]!r} must be an int >= 1.')
 
 
 def validate(config: ml_collections.ConfigDict, *,

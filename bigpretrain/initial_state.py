@@ -1,11 +1,14 @@
 """Where a run's first train state comes from, decided in one place.
 
 The order: (1) resume from the newest readable checkpoint in the workdir (a re-run of the
-same command); else (2) resume from `config.resume` (another run's checkpoints: the whole
-train state and data position); else (3) initialise the weights from `config.model_init`
-(fine-tuning: weights only, the optimizer and step start fresh; `config.model_init_head`
-may then initialise the head); else (4) the scratch initialisation. A checkpoint written for
-another configuration stops the run (checkpoint.CheckpointMismatch) at (1) or (2).
+same command), or from its step `config.resume_step` (going back: the later checkpoints are
+moved to `checkpoints_superseded/`, so that they are not resumed from again); else (2)
+resume from `config.resume` (another run's checkpoints, its step `config.resume_step` if
+set: the whole train state and data position); else (3) initialise the weights from
+`config.model_init` (fine-tuning: weights only, the optimizer and step start fresh;
+`config.model_init_head` may then initialise the head); else (4) the scratch initialisation.
+A checkpoint written for another configuration stops the run (checkpoint.CheckpointMismatch)
+at (1) or (2).
 
 The EMA of the weights (config.ema) restarts from the starting weights unless the restored
 checkpoint carried its own EMA.
@@ -24,20 +27,31 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   initialisation; `stream`: the stream_position.TrainStream, restarted where the restored
   checkpoint's data stream stood (at the beginning otherwise)."""
   config = exp.config
-  if checkpointer.latest_step() is not None:  # Resuming: the schedule must be the same.
+  step = config.resume_step if config.resume_step >= 0 else None
+  latest = checkpointer.latest_step()
+  if latest is not None:  # Resuming: the schedule must be the same.
     config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
-  source, restored = "workdir", checkpointer.restore(state, stream)
+  elif step is not None and not config.resume:
+    raise ValueError(f"config.resume_step={step}: {checkpointer.directory} holds no "
+                     "checkpoint (and config.resume is unset).")
+  source, restored = "workdir", None
+  if latest is not None or not config.resume:
+    restored = checkpointer.restore(state, stream, step)
+  if restored is not None and step is not None and step < latest:
+    moved, aside = checkpointer.set_aside_from(restored[1] + 1, "superseded")
+    console.say(f"config.resume_step={step}: checkpoints {moved} moved to {aside}")
   if restored is None and config.resume:
     source = "resume"
     with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False,
                                         meta=checkpointer.meta)
-    restored = with_resume.restore(state, stream)
+    restored = with_resume.restore(state, stream, step)
     with_resume.close()
     if restored is None:
       raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
   start = 0
-  if restored is not None:
-    state, start = restored
+  if restored is not None:  # The divergence record starts anew (see divergence.init_health).
+    restored_state, start = restored
+    state = {**restored_state, "health": state["health"]}
     console.say(f"Resuming from step {start} in {workdir}")
   elif config.model_init:
     source = "model_init"

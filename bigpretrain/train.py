@@ -1,9 +1,10 @@
 """The one trainer: every recipe is a config plus extension points (objective, evaluators,
 data source, sampler), never a fork of this loop.
 
-State is a plain pytree {'step', 'params', 'extra', 'opt_state', 'skipped_records'} ('extra'
-holds non-parameter model state such as BatchNorm statistics), plus 'ema' ({'params',
-'extra'}, sharded alike) when config.ema.momentum > 0, created already sharded on a
+State is a plain pytree {'step', 'params', 'extra', 'opt_state', 'skipped_records', 'health'}
+('extra' holds non-parameter model state such as BatchNorm statistics; 'health' the step's
+divergence record, see bigpretrain/divergence.py), plus 'ema' ({'params', 'extra'}, sharded
+alike) when config.ema.momentum > 0, created already sharded on a
 ('data', 'fsdp', 'tensor') mesh and advanced by one `jax.jit` step with donated buffers.
 """
 import contextlib
@@ -21,6 +22,7 @@ import optax
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain.runtime import console
+from bigpretrain import divergence
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain.plan import flops
 from bigpretrain.runtime import goodput as goodput_lib
@@ -57,7 +59,8 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
   opt = optax.tree_utils.tree_map_params(
       tx, lambda _, s: s, abstract_opt, variables["params"],
       transform_non_params=lambda _: repl)
-  out = {"step": repl, **variables, "opt_state": opt, "skipped_records": repl}
+  out = {"step": repl, **variables, "opt_state": opt, "skipped_records": repl,
+         "health": {"losses": repl, "skipped_steps": repl}}
   if config.ema.momentum > 0:
     out["ema"] = dict(variables)
   return out
@@ -82,15 +85,21 @@ def eval_weights(state: dict) -> dict:
 
 
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
-                    mixup_cfg, normalize: str, ema_momentum: float = 0.0):
+                    mixup_cfg, normalize: str, ema_momentum: float = 0.0,
+                    divergence_cfg=None):
   """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device;
   with ema_momentum > 0 also the EMA of the new weights (see ema_update).
+
+  Each step is judged by divergence.assess (divergence_cfg: config.divergence; the metrics
+  carry the verdict as '_healthy'); with the 'skip' policy a bad step leaves the weights,
+  model state, optimizer state and EMA as they were.
 
   The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
   With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
   mixed; `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
   """
   use_mixup = objectives.mixup_enabled(mixup_cfg)
+  divergence_cfg = divergence_cfg or config_lib.base_config().divergence
 
   def train_step(state, batch, frozen):
     # The key is made inside the step: an eager one would need a device to run on, which
@@ -120,16 +129,24 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
         "train/lr": schedule(state["step"]),
         "train/grad_norm": optax.global_norm(grads),
         "train/update_norm": optax.global_norm(updates),
-        "train/param_norm": optax.global_norm(params),
         **aux,
     }
     skipped = state["skipped_records"] + jnp.sum(batch.get("_skipped", 0))
     metrics["data/skipped_records"] = skipped
-    new_state = {"step": state["step"] + 1, "params": params, "extra": extra,
-                 "opt_state": opt_state, "skipped_records": skipped}
+    healthy, median, health = divergence.assess(state["health"], loss, metrics["train/grad_norm"],
+                                                divergence_cfg.loss_factor)
+    learned = {"params": params, "extra": extra, "opt_state": opt_state}
     if ema_momentum > 0:
-      new_state["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},
-                                    ema_momentum)
+      learned["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},
+                                  ema_momentum)
+    if divergence_cfg.policy == "skip":
+      learned = divergence.keep_if(healthy, learned, {k: state[k] for k in learned})
+      health = {**health, "skipped_steps": health["skipped_steps"] + (~healthy).astype(jnp.int32)}
+      metrics["train/skipped_steps"] = health["skipped_steps"]
+    metrics["train/param_norm"] = optax.global_norm(learned["params"])  # As kept.
+    metrics.update({"_healthy": healthy, "_loss_median": median})
+    new_state = {"step": state["step"] + 1, **learned, "skipped_records": skipped,
+                 "health": health}
     return new_state, metrics
 
   return train_step
@@ -147,35 +164,41 @@ def setup_compilation_cache(config) -> None:
 class _Pending:
   """Per-step device metrics awaiting the next log step (no host sync in between)."""
 
-  def __init__(self):
+  def __init__(self, monitor: divergence.Monitor):
     self.rows, self.images = [], 0
+    self.monitor = monitor
 
   def add(self, step, metrics, images):
     self.rows.append((step, metrics))
     self.images += images
 
   def check(self):
-    """Raises on the first non-finite loss since the last flush, naming its step."""
-    for step, m in self.rows:
-      loss = float(m["train/loss"])
-      if not np.isfinite(loss):
-        raise FloatingPointError(
-            f"Non-finite loss ({loss}) at step {step}: stopping the run. Lower the learning "
-            "rate, enable grad clipping, or resume from an earlier checkpoint.")
+    """Fetches the steps' metrics (the callers wait for them anyway: a log or a checkpoint)
+    and has the monitor read their verdicts: raises divergence.Diverged as the policy says,
+    and confirms the checkpoints whose state gave a good loss."""
+    self.rows = jax.device_get(self.rows)
+    self.monitor.observe(self.rows)
 
   def flush(self, timer: goodput_lib.IntervalTimer):
-    """Host values averaged over the interval; raises on the first non-finite loss. Waits for
-    the interval's steps (counted as `timer.blocked`: processes wait for each other here)."""
+    """(host values averaged over the interval, the divergence.Diverged to raise once they
+    are written, or None). Waits for the interval's steps (counted as `timer.blocked`:
+    processes wait for each other here)."""
     with timer.blocked():
-      self.check()
-      rows = jax.device_get(self.rows)
-    # Running counters ('data/...') report their latest value; the rest, the interval mean.
-    out = {k: float(rows[-1][1][k] if k.startswith("data/") else np.mean([m[k] for _, m in rows]))
-           for k in rows[-1][1]}
+      try:
+        self.check()
+        error = None
+      except divergence.Diverged as e:  # Raised by the caller, after the row that shows it.
+        error = e
+    rows = self.rows
+    # Running counters report their latest value; the rest, the interval mean ('_...': the
+    # divergence verdicts, read by the monitor only).
+    counter = lambda k: k.startswith("data/") or k == "train/skipped_steps"
+    out = {k: float(rows[-1][1][k] if counter(k) else np.mean([m[k] for _, m in rows]))
+           for k in rows[-1][1] if not k.startswith("_")}
     # Over the interval's own time (timer: compile, evals and checkpoints excluded).
     out["train/images_per_sec"] = self.images / max(timer.wall_s, 1e-9)
     self.rows, self.images = [], 0
-    return out
+    return out, error
 
 
 def _every(step: int, every: int, last: int) -> bool:
@@ -211,7 +234,8 @@ class Experiment(ModelSetup):
   def _init(self, rng) -> dict:
     params, extra = self.model_def.create(rng)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "extra": extra,
-             "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32)}
+             "opt_state": self.tx.init(params), "skipped_records": jnp.zeros((), jnp.int32),
+             "health": divergence.init_health(self.config.divergence.window)}
     if "ema" in self.shardings:
       state["ema"] = jax.tree.map(jnp.copy, {"params": params, "extra": extra})
     return state
@@ -238,7 +262,7 @@ class Experiment(ModelSetup):
     """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
                          self.config.seed, self.config.mixup, self.config.data.normalize,
-                         self.config.ema.momentum)
+                         self.config.ema.momentum, self.config.divergence)
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
@@ -316,7 +340,7 @@ class _StepOutputs:
   perf: goodput_lib.Goodput
   profiler: goodput_lib.Profiler
   bar: object  # metric_writers.progress_bar
-  pending: _Pending = dataclasses.field(default_factory=_Pending)
+  pending: _Pending
   compile_s: float | None = None  # Logged once, in the first row.
   results: dict = dataclasses.field(default_factory=dict)  # The latest evaluations.
 
@@ -342,11 +366,13 @@ class _StepOutputs:
     with timer.excluded():
       self.profiler.after_step(step, step_metrics)
     if log or stop:
-      row = self.pending.flush(timer)
+      row, diverged = self.pending.flush(timer)
       row.update(self.perf.metrics())
       if self.compile_s is not None:
         row["perf/compile_s"], self.compile_s = self.compile_s, None
       self.writer.write(step, row)
+      if diverged:
+        raise diverged
       self.bar.set_postfix(loss=f"{row['train/loss']:.4f}",
                            img_s=f"{row['train/images_per_sec']:.0f}")
     if stop:
@@ -360,10 +386,10 @@ class _StepOutputs:
     if save or any(_every(step, ev.every_steps, total_steps) for ev in self.evaluators):
       with timer.blocked():  # The steps so far belong to the interval, not to the evals.
         jax.block_until_ready(step_metrics)
+        self.pending.check()  # No evaluation or checkpoint of a diverged state.
       with timer.excluded():
         self.results.update(self.run_evals(step, state))
         if save:
-          self.pending.check()  # Never checkpoint a state whose loss went non-finite unnoticed.
           self.checkpointer.save(step, state, self.train_iter)
     return False
 
@@ -405,7 +431,8 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
   cleanup.callback(bar.close)  # Before an error line, not redrawn after it at exit.
   out = _StepOutputs(config=config, total_steps=total_steps, evaluators=evaluators,
                      writer=writer, checkpointer=checkpointer, train_iter=train_iter,
-                     perf=perf, profiler=profiler, bar=bar)
+                     perf=perf, profiler=profiler, bar=bar,
+                     pending=_Pending(divergence.Monitor(config, checkpointer)))
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with preemption_lib.Preemption() as preemption, jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
