@@ -13,7 +13,7 @@ import pytest
 
 from bigpretrain import config_lib
 from bigpretrain import divergence
-from bigpretrain import metric_writers
+from bigpretrain.runtime import metric_writers
 from bigpretrain import train
 from tests import helpers
 
