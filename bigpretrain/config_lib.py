@@ -63,6 +63,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
   c.model_init_skip = ''
+  # How a model adapts a checkpoint's size-dependent arrays to its own (a ViT's position
+  # embedding at a new image size): models.vit.RESIZE_METHODS, or 'auto': the resize of the
+  # library a converted checkpoint came from, 'bicubic' otherwise (models.ModelDef).
+  c.model_init_resize = 'auto'
   # A hook run after model_init (bigpretrain/model_init.py), e.g. 'zero_shot': the head from
   # a hashtag model's head through the WordNet class map (bigpretrain/head_init.py).
   c.model_init_head = ''
@@ -223,7 +227,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.allow_schedule_change={config.allow_schedule_change!r} must be a '
                      'bool.')
   for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip',
-              'model_init_head'):
+              'model_init_head', 'model_init_resize'):
     if not isinstance(config[key], str):
       raise ValueError(f'config.{key}={config[key]!r} must be a str.')
   for section in ('model', 'data', 'objective'):

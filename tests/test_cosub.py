@@ -359,7 +359,7 @@ def test_layer_decay_multipliers_for_a_12_block_vit():
       mlp_dim=8, image_size=16, layerscale_init=1e-4))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   ld = 0.75
-  mults = optim.layer_decay_multipliers(params, ld)
+  mults = optim.layer_decay_multipliers(params, ld, layers=model)
   # Supplement A.1: block l (1-based) of L = 12 gets LD^(12 - l), the final block 1;
   # embeddings are layer 0: LD^12; head/norm 1.
   for i in range(12):
@@ -369,14 +369,14 @@ def test_layer_decay_multipliers_for_a_12_block_vit():
     np.testing.assert_allclose(jax.tree.leaves(mults[key]), ld ** 12, rtol=1e-12)
   assert set(jax.tree.leaves(mults["head"]) + jax.tree.leaves(mults["norm"])) == {1.0}
   # BEiT / MAE: one more factor LD below the head.
-  mae = optim.layer_decay_multipliers(params, ld, "mae")
+  mae = optim.layer_decay_multipliers(params, ld, "mae", layers=model)
   np.testing.assert_allclose(jax.tree.leaves(mae["blocks"][11]), ld, rtol=1e-12)
   np.testing.assert_allclose(jax.tree.leaves(mae["pos_embed"]), ld ** 13, rtol=1e-12)
   # First AdamW step on unit gradients: update = -lr * C_LD * multiplier.
   cfg = optim.optim_defaults()
   cfg.update(dict(name="adamw", lr=1e-3, weight_decay=0.0, layer_decay=ld))
   cfg.schedule.name = "constant"
-  tx, schedule = optim.make_optimizer(cfg, total_steps=10)
+  tx, schedule = optim.make_optimizer(cfg, total_steps=10, layers=model)
   assert float(schedule(0)) == pytest.approx(2e-3)
   concrete = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
   updates, _ = tx.update(concrete, tx.init(concrete), concrete)
