@@ -112,6 +112,20 @@ def model_section(**options: Any) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({**base_config().model, **options})
 
 
+# A checkpoint's model options that belong to the run that trained it, not to its weights: the
+# image size (a fine-tune builds the model at its own data.image_size; model_init adapts the
+# size-dependent arrays, e.g. a ViT's position embedding) and the BatchNorm statistics' group
+# (each fine-tuning recipe sets its own).
+RUN_MODEL_OPTIONS = ('image_size', 'bn_group_size')
+
+
+def finetune_model_section(checkpoint_model: dict, **options: Any) -> ml_collections.ConfigDict:
+  """A fine-tune's `config.model` from a checkpoint meta's model: its architecture without
+  RUN_MODEL_OPTIONS, plus the fine-tuning recipe's `options`."""
+  kept = {k: v for k, v in checkpoint_model.items() if k not in RUN_MODEL_OPTIONS}
+  return model_section(**{**kept, **options})
+
+
 def _parse_bool(key: str, value: str) -> bool:
   v = value.strip().lower()
   if v in ('true', '1'):
