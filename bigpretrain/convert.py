@@ -13,8 +13,9 @@ weight, BatchNorm mean / var <- running_mean / running_var (carried into 'extra'
 Image size: ViT and Mixer take it from the weights (position embedding / token-MLP size);
 --image_size resizes a ViT's position-embedding grid as the source library does
 (models.vit.ORIGIN_RESIZE: torchvision bicubic with align_corners, timm its antialiased
-bicubic). A Mixer's token-mixing MLP is tied to its token count, so it cannot change size. --num_classes other
-than the weights' keeps the backbone and gives a freshly initialised head (model_init's rule).
+bicubic). A Mixer's token-mixing MLP is tied to its token count, so it cannot change size.
+--num_classes other than the weights' keeps the backbone and gives a freshly initialised head
+(model_init's rule).
 
 Security: weight files come from the internet. `.safetensors` is read with the safetensors
 numpy API (no torch, no code); `.pth` / `.pt` / `.torch` / `.bin` pickles only through

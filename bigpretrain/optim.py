@@ -5,7 +5,8 @@ SWAG RegNetY), Adam with coupled L2 weight decay (ImageNet-21K: lr 3e-4, wd 1e-4
 AdamW (SWAG ViT) and LAMB (DeiT-III / cosub, as timm's Lamb). Weight decay skips 0/1-d params
 (biases, norm scales, LayerScale gammas; with `wd_1d` they are decayed too) and the paths
 matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each layer's updates
-geometrically, over the layer order the model declares (models.base.Classifier.layer_of). Params are pure nested dicts, paths are 'a/b/c' strings.
+geometrically, over the layer order the model declares (models.base.Classifier.layer_of).
+Params are pure nested dicts, paths are 'a/b/c' strings.
 """
 from collections.abc import Mapping, Sequence
 import math
@@ -29,7 +30,6 @@ SCHEDULES = registry.Registry('lr schedule', 'config.optim.schedule.name')
 DEFAULT_WD_EXCLUDE = ('pos_embed', 'cls_token')
 LR_RULES = ('sqrt', 'linear', 'none')
 LAYER_DECAY_CONVENTIONS = ('cosub', 'mae')
-
 
 
 def optim_defaults() -> ml_collections.ConfigDict:

@@ -42,8 +42,8 @@ the position embedding bicubically with half-pixel centres, as DeiT's fine-tunin
 checkpoint's as its library does (config.model_init_resize='auto').
 
 Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
-res (image size; -1: 224, 32 on the demo; above 224 adds A.1's 0.05 to tau), tau (-1 = DeiT-III's
-fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
+res (image size; -1: 224, 32 on the demo; above 224 adds A.1's 0.05 to tau), tau (-1 =
+DeiT-III's fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
 the demo uses 0.75), layer_decay_convention (cosub | mae), submodels (2).
 """
 from configs import cosub_common

@@ -30,15 +30,15 @@ Paper numbers: Table 1, ImageNet-1k top-1 after fine-tuning at 384 px: RegNetY 1
 Recipe (section 4.1): SGD, batch 512, half-cosine schedule to 0 and no warm-up (none is
 mentioned), no weight decay, mixup alpha 0.1 on every dataset, sync BatchNorm (the trainer's
 batch statistics are global; a checkpoint's own BN grouping, e.g. the semi-supervised
-recipe's 24 images, is not carried over), eval by resizing the shorter side to the image size and taking
-the centre crop (`shorter_center_crop`). Length by the train split's size N: 500 steps for
-N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,000 above ("large"); a few-shot
-draw counts as its own N (1% of ImageNet-1k is small, 10% medium); ViTs on the whole of
-ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned ViTs for 28 epochs on
-ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum 0.9999 (ClassyVision's
-hook averages params and BatchNorm statistics), used for eval; the paper uses it for
-ImageNet-1k only, so here it is on for "large" datasets and off otherwise unless `ema=` says
-(0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
+recipe's 24 images, is not carried over), eval by resizing the shorter side to the image
+size and taking the centre crop (`shorter_center_crop`). Length by the train split's size
+N: 500 steps for N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,000 above
+("large"); a few-shot draw counts as its own N (1% of ImageNet-1k is small, 10% medium);
+ViTs on the whole of ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned
+ViTs for 28 epochs on ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum
+0.9999 (ClassyVision's hook averages params and BatchNorm statistics), used for eval; the
+paper uses it for ImageNet-1k only, so here it is on for "large" datasets and off otherwise
+unless `ema=` says (0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
 Resolution (section 4.1, Table 1 "Fine." column): RegNetY and ViT B/16 at 384, ViT L/16 at
 512, ViT H/14 at 518 (FINETUNE_RES); Table 2's runs (few-shot draws and the zero-shot-
 initialised head) are "at 224x224", the pre-training's, as is any model the paper does not
@@ -60,11 +60,11 @@ the paper follows, uses momentum 0.9); random-resized crop + flip for training, 
 pre-training's augmentation.
 
 Args: dataset, data_dir, init (checkpoint dir -> config.model_init; its meta sets the model,
-normalisation and pre-training image size, not the BN grouping), model (without init; default regnety_demo on the
-demo, regnety_16gf otherwise), fewshot (data.subset_frac: 0.01, 0.1; 1 = all), fewshot_seed,
-zs_head (config.model_init_head='zero_shot'), ema (-1: by size as above), lr (-1: Table 8 as
-above; at config.batch_size), size (auto | small | medium | large), res (-1: as above; pixels
-otherwise), task (auto | in1k | in5k | inat | places | cub | other).
+normalisation and pre-training image size, not the BN grouping), model (without init;
+default regnety_demo on the demo, regnety_16gf otherwise), fewshot (data.subset_frac: 0.01,
+0.1; 1 = all), fewshot_seed, zs_head (config.model_init_head='zero_shot'), ema (-1: by size as
+above), lr (-1: Table 8 as above; at config.batch_size), size (auto | small | medium | large),
+res (-1: as above; pixels otherwise), task (auto | in1k | in5k | inat | places | cub | other).
 """
 import pathlib
 
@@ -133,9 +133,8 @@ def task_from_classes(dataset: str, info) -> str:
   like = [t for t, n in TASK_CLASSES.items() if n == info.num_classes]
   if like:
     raise ValueError(f"task=auto: {dataset} has {info.num_classes} classes, as Table 8's "
-                     f"{like[0]} dataset, but neither its name nor its class list says it is;"
-                     " "
-                     f"pass task={like[0]} or task={OTHER}.")
+                     f"{like[0]} dataset, but neither its name nor its class list says it "
+                     f"is; pass task={like[0]} or task={OTHER}.")
   return OTHER
 
 

@@ -23,8 +23,9 @@ Modes:
     of the weights 0.995, squish resize to 224 for train and eval. Their augmentation is
     timm's AutoAugment v0 and random erasing 0.5, which bigpretrain lacks: the pretraining's
     RandAugment + Cutout stand in (the recipe's own augmentations, configs/semantic_softmax.py).
-    BatchNorm statistics over the whole batch (the command states none). Multi-label datasets (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label
-    transfers do (`multi_label`).
+    BatchNorm statistics over the whole batch (the command states none). Multi-label datasets
+    (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label transfers do
+    (`multi_label`).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
     decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval, a ViT without its
     tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
