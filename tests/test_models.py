@@ -374,6 +374,22 @@ def test_position_embedding_resize_kernels_by_hand():
     vit.resize_matrix(2, 4, "bilinear")
 
 
+def test_model_init_resize_auto_follows_the_checkpoints_origin():
+  """'auto': a converted checkpoint's library's resize (timm, torchvision), else bicubic;
+  only the model's own size-dependent array is adapted."""
+  model_def = models.ModelDef.from_config({"name": "vit_demo"}, 10, image_size=48)
+  saved = np.random.RandomState(0).normal(size=(1, 17, 128)).astype(np.float32)
+  for origin, method in (("timm:vit_base_patch16_224", "bicubic_antialias"),
+                         ("torchvision:vit_b_16", "bicubic_align_corners"), ("", "bicubic")):
+    got = model_def.param_adapter("auto", origin)("params/pos_embed", saved)
+    want = vit.resize_pos_embed(saved, (4, 4), (6, 6), num_prefix=1, method=method)
+    np.testing.assert_array_equal(got, want)
+  adapt = model_def.param_adapter("bicubic")
+  assert adapt("params/cls_token", saved) is None and adapt("extra/pos_embed", saved) is None
+  with pytest.raises(ValueError, match="model_init_resize='nearest' must be auto or one of"):
+    model_def.param_adapter("nearest")
+
+
 # --- convnets and mixer ---------------------------------------------------------------------
 
 

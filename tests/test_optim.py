@@ -152,11 +152,11 @@ def test_weight_decay_mask_on_vit_params():
   assert not mask['blocks/0/attn/qkv/bias']
 
 
-def _abstract_model(name, **kw):
+def _abstract_model(name):
   """The registered model `name` with shapes only (its layer order, no weights)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from bigpretrain import models  # pylint: disable=import-outside-toplevel
-  return nnx.eval_shape(lambda: models.get_model(name, num_classes=10, rngs=nnx.Rngs(0), **kw))
+  return nnx.eval_shape(lambda: models.get_model(name, num_classes=10, rngs=nnx.Rngs(0)))
 
 
 def _vit(depth):
@@ -227,8 +227,8 @@ def test_layer_decay_per_family_from_the_stem_to_the_head(name, num_blocks, expe
   mult = _by_path(optim.layer_decay_multipliers(params, 0.5, layers=model))
   for path, exponent in expected.items():
     assert mult[path] == 0.5 ** exponent, path
-  # The stem is the lowest layer: below every block, never the head's x1 (issue: ResNet's stem
-  # got x1 while blocks/0 got LD^(L-1)).
+  # The stem is the lowest layer, below every block: never the head's x1 (a convnet's stem
+  # named outside a ViT's layer-0 names once got it while blocks/0 got LD^(L-1)).
   stem = min(mult.values())
   assert stem == 0.5 ** num_blocks and max(mult.values()) == 1.0
 
