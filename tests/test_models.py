@@ -381,7 +381,7 @@ def test_model_init_resize_auto_follows_the_checkpoints_origin():
   saved = np.random.RandomState(0).normal(size=(1, 17, 128)).astype(np.float32)
   for origin, method in (("timm:vit_base_patch16_224", "bicubic_antialias"),
                          ("torchvision:vit_b_16", "bicubic_align_corners"), ("", "bicubic")):
-    got = model_def.param_adapter("auto", origin)("params/pos_embed", saved)
+    got = model_def.param_adapter("auto", lambda o=origin: o)("params/pos_embed", saved)
     want = vit.resize_pos_embed(saved, (4, 4), (6, 6), num_prefix=1, method=method)
     np.testing.assert_array_equal(got, want)
   adapt = model_def.param_adapter("bicubic")
