@@ -23,7 +23,6 @@ there is one: the weights the run evaluated.
 """
 import json
 import logging as logging_std
-import math
 import os
 import re
 import shutil
@@ -32,7 +31,6 @@ import sys
 from absl import logging
 import grain
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from bigpretrain import registry
@@ -502,6 +500,12 @@ def read_meta(path: str, step: int | None = None) -> dict:
   return meta
 
 
+def origin(path: str) -> str:
+  """The source a converted checkpoint was imported from (its meta's source, e.g.
+  'timm:vit_base_patch16_224'); '' for a bigpretrain run's."""
+  return read_meta(path).get("source", {}).get("from", "")
+
+
 def load_params(directory: str, abstract_params: dict, step: int | None = None) -> dict:
   """Loads {'params', 'extra'} from a bigpretrain checkpoint dir (model_init, teachers):
   the EMA weights when the run kept them."""
@@ -555,16 +559,18 @@ def _paths(tree) -> dict:
 HEAD_PATTERN = r"^params/head/"
 
 
-def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[str], list[str]]:
+def init_from(directory: str, state: dict, skip: str = "",
+              adapt=None) -> tuple[dict, list[str], list[str]]:
   """Initialises {'params', 'extra'} from a checkpoint whose model may differ (fine-tuning).
 
   Arrays whose path matches the `skip` regex, or absent from the checkpoint, keep their fresh
-  initialisation, as does a classifier head (HEAD_PATTERN) whose class count differs. A ViT
-  position embedding of another grid size (a new image size) is resized to this model's
-  grid as SWAG / torchvision and timm do (models.vit.resize_pos_embed; the class token's row
-  kept). Any other shape difference is refused, naming the arrays: a changed backbone is
-  never silently re-initialised. Loaded arrays get `state`'s shardings (the EMA weights when
-  the checkpoint has them). Returns the new tree, the paths kept fresh and the paths resized.
+  initialisation, as does a classifier head (HEAD_PATTERN) whose class count differs. An
+  array of another shape that the model adapts, `adapt(path, saved) -> array or None` (the
+  model's hook, models.ModelDef.param_adapter: e.g. a ViT's position embedding resized to a
+  new image size), takes the adapted value. Any other shape difference is refused, naming
+  the arrays: a changed backbone is never silently re-initialised. Loaded arrays get
+  `state`'s shardings (the EMA weights when the checkpoint has them). Returns the new tree,
+  the paths kept fresh and the paths adapted.
   """
   directory = os.path.abspath(checkpoint_dir(directory))
   with ocp.CheckpointManager(directory) as manager:
@@ -587,7 +593,6 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
     loaded = _paths(manager.restore(step, args=ocp.args.Composite(
         **{item: ocp.args.StandardRestore(abstract)}))[item])
   fresh, resized, refused = [], [], []
-  has_class_token = "params/cls_token" in ours
 
   def pick(path, mine):
     name = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -600,13 +605,12 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
     if re.search(HEAD_PATTERN, name):
       fresh.append(name)
       return mine
-    if name.endswith("/pos_embed"):
-      grown = _resized_pos_embed(value, mine.shape, has_class_token)
-      if grown is not None:
-        resized.append(f"{name} {tuple(value.shape)} -> {tuple(mine.shape)}")
-        sharding = getattr(mine, "sharding", None)
-        grown = grown.astype(mine.dtype)
-        return jax.device_put(grown, sharding) if sharding is not None else grown
+    grown = adapt(name, value) if adapt is not None else None
+    if grown is not None and tuple(grown.shape) == tuple(mine.shape):
+      resized.append(f"{name} {tuple(value.shape)} -> {tuple(mine.shape)}")
+      sharding = getattr(mine, "sharding", None)
+      grown = grown.astype(mine.dtype)
+      return jax.device_put(grown, sharding) if sharding is not None else grown
     refused.append(f"{name} {tuple(value.shape)} -> {tuple(mine.shape)}")
     return mine
 
@@ -619,18 +623,3 @@ def init_from(directory: str, state: dict, skip: str = "") -> tuple[dict, list[s
   logging.info("Initialised from %s step %d; kept fresh: %s; resized: %s", directory, step,
                fresh, resized)
   return out, fresh, resized
-
-
-def _resized_pos_embed(value, shape, has_class_token: bool):
-  """A [1, prefix + g*g, D] position embedding resized to `shape`'s square grid, or None when
-  the shapes are no such pair. The prefix (the class token's row) is 1 when the model has a
-  class token and both grids are square with it, else 0 (DeiT-III gives the token no row)."""
-  if len(shape) != 3 or value.ndim != 3 or value.shape[::2] != tuple(shape)[::2]:
-    return None
-  from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
-  for prefix in ((1, 0) if has_class_token else (0,)):
-    old, new = math.isqrt(value.shape[1] - prefix), math.isqrt(shape[1] - prefix)
-    if old * old == value.shape[1] - prefix and new * new == shape[1] - prefix and old and new:
-      return vit.resize_pos_embed(jnp.asarray(value, jnp.float32), (old, old), (new, new),
-                                  num_prefix=prefix)
-  return None

@@ -68,6 +68,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
   # arrays whose shape differs (a 21k head in a 1k model) always stay fresh.
   c.model_init_skip = ''
+  # How a model adapts a checkpoint's size-dependent arrays to its own (a ViT's position
+  # embedding at a new image size): models.vit.RESIZE_METHODS, or 'auto': the resize of the
+  # library a converted checkpoint came from, 'bicubic' otherwise (models.ModelDef).
+  c.model_init_resize = 'auto'
   # A hook run after model_init (bigpretrain/model_init.py), e.g. 'zero_shot': the head from
   # a hashtag model's head through the WordNet class map (bigpretrain/swag/head_init.py).
   c.model_init_head = ''
@@ -122,6 +126,20 @@ def model_section(**options: Any) -> ml_collections.ConfigDict:
   section's defaults, for recipes that replace the section: its keys (model.remat) stay
   settable from the command line (--config.model.remat=...)."""
   return ml_collections.ConfigDict({**base_config().model, **options})
+
+
+# A checkpoint's model options that belong to the run that trained it, not to its weights: the
+# image size (a fine-tune builds the model at its own data.image_size; model_init adapts the
+# size-dependent arrays, e.g. a ViT's position embedding) and the BatchNorm statistics' group
+# (each fine-tuning recipe sets its own).
+RUN_MODEL_OPTIONS = ('image_size', 'bn_group_size')
+
+
+def finetune_model_section(checkpoint_model: dict, **options: Any) -> ml_collections.ConfigDict:
+  """A fine-tune's `config.model` from a checkpoint meta's model: its architecture without
+  RUN_MODEL_OPTIONS, plus the fine-tuning recipe's `options`."""
+  kept = {k: v for k, v in checkpoint_model.items() if k not in RUN_MODEL_OPTIONS}
+  return model_section(**{**kept, **options})
 
 
 def _parse_bool(key: str, value: str) -> bool:
@@ -244,7 +262,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.allow_schedule_change={config.allow_schedule_change!r} must be a '
                      'bool.')
   for key in ('compilation_cache_dir', 'resume', 'model_init', 'model_init_skip',
-              'model_init_head'):
+              'model_init_head', 'model_init_resize'):
     if not isinstance(config[key], str):
       raise ValueError(f'config.{key}={config[key]!r} must be a str.')
   for section in ('model', 'data', 'objective'):

@@ -57,7 +57,9 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     source = "model_init"
     loaded, fresh, resized = ckpt_lib.init_from(
         config.model_init, {"params": state["params"], "extra": state["extra"]},
-        skip=config.model_init_skip)
+        skip=config.model_init_skip,
+        adapt=exp.model_def.param_adapter(config.model_init_resize,
+                                          lambda: ckpt_lib.origin(config.model_init)))
     state = {**state, **loaded}
     console.say(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
                 f"resized: {resized or 'nothing'}")

@@ -4,8 +4,9 @@ One `make_optimizer` covers the four recipes: SGD with Nesterov momentum (semi-s
 SWAG RegNetY), Adam with coupled L2 weight decay (ImageNet-21K: lr 3e-4, wd 1e-4, OneCycle),
 AdamW (SWAG ViT) and LAMB (DeiT-III / cosub, as timm's Lamb). Weight decay skips 0/1-d params
 (biases, norm scales, LayerScale gammas; with `wd_1d` they are decayed too) and the paths
-matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each ViT block's updates
-geometrically. Params are pure nested dicts, paths are 'a/b/c' strings.
+matched by `wd_exclude`; LayerDecay (cosub supplement A.1) scales each layer's updates
+geometrically, over the layer order the model declares (models.base.Classifier.layer_of).
+Params are pure nested dicts, paths are 'a/b/c' strings.
 """
 from collections.abc import Mapping, Sequence
 import math
@@ -29,10 +30,6 @@ SCHEDULES = registry.Registry('lr schedule', 'config.optim.schedule.name')
 DEFAULT_WD_EXCLUDE = ('pos_embed', 'cls_token')
 LR_RULES = ('sqrt', 'linear', 'none')
 LAYER_DECAY_CONVENTIONS = ('cosub', 'mae')
-
-# Paths (matched as whole path components) that LayerDecay puts in layer 0.
-_LAYER0 = re.compile(r'(?:^|/)(?:patch_embed|cls_token|pos_embed)(?:/|$)')
-_BLOCK = re.compile(r'(?:^|/)blocks/(\d+)(?:/|$)')
 
 
 def optim_defaults() -> ml_collections.ConfigDict:
@@ -290,45 +287,35 @@ def weight_decay_mask(params: Any, exclude: Sequence[str] = DEFAULT_WD_EXCLUDE, 
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def layer_decay_multipliers(params: Any, layer_decay: float,
-                            convention: str = 'cosub') -> Any:
-  """LayerDecay lr multipliers for a ViT with L blocks, by `convention`.
-
-  patch_embed / cls_token / pos_embed are layer 0, 'blocks/i/...' is layer l = i + 1,
-  everything else (final norm, head) is layer L + 1.
+def layer_decay_multipliers(params: Any, layer_decay: float, convention: str = 'cosub', *,
+                            layers) -> Any:
+  """LayerDecay lr multipliers of `params` over the layer order of `layers`, the model (a
+  models.base.Classifier, abstract or not): layer_of(path) puts the stem at 0, the L
+  residual blocks at 1..L and what follows them (final norm, head) at L + 1 =
+  num_layers() - 1.
   'cosub' (supplement A.1: "the LR of all layers is affected, except those in the final
-  block"): layer l gets LD^(L - l), so the last block and the head get 1, layer 0 LD^L.
+  block"): layer l gets LD^(L - l), so the last block and the head get 1, the stem LD^L.
   'mae' (BEiT's and MAE's param groups): layer l gets LD^(L + 1 - l), the last block LD.
   """
   if convention not in LAYER_DECAY_CONVENTIONS:
     raise _err('optim.layer_decay_convention', convention,
                f'must be one of {LAYER_DECAY_CONVENTIONS}')
-  paths = [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-  blocks = sorted({int(m.group(1)) for p in paths if (m := _BLOCK.search(p))})
-  if not blocks:
-    raise ValueError('optim.layer_decay needs params with "blocks/<i>/" paths (a ViT); '
-                     f'none found among {paths[:5]}...')
-  if blocks != list(range(len(blocks))):
-    raise ValueError(f'optim.layer_decay: block indices {blocks} are not 0..L-1.')
-  num_layers = len(blocks)
-  top = num_layers if convention == 'cosub' else num_layers + 1  # The layer that gets 1.
+  num_blocks = layers.num_layers() - 2
+  if num_blocks < 1:
+    raise ValueError(f'optim.layer_decay needs a model with residual blocks; '
+                     f'{type(layers).__name__} has none.')
+  top = num_blocks if convention == 'cosub' else num_blocks + 1  # The layer that gets 1.
 
   def multiplier(path, _):
-    p = _path_str(path)
-    if m := _BLOCK.search(p):
-      layer = int(m.group(1)) + 1
-    elif _LAYER0.search(p):
-      layer = 0
-    else:
-      layer = num_layers + 1
-    return float(layer_decay ** max(top - layer, 0))
+    return float(layer_decay ** max(top - layers.layer_of(_path_str(path)), 0))
 
   return jax.tree_util.tree_map_with_path(multiplier, params)
 
 
-def scale_by_layer_decay(layer_decay: float,
-                         convention: str = 'cosub') -> optax.GradientTransformation:
-  """Multiplies each update by its LayerDecay multiplier (paths read from the update tree)."""
+def scale_by_layer_decay(layer_decay: float, convention: str = 'cosub', *,
+                         layers) -> optax.GradientTransformation:
+  """Multiplies each update by its LayerDecay multiplier (paths read from the update tree,
+  layers from the model `layers`)."""
 
   def init_fn(params):
     del params
@@ -336,16 +323,17 @@ def scale_by_layer_decay(layer_decay: float,
 
   def update_fn(updates, state, params=None):
     del params
-    mults = layer_decay_multipliers(updates, layer_decay, convention)
+    mults = layer_decay_multipliers(updates, layer_decay, convention, layers=layers)
     updates = jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults)
     return updates, state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def make_optimizer(optim_cfg: Mapping[str, Any], *,
-                   total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Builds (optax transformation, lr schedule) from `config.optim`.
+def make_optimizer(optim_cfg: Mapping[str, Any], *, total_steps: int,
+                   layers=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Builds (optax transformation, lr schedule) from `config.optim`; `layers`: the model
+  (its layer order), which LayerDecay needs.
 
   Chain: clip by global norm -> [coupled L2 for sgd/adam] -> sgd/adam moments -> [decoupled
   weight decay for adamw/lamb] -> [trust ratio for lamb] -> LayerDecay -> -lr(step).
@@ -381,7 +369,11 @@ def make_optimizer(optim_cfg: Mapping[str, Any], *,
     chain.append(optax.clip_by_global_norm(c['grad_clip_norm']))
   chain += OPTIMIZERS.get(c['name'])(c, decay(), adapted)
   if c['layer_decay'] > 0:
-    chain.append(scale_by_layer_decay(c['layer_decay'], c['layer_decay_convention']))
+    if layers is None:
+      raise ValueError('optim.layer_decay needs the model\'s layer order: '
+                       'make_optimizer(..., layers=model).')
+    chain.append(scale_by_layer_decay(c['layer_decay'], c['layer_decay_convention'],
+                                      layers=layers))
   chain.append(optax.scale_by_learning_rate(schedule))
   return optax.chain(*chain), schedule
 

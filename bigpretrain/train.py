@@ -294,7 +294,8 @@ def build(config, devices=None, dataset=None, load_frozen: bool = True) -> Exper
   total_steps = config_lib.resolve_total_steps(config, num_train)
   logging.info("Run length: %s", config_lib.describe_duration(config, num_train))
   # total_steps = 0 evaluates only; the optimizer is built for one step and never used.
-  tx, schedule = optim.make_optimizer(config.optim, total_steps=max(total_steps, 1))
+  tx, schedule = optim.make_optimizer(config.optim, total_steps=max(total_steps, 1),
+                                      layers=setup.model_def.abstract_module())
   shardings = state_shardings(setup.model_def, tx, config, setup.mesh)
   sharding.log_shardings(shardings["params"], setup.model_def.abstract_pure_params())
   # E.g. a distillation teacher, sharded like the student.

@@ -36,10 +36,14 @@ x LD^L. layer_decay_convention=mae selects BEiT/MAE's LD^(L + 1 - l) (last block
 
 The 21k checkpoint's head has the 21k classes: model_init keeps a head of another class count
 (and arrays matching config.model_init_skip) freshly initialised, so the 1k head starts anew.
+At another resolution than the checkpoint's, the model is built at `res` and model_init resizes
+the position embedding bicubically with half-pixel centres, as DeiT's fine-tuning does
+(`F.interpolate(..., mode='bicubic', align_corners=False)`, cosub's code base); a converted
+checkpoint's as its library does (config.model_init_resize='auto').
 
 Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
-res (image size; -1: 224; above 224 adds A.1's 0.05 to tau), tau (-1 = DeiT-III's
-fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
+res (image size; -1: 224, 32 on the demo; above 224 adds A.1's 0.05 to tau), tau (-1 =
+DeiT-III's fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
 the demo uses 0.75), layer_decay_convention (cosub | mae), submodels (2).
 """
 from configs import cosub_common
@@ -67,6 +71,8 @@ def get_config(arg=None):
                              train_augment="simple_random_crop|three_augment|flip",
                              demo_train_augment="simple_random_crop|flip")
   config.model_init = arg.init
+  if arg.res > 0:  # The demo's too: the model is built at it, model_init resizes pos_embed.
+    config.data.image_size = arg.res
   config.objective.kind = "ce"
   # Label smoothing 0.1 goes with cutmix: the train step builds the smoothed, mixed targets.
   config.mixup = dict(mixup_alpha=0.0, cutmix_alpha=1.0, switch_prob=0.5, label_smoothing=0.1)

@@ -29,23 +29,29 @@ Paper numbers: Table 1, ImageNet-1k top-1 after fine-tuning at 384 px: RegNetY 1
 
 Recipe (section 4.1): SGD, batch 512, half-cosine schedule to 0 and no warm-up (none is
 mentioned), no weight decay, mixup alpha 0.1 on every dataset, sync BatchNorm (the trainer's
-batch statistics are global), eval by resizing the shorter side to the image size and taking
-the centre crop (`shorter_center_crop`). Length by the train split's size N: 500 steps for
-N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,000 above ("large"); a few-shot
-draw counts as its own N (1% of ImageNet-1k is small, 10% medium); ViTs on the whole of
-ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned ViTs for 28 epochs on
-ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum 0.9999 (ClassyVision's
-hook averages params and BatchNorm statistics), used for eval; the paper uses it for
-ImageNet-1k only, so here it is on for "large" datasets and off otherwise unless `ema=` says
-(0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
+batch statistics are global; a checkpoint's own BN grouping, e.g. the semi-supervised
+recipe's 24 images, is not carried over), eval by resizing the shorter side to the image
+size and taking the centre crop (`shorter_center_crop`). Length by the train split's size
+N: 500 steps for N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,000 above
+("large"); a few-shot draw counts as its own N (1% of ImageNet-1k is small, 10% medium);
+ViTs on the whole of ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned
+ViTs for 28 epochs on ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum
+0.9999 (ClassyVision's hook averages params and BatchNorm statistics), used for eval; the
+paper uses it for ImageNet-1k only, so here it is on for "large" datasets and off otherwise
+unless `ema=` says (0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
 Resolution (section 4.1, Table 1 "Fine." column): RegNetY and ViT B/16 at 384, ViT L/16 at
 512, ViT H/14 at 518 (FINETUNE_RES); Table 2's runs (few-shot draws and the zero-shot-
 initialised head) are "at 224x224", the pre-training's, as is any model the paper does not
-list. `res=` overrides. A ViT checkpoint's position embeddings are resized by model_init.
+list. `res=` overrides. The model is built at this resolution (not the checkpoint's) and
+model_init resizes a ViT checkpoint's position embedding to its grid, bicubic with
+align_corners as SWAG's trainer does (ClassyVision's VisionTransformer, which torchvision's
+interpolate_embeddings follows; CLASSY_RESIZE); a converted checkpoint's as its library does.
 lr (appendix D, Table 8, base lr per model and task at the paper's batch of 512, scaled
 linearly with the batch): the IG 3.6B rows in Table 1's order (the extracted table lost its
 model column), columns ImageNet-1k, ImageNet-5k, iNaturalist, Places365, CUB-2011; `task=`
-picks the column (auto: from the tfds name; anything else gets ImageNet-1k's, pass `lr=`).
+picks the column (auto: from the tfds name, or ImageNet-1k by its class list under any
+name; a dataset with one of the five's class count that neither identifies is refused,
+pass `task=`; `task=other` or any other dataset: ImageNet-1k's lr and the step rule).
 The fine-tuned ViT drops the hashtag model's tanh representation layer (pre_logits): Table 5
 counts ViT B/16, L/16, H/14 at 86.6 / 304.3 / 632.0M parameters with a 1k head, which is
 without it; with `zs_head` it is kept, since the zero-shot head is defined on its output.
@@ -54,14 +60,17 @@ the paper follows, uses momentum 0.9); random-resized crop + flip for training, 
 pre-training's augmentation.
 
 Args: dataset, data_dir, init (checkpoint dir -> config.model_init; its meta sets the model,
-normalisation and pre-training image size), model (without init; default regnety_demo on the
-demo, regnety_16gf otherwise), fewshot (data.subset_frac: 0.01, 0.1; 1 = all), fewshot_seed,
-zs_head (config.model_init_head='zero_shot'), ema (-1: by size as above), lr (-1: Table 8 as
-above; at config.batch_size), size (auto | small | medium | large), res (-1: as above; pixels
-otherwise), task (auto | in1k | in5k | inat | places | cub).
+normalisation and pre-training image size, not the BN grouping), model (without init;
+default regnety_demo on the demo, regnety_16gf otherwise), fewshot (data.subset_frac: 0.01,
+0.1; 1 = all), fewshot_seed, zs_head (config.model_init_head='zero_shot'), ema (-1: by size as
+above), lr (-1: Table 8 as above; at config.batch_size), size (auto | small | medium | large),
+res (-1: as above; pixels otherwise), task (auto | in1k | in5k | inat | places | cub | other).
 """
+import pathlib
+
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import semantic
 from configs import common_fewshot
 from input_pipeline import datasets
 from input_pipeline import pipeline
@@ -78,6 +87,12 @@ TABLE2_RES = 224  # Section 4.2: "We report results using images of size 224x224
 FINETUNE_RES = {"regnety_16gf": 384, "regnety_32gf": 384, "regnety_128gf": 384,
                 "vit_b16": 384, "vit_l16": 512, "vit_h14": 518}
 TASKS = ("in1k", "in5k", "inat", "places", "cub")  # Table 8's columns.
+# Their datasets' class counts (ImageNet-1k/5k, iNaturalist 2018, Places365, CUB-2011).
+TASK_CLASSES = {"in1k": 1000, "in5k": 5000, "inat": 8142, "places": 365, "cub": 200}
+OTHER = "other"  # A dataset that is none of Table 8's: PAPER_LR and the step rule.
+IN1K_WNIDS = pathlib.Path(semantic.__file__).parent / "data" / "imagenet1k_wnids.txt"
+# The position-embedding resize of SWAG's trainer, ClassyVision (models.vit.RESIZE_METHODS).
+CLASSY_RESIZE = "bicubic_align_corners"
 # Table 8, IG 3.6B rows (in Table 1's order), base lr at PAPER_BATCH per task in TASKS.
 TABLE8_LR = {
     "vit_h14": (6e-3, 2.4e-2, 1.2e-2, 3e-3, 6e-3),
@@ -109,6 +124,20 @@ def task_of(dataset: str) -> str:
   return TFDS_TASKS.get(name, "")
 
 
+def task_from_classes(dataset: str, info) -> str:
+  """Table 8's column for a dataset its name does not give (task_of): ImageNet-1k by its
+  class list (the 1,000 wnids, under any name), else OTHER; raises for a dataset with a
+  Table 8 dataset's class count that its class list does not identify."""
+  if list(info.class_names) == IN1K_WNIDS.read_text().split():
+    return "in1k"
+  like = [t for t, n in TASK_CLASSES.items() if n == info.num_classes]
+  if like:
+    raise ValueError(f"task=auto: {dataset} has {info.num_classes} classes, as Table 8's "
+                     f"{like[0]} dataset, but neither its name nor its class list says it "
+                     f"is; pass task={like[0]} or task={OTHER}.")
+  return OTHER
+
+
 def table8_lr(model: str, task: str) -> float:
   """Table 8's base lr (at PAPER_BATCH) for a model and task; PAPER_LR where it has none."""
   if task not in TASKS:
@@ -122,9 +151,8 @@ def get_config(arg=None):
                              fewshot=1.0, fewshot_seed=0, zs_head=False, ema=-1.0, lr=-1.0,
                              size="auto", res=-1, task="auto")
   demo = arg.dataset == "demo"
-  if arg.task not in ("auto",) + TASKS:
-    raise ValueError(f"task={arg.task!r} must be auto or one of {TASKS}.")
-  task = task_of(arg.dataset) if arg.task == "auto" else arg.task
+  if arg.task not in ("auto",) + TASKS + (OTHER,):
+    raise ValueError(f"task={arg.task!r} must be auto, {OTHER} or one of {TASKS}.")
   config = config_lib.base_config()
   config.data = pipeline.data_defaults()
   config.data.name = arg.dataset
@@ -140,7 +168,11 @@ def get_config(arg=None):
       raise ValueError(f"model={arg.model!r} and init={arg.init!r}: the checkpoint sets the "
                        "model; leave model out.")
     meta = checkpoint.read_meta(arg.init)
-    config.model = config_lib.model_section(**meta["model"])
+    # Built at this run's resolution, with synchronised BN whatever the checkpoint used.
+    config.model = config_lib.finetune_model_section(meta["model"])
+    # SWAG's own resize for a bigpretrain run's checkpoint; a converted one keeps its
+    # library's (auto).
+    config.model_init_resize = "auto" if meta.get("source") else CLASSY_RESIZE
     config.data.normalize = meta["data"]["normalize"]
     pretrain_res = meta["data"]["image_size"]
     if config.model.get("pre_logits") and not arg.zs_head:
@@ -181,10 +213,15 @@ def get_config(arg=None):
     config.ckpt_every_steps = DEMO_STEPS
     ema = 1.0 - 2.0 / DEMO_STEPS
   else:
-    size = arg.size
+    size, task = arg.size, arg.task
+
+    def info():
+      return datasets.get_dataset({"name": arg.dataset, "dir": arg.data_dir}).info
+
     if size == "auto":
-      info = datasets.get_dataset({"name": arg.dataset, "dir": arg.data_dir}).info
-      size = size_of(round(info.num_examples[config.data.train_split] * arg.fewshot))
+      size = size_of(round(info().num_examples[config.data.train_split] * arg.fewshot))
+    if task == "auto":
+      task = task_of(arg.dataset) or task_from_classes(arg.dataset, info())
     config.batch_size = PAPER_BATCH
     lr_at_batch, lr_batch = table8_lr(model, task), PAPER_BATCH
     config.compute_dtype = "bfloat16"

@@ -3,9 +3,12 @@ r"""Transfer a pretrained checkpoint to a dataset: fine-tune, linear probe or fe
   python -m bigpretrain.main --config=configs/transfer.py:mode=MODE,init=DIR[,dataset=NAME,...]
 
 `init` is any bigpretrain checkpoint (a run's workdir, its checkpoints/ folder or a
-`bigpretrain.tools.convert` output); the model, its image size and its input normalisation come
-from the checkpoint's meta; the class count comes from the dataset, and the classifier head
-always starts fresh (model_init_skip='^params/head/'). `dataset` is any prepared dataset
+`bigpretrain.tools.convert` output); the model, its image size (`res=` picks another: the model
+is built at it and model_init resizes a ViT's position embedding, by RECIPE_RESIZE for a
+bigpretrain checkpoint, as its library does for a converted one) and its input normalisation
+come from the checkpoint's meta; its BatchNorm grouping does not (the recipe's, below); the
+class count comes from the dataset, and the classifier head always starts fresh
+(model_init_skip='^params/head/'). `dataset` is any prepared dataset
 name (tfds:NAME, folder:NAME, imagenet21k_p, demo, ...); the default, `demo_coarse`, is the
 demo's second task: demo images labelled one WordNet level up (12 classes,
 input_pipeline/sources/demo_coarse.py).
@@ -20,8 +23,9 @@ Modes:
     of the weights 0.995, squish resize to 224 for train and eval. Their augmentation is
     timm's AutoAugment v0 and random erasing 0.5, which bigpretrain lacks: the pretraining's
     RandAugment + Cutout stand in (the recipe's own augmentations, configs/semantic_softmax.py).
-    Multi-label datasets (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label
-    transfers do (`multi_label`).
+    BatchNorm statistics over the whole batch (the command states none). Multi-label datasets
+    (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label transfers do
+    (`multi_label`).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
     decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval, a ViT without its
     tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
@@ -33,7 +37,9 @@ Modes:
     supervision and models"): SGD, lr 0.0025 x batch / 256 at its batch 768 (32 GPUs x 24),
     300 epochs with the lr x0.1 every 100 ("[100] x 3"; decay 0.1, supplement 4.2), weight
     decay 0.001. Not in Table 13, so ImageNet practice: momentum 0.9, no warm-up,
-    random-resized crop + flip at 224, shorter side 256 + centre crop for eval. Paper numbers
+    random-resized crop + flip at 224, shorter side 256 + centre crop for eval. BatchNorm per
+    24 images at paper scale (SEMISUP_CUB_BN_GROUP: 768 on 32 GPUs, and section 4.1's "batch
+    normalization ... on each GPU"; the demo's batch keeps whole-batch statistics). Paper numbers
     (Table 8, ResNet-50 on CUB-2011): 82.1 from ImageNet, 83.6 semi-supervised, 84.8
     semi-weakly supervised.
 - linear: a linear classifier on frozen pooled features (model.features(), eval mode) of the
@@ -62,12 +68,14 @@ the class alone; on demo_plain_coarse a level-1 class and its root) and logs eva
 Args: mode (finetune | linear | fewshot), init (checkpoint; required but for
 finetune with model=, the from-scratch baseline), dataset, data_dir, recipe (in21k | swag |
 cosub | semisup_cub), multi_label, model (without init only), steps (finetune length; -1:
-the recipe's), classifier (mode=linear: ridge | logistic).
+the recipe's), classifier (mode=linear: ridge | logistic), res (image size; -1: the
+checkpoint's, or 32 on the demo / 224 without init).
 """
 import ml_collections
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import models
 from bigpretrain.evaluators import linear_probe
 from configs import common_fewshot
 from configs import cosub_finetune_in1k
@@ -86,6 +94,14 @@ IN21K = dict(lr=2e-4, batch=128, epochs=50.0, warmup_epochs=3.0, min_lr=1e-8,
 # Paper 002 supplement Table 13 (CUB-2011 full fine-tuning).
 SEMISUP_CUB = dict(lr=0.0025, lr_batch=256, batch=768, epochs=300.0, decay_every=100.0,
                    weight_decay=0.001, decay_factor=0.1)
+# Paper 002: 768 images on 32 GPUs (supplement section 6), BatchNorm on each GPU (section 4.1).
+SEMISUP_CUB_BN_GROUP = 24
+# A bigpretrain checkpoint's position-embedding resize per recipe (models.vit.RESIZE_METHODS):
+# the in21k recipe is a timm run (timm's resample_abs_pos_embed); SWAG's trainer is
+# ClassyVision (swag_finetune.CLASSY_RESIZE); cosub's code base is DeiT's (its fine-tuning
+# interpolates with align_corners=False). A converted checkpoint's follows its library (auto).
+RECIPE_RESIZE = {"in21k": "bicubic_antialias", "swag": swag_finetune.CLASSY_RESIZE,
+                 "cosub": "bicubic", "semisup_cub": "bicubic"}
 DEMO_BATCH, DEMO_STEPS, DEMO_LR = 64, 300, 1e-3
 
 
@@ -200,7 +216,7 @@ def get_config(arg=None):
   """Transfer config; `arg` e.g. 'mode=fewshot,init=/runs/ss_demo,dataset=demo_coarse'."""
   arg = config_lib.parse_arg(arg, mode="", init="", dataset="demo_coarse", data_dir="",
                              recipe="in21k", multi_label=False, model="", steps=-1,
-                             classifier="ridge")
+                             classifier="ridge", res=-1)
   if arg.mode not in MODES:
     raise ValueError(f"config arg mode={arg.mode!r} must be one of {MODES}.")
   if arg.recipe not in RECIPES:
@@ -219,12 +235,19 @@ def get_config(arg=None):
   recipe_model = dict(config.model) if "model" in config else {}
   if arg.init:
     meta = checkpoint.read_meta(arg.init)
-    config.model = config_lib.model_section(**meta["model"])
+    config.model = config_lib.finetune_model_section(meta["model"])
     config.data.image_size = meta["data"]["image_size"]
     config.data.normalize = meta["data"]["normalize"]
+    if not meta.get("source"):
+      config.model_init_resize = RECIPE_RESIZE[arg.recipe]
   else:
     config.model = config_lib.model_section(name=arg.model)
     config.data.image_size = 32 if demo else 224
+  if arg.res > 0:
+    config.data.image_size = arg.res
+  if (arg.mode == "finetune" and arg.recipe == "semisup_cub" and not demo
+      and models.accepts(config.model.name, "bn_group_size")):
+    config.model.bn_group_size = SEMISUP_CUB_BN_GROUP
   if arg.recipe == "swag" and arg.mode == "finetune" and config.model.get("pre_logits"):
     config.model.pre_logits = False  # As configs/swag_finetune.py (SWAG Table 5).
   if arg.recipe == "cosub" and arg.mode == "finetune":

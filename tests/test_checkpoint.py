@@ -37,30 +37,28 @@ def _save(path, params):
   saver.close()
 
 
-def _bilinear_np(grid, new):
-  """Half-pixel-centre bilinear resize of a [g, g, D] grid to [new, new, D] (torch's
-  F.interpolate(mode='bilinear', align_corners=False) upsampling), in numpy."""
-  old = grid.shape[0]
-  pos = np.clip((np.arange(new) + 0.5) * old / new - 0.5, 0, old - 1)
-  lo = np.floor(pos).astype(int)
-  hi = np.minimum(lo + 1, old - 1)
-  w = pos - lo
-  rows = grid[lo] * (1 - w)[:, None, None] + grid[hi] * w[:, None, None]
-  return rows[:, lo] * (1 - w)[None, :, None] + rows[:, hi] * w[None, :, None]
-
-
-def test_init_from_resizes_position_embeddings_keeping_the_class_token(tmp_path):
-  rs = np.random.RandomState(0)
-  pos = rs.randn(1, 1 + 4 * 4, 3).astype(np.float32)  # Class-token row, then a 4x4 grid.
+def test_init_from_takes_the_models_adaptation_of_another_shape(tmp_path):
+  """An array of another shape (a position embedding at a larger image size) takes what the
+  model's hook makes of it; without the hook, it is refused, named."""
+  pos = np.random.RandomState(0).randn(1, 1 + 4 * 4, 3).astype(np.float32)
   _save(tmp_path, {"cls_token": jnp.ones((1, 1, 3)), "pos_embed": jnp.asarray(pos)})
   target = {"params": {"cls_token": jnp.zeros((1, 1, 3)), "pos_embed": jnp.zeros((1, 37, 3))},
-            "extra": {}}  # A 6x6 grid: a larger image size.
-  out, fresh, resized = checkpoint.init_from(str(tmp_path), target)
+            "extra": {}}
+  calls = []
+
+  def adapt(path, saved):
+    calls.append((path, tuple(saved.shape)))
+    return jnp.full((1, 37, 3), saved[0, 0, 0])
+
+  out, fresh, resized = checkpoint.init_from(str(tmp_path), target, adapt=adapt)
+  assert calls == [("params/pos_embed", (1, 17, 3))]
   assert fresh == [] and resized == ["params/pos_embed (1, 17, 3) -> (1, 37, 3)"]
-  got = np.asarray(out["params"]["pos_embed"])
-  np.testing.assert_array_equal(got[0, 0], pos[0, 0])
-  want = _bilinear_np(pos[0, 1:].reshape(4, 4, 3).astype(np.float64), 6).reshape(36, 3)
-  np.testing.assert_allclose(got[0, 1:], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(out["params"]["pos_embed"], np.full((1, 37, 3), pos[0, 0, 0]))
+  np.testing.assert_array_equal(out["params"]["cls_token"], np.ones((1, 1, 3)))
+  with pytest.raises(ValueError, match=r"params/pos_embed \(1, 17, 3\) -> \(1, 37, 3\)"):
+    checkpoint.init_from(str(tmp_path), target)
+  with pytest.raises(ValueError, match=r"params/pos_embed \(1, 17, 3\) -> \(1, 37, 3\)"):
+    checkpoint.init_from(str(tmp_path), target, adapt=lambda path, saved: None)
 
 
 def test_init_from_refuses_other_shape_changes_naming_them(tmp_path):

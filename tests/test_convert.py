@@ -223,7 +223,7 @@ def test_batchnorm_statistics_are_carried_into_extra(tmp_path):
                                 torch_model.layer4[0].downsample[1].running_var.numpy())
 
 
-def test_position_embedding_resized_bilinearly(tmp_path):
+def test_position_embedding_resized_as_torchvision_does(tmp_path):
   torch = _need("torch")
   torch_model = _torchvision_vit_ti(32)
   meta = convert.import_weights("torchvision:vit_ti_16",
@@ -233,14 +233,31 @@ def test_position_embedding_resized_bilinearly(tmp_path):
   model = models.load_pretrained(str(tmp_path / "c"))
   pos = torch_model.encoder.pos_embedding.detach()  # [1, 1 + 2 * 2, 192]
   grid = pos[:, 1:].reshape(1, 2, 2, 192).permute(0, 3, 1, 2)
-  want = torch.nn.functional.interpolate(grid, size=(4, 4), mode="bilinear",
-                                         align_corners=False)
+  want = torch.nn.functional.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=True)
   want = torch.cat([pos[:, :1], want.permute(0, 2, 3, 1).reshape(1, 16, 192)], 1).numpy()
-  np.testing.assert_allclose(np.asarray(model.pos_embed[...]), want, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(model.pos_embed[...]), want, atol=1e-5)
   assert _logits(model, _images(64)).shape == (2, 10)
   with pytest.raises(ValueError, match="token-mixing MLPs fix the image size"):
     convert.to_bigpretrain(_state_dict(_timm("mixer_s16_224", img_size=32)),
                            "timm:mixer_s16_224", image_size=64)
+
+
+@pytest.mark.parametrize("method, torch_options", [
+    ("bicubic_align_corners", dict(align_corners=True)),  # ClassyVision / torchvision.
+    ("bicubic", dict(align_corners=False)),  # DeiT's fine-tuning.
+    ("bicubic_antialias", dict(align_corners=False, antialias=True)),  # timm's default.
+])
+@pytest.mark.parametrize("old, new", [((4, 4), (7, 7)), ((14, 14), (24, 24)), ((7, 7), (3, 5))])
+def test_position_embedding_resize_equals_torch_interpolate(method, torch_options, old, new):
+  torch = _need("torch")
+  from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
+  pos = np.random.RandomState(0).normal(size=(1, 1 + old[0] * old[1], 8)).astype(np.float32)
+  got = np.asarray(vit.resize_pos_embed(pos, old, new, num_prefix=1, method=method))
+  grid = torch.from_numpy(pos[:, 1:]).reshape(1, *old, 8).permute(0, 3, 1, 2)
+  want = torch.nn.functional.interpolate(grid, size=new, mode="bicubic", **torch_options)
+  want = want.permute(0, 2, 3, 1).reshape(1, -1, 8).numpy()
+  np.testing.assert_array_equal(got[:, :1], pos[:, :1])
+  np.testing.assert_allclose(got[:, 1:], want, atol=2e-5)
 
 
 def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):

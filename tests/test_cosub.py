@@ -353,13 +353,19 @@ def test_cosub_eval_is_one_deterministic_pass_with_masked_topk():
 # --- LayerDecay and the lr rule -------------------------------------------------------------
 
 
+def _layers(config):
+  """The layer order of `config`'s model (shapes only), which LayerDecay reads."""
+  return models.ModelDef.from_config(config.model, 10,
+                                     image_size=config.data.image_size).abstract_module()
+
+
 def test_layer_decay_multipliers_for_a_12_block_vit():
   model = nnx.eval_shape(lambda: vit.VisionTransformer(
       num_classes=3, rngs=nnx.Rngs(0), patch_size=8, width=8, depth=12, num_heads=2,
       mlp_dim=8, image_size=16, layerscale_init=1e-4))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   ld = 0.75
-  mults = optim.layer_decay_multipliers(params, ld)
+  mults = optim.layer_decay_multipliers(params, ld, layers=model)
   # Supplement A.1: block l (1-based) of L = 12 gets LD^(12 - l), the final block 1;
   # embeddings are layer 0: LD^12; head/norm 1.
   for i in range(12):
@@ -369,14 +375,14 @@ def test_layer_decay_multipliers_for_a_12_block_vit():
     np.testing.assert_allclose(jax.tree.leaves(mults[key]), ld ** 12, rtol=1e-12)
   assert set(jax.tree.leaves(mults["head"]) + jax.tree.leaves(mults["norm"])) == {1.0}
   # BEiT / MAE: one more factor LD below the head.
-  mae = optim.layer_decay_multipliers(params, ld, "mae")
+  mae = optim.layer_decay_multipliers(params, ld, "mae", layers=model)
   np.testing.assert_allclose(jax.tree.leaves(mae["blocks"][11]), ld, rtol=1e-12)
   np.testing.assert_allclose(jax.tree.leaves(mae["pos_embed"]), ld ** 13, rtol=1e-12)
   # First AdamW step on unit gradients: update = -lr * C_LD * multiplier.
   cfg = optim.optim_defaults()
   cfg.update(dict(name="adamw", lr=1e-3, weight_decay=0.0, layer_decay=ld))
   cfg.schedule.name = "constant"
-  tx, schedule = optim.make_optimizer(cfg, total_steps=10)
+  tx, schedule = optim.make_optimizer(cfg, total_steps=10, layers=model)
   assert float(schedule(0)) == pytest.approx(2e-3)
   concrete = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
   updates, _ = tx.update(concrete, tx.init(concrete), concrete)
@@ -398,7 +404,7 @@ def test_sqrt_lr_rule_in_optim_and_configs():
   assert c1k.optim.lr == pytest.approx(1e-3 * np.sqrt(1536 / 2048))
   ft = cosub_finetune_in1k.get_config("dataset=tfds:imagenet2012,model=vit_b16")
   assert ft.optim.lr == pytest.approx(1e-4)
-  _, schedule = optim.make_optimizer(ft.optim, total_steps=1000)
+  _, schedule = optim.make_optimizer(ft.optim, total_steps=1000, layers=_layers(ft))
   assert max(float(schedule(s)) for s in range(0, 1000, 10)) == pytest.approx(2e-4, rel=1e-3)
 
 
@@ -452,7 +458,7 @@ def test_config_recipe_details():
   # absolute values whatever the peak (with LayerDecay, the peak is lr * C_LD).
   for config, peak in ((c1k, c1k.optim.lr), (c21, c21.optim.lr), (ft, 2 * ft.optim.lr)):
     assert config.optim.grad_clip_norm == 1.0
-    _, schedule = optim.make_optimizer(config.optim, total_steps=1000)
+    _, schedule = optim.make_optimizer(config.optim, total_steps=1000, layers=_layers(config))
     assert float(schedule(0)) == pytest.approx(1e-6, rel=1e-4)
     assert max(float(schedule(s)) for s in range(0, 1000, 5)) == pytest.approx(peak, rel=1e-3)
     assert float(schedule(1000)) == pytest.approx(1e-5, rel=1e-4)

@@ -347,6 +347,49 @@ def test_resize_pos_embed_keeps_prefix_and_constant_grid():
   np.testing.assert_allclose(out[0, 1:], np.full((9, 4), 2.0), rtol=1e-6)
 
 
+def test_position_embedding_resize_kernels_by_hand():
+  """Keys' cubic convolution with a = -0.75 (torch's bicubic), 2 -> 4 samples, taps clamped at
+  the border. align_corners: output 1 samples x = 1/3, taps -1, 0, 1, 2 (clamped to 0, 0, 1,
+  1) weigh W(4/3) = -1/9, W(1/3) = 43/54, W(2/3) = 10/27, W(5/3) = -1/18. Half-pixel: output 0
+  samples x = -1/4, taps -2..1 (clamped to 0, 0, 0, 1) weigh -9/256, 67/256, 225/256, -27/256."""
+  np.testing.assert_allclose(vit.resize_matrix(2, 4, "bicubic_align_corners"),
+                             [[1, 0], [37 / 54, 17 / 54], [17 / 54, 37 / 54], [0, 1]], atol=1e-12)
+  np.testing.assert_allclose(vit.resize_matrix(2, 4, "bicubic")[0], [283 / 256, -27 / 256],
+                             atol=1e-12)
+  # On a grid, the resize is separable: a 2x2 grid's sample (1, 1) weighs its corners by the
+  # outer product of the row above.
+  grid = np.array([[1.0, 2.0], [3.0, 5.0]], np.float32)
+  out = vit.resize_pos_embed(grid.reshape(1, 4, 1), (2, 2), (4, 4),
+                             method="bicubic_align_corners")
+  r = np.array([37, 17]) / 54
+  assert float(out[0, 5, 0]) == pytest.approx(r @ grid @ r, rel=1e-6)
+  # The antialiased method (timm's) is jax.image.resize's bicubic: Keys a = -0.5, widened
+  # when shrinking, weights renormalised at the border.
+  x = np.random.RandomState(0).normal(size=(7, 5)).astype(np.float32)
+  for new in ((14, 12), (3, 2)):
+    got = (vit.resize_matrix(7, new[0], "bicubic_antialias") @ x
+           @ vit.resize_matrix(5, new[1], "bicubic_antialias").T)
+    np.testing.assert_allclose(got, jax.image.resize(x, new, "bicubic"), atol=1e-5)
+  with pytest.raises(ValueError, match="resize method 'bilinear' must be one of"):
+    vit.resize_matrix(2, 4, "bilinear")
+
+
+def test_model_init_resize_auto_follows_the_checkpoints_origin():
+  """'auto': a converted checkpoint's library's resize (timm, torchvision), else bicubic;
+  only the model's own size-dependent array is adapted."""
+  model_def = models.ModelDef.from_config({"name": "vit_demo"}, 10, image_size=48)
+  saved = np.random.RandomState(0).normal(size=(1, 17, 128)).astype(np.float32)
+  for origin, method in (("timm:vit_base_patch16_224", "bicubic_antialias"),
+                         ("torchvision:vit_b_16", "bicubic_align_corners"), ("", "bicubic")):
+    got = model_def.param_adapter("auto", lambda o=origin: o)("params/pos_embed", saved)
+    want = vit.resize_pos_embed(saved, (4, 4), (6, 6), num_prefix=1, method=method)
+    np.testing.assert_array_equal(got, want)
+  adapt = model_def.param_adapter("bicubic")
+  assert adapt("params/cls_token", saved) is None and adapt("extra/pos_embed", saved) is None
+  with pytest.raises(ValueError, match="model_init_resize='nearest' must be auto or one of"):
+    model_def.param_adapter("nearest")
+
+
 # --- convnets and mixer ---------------------------------------------------------------------
 
 

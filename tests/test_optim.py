@@ -152,10 +152,27 @@ def test_weight_decay_mask_on_vit_params():
   assert not mask['blocks/0/attn/qkv/bias']
 
 
+def _abstract_model(name):
+  """The registered model `name` with shapes only (its layer order, no weights)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from bigpretrain import models  # pylint: disable=import-outside-toplevel
+  return nnx.eval_shape(lambda: models.get_model(name, num_classes=10, rngs=nnx.Rngs(0)))
+
+
+def _vit(depth):
+  """An abstract ViT whose parameter paths are _vit_params(depth)'s."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
+  return nnx.eval_shape(lambda: vit.VisionTransformer(
+      num_classes=10, rngs=nnx.Rngs(0), patch_size=2, width=4, depth=depth, num_heads=1,
+      mlp_dim=8, image_size=4))
+
+
 @pytest.mark.parametrize('convention', ['cosub', 'mae'])
 def test_layer_decay_multipliers_12_block_vit(convention):
   ld = 0.75
-  mult = _by_path(optim.layer_decay_multipliers(_vit_params(depth=12), ld, convention))
+  mult = _by_path(optim.layer_decay_multipliers(_vit_params(depth=12), ld, convention,
+                                                layers=_vit(12)))
   # cosub (supplement A.1): block l of L gets LD^(L - l), the final block is not affected;
   # mae (BEiT / MAE): LD^(L + 1 - l), one more factor LD on every layer but the head.
   shift = 0 if convention == 'cosub' else 1
@@ -173,16 +190,65 @@ def test_layer_decay_multipliers_12_block_vit(convention):
     assert last == pytest.approx(0.75) and first == pytest.approx(0.75 ** 12)
 
 
+# Per family at LD = 0.5, cosub's rule (supplement A.1: every layer but the final block): the
+# stem is layer 0 and gets LD^L, block i (counted over all stages) LD^(L - 1 - i), what
+# follows the last block 1. (model, L, {path: exponent}), the exponents written out by hand.
+_FAMILY_LAYERS = [
+    ('vit_demo', 4, {'patch_embed/kernel': 4, 'cls_token': 4, 'pos_embed': 4,
+                     'blocks/0/attn/qkv/kernel': 3, 'blocks/3/mlp/fc2/bias': 0,
+                     'norm/scale': 0, 'head/kernel': 0}),
+    ('resnet50', 16, {'stem_conv/kernel': 16, 'stem_bn/scale': 16, 'stem_bn/bias': 16,
+                      'blocks/0/conv1/kernel': 15, 'blocks/3/downsample_conv/kernel': 12,
+                      'blocks/15/bn3/scale': 0, 'head/kernel': 0}),
+    ('regnety_demo', 6, {'stem_conv/kernel': 6, 'stem_bn/bias': 6, 'blocks/0/se/fc1/kernel': 5,
+                         'blocks/5/conv_c/kernel': 0, 'head/bias': 0}),
+    # Stages of 3, 4, 11 and 3 blocks: layer3/10 is block 3 + 4 + 10 = 17 of 21.
+    ('tresnet_m', 21, {'conv1/conv/kernel': 21, 'conv1/bn/scale': 21,
+                       'layer1/0/conv1/conv/kernel': 20, 'layer2/0/conv1/conv/kernel': 17,
+                       'layer3/10/conv3/conv/kernel': 3, 'layer4/2/conv1/conv/kernel': 0,
+                       'head/kernel': 0}),
+    # The final 1x1 convs after the last block are on the head's side.
+    ('mobilenetv3_large_100', 15, {'conv_stem/kernel': 15, 'bn_stem/scale': 15,
+                                   'blocks/0/conv_dw/kernel': 14, 'blocks/14/conv_pw/kernel': 0,
+                                   'conv_last/kernel': 0, 'bn_last/bias': 0,
+                                   'conv_head/kernel': 0, 'head/kernel': 0}),
+    ('mixer_s16', 8, {'patch_embed/kernel': 8, 'blocks/0/token_mixing/fc1/kernel': 7,
+                      'blocks/7/norm2/scale': 0, 'norm/scale': 0, 'head/kernel': 0}),
+]
+
+
+@pytest.mark.parametrize('name, num_blocks, expected', _FAMILY_LAYERS,
+                         ids=[f[0] for f in _FAMILY_LAYERS])
+def test_layer_decay_per_family_from_the_stem_to_the_head(name, num_blocks, expected):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  model = _abstract_model(name)
+  assert model.num_layers() == num_blocks + 2
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  mult = _by_path(optim.layer_decay_multipliers(params, 0.5, layers=model))
+  for path, exponent in expected.items():
+    assert mult[path] == 0.5 ** exponent, path
+  # The stem is the lowest layer, below every block: never the head's x1 (a convnet's stem
+  # named outside a ViT's layer-0 names once got it while blocks/0 got LD^(L-1)).
+  stem = min(mult.values())
+  assert stem == 0.5 ** num_blocks and max(mult.values()) == 1.0
+
+
+def test_a_parameter_outside_the_layer_order_is_refused():
+  params = {**_vit_params(depth=2), 'extra_token': jnp.ones((1, 1, 4))}
+  with pytest.raises(ValueError, match="'extra_token' is in none of its layers"):
+    optim.layer_decay_multipliers(params, 0.7, layers=_vit(2))
+
+
 def test_layer_decay_convention_is_checked():
   with pytest.raises(ValueError, match=r'optim\.layer_decay_convention'):
-    optim.layer_decay_multipliers(_vit_params(depth=2), 0.7, 'beit2')
+    optim.layer_decay_multipliers(_vit_params(depth=2), 0.7, 'beit2', layers=_vit(2))
   with pytest.raises(ValueError, match=r'optim\.layer_decay_convention'):
     optim.make_optimizer(_cfg(layer_decay=0.7, layer_decay_convention='beit2'), total_steps=10)
 
 
-def test_layer_decay_needs_blocks():
-  with pytest.raises(ValueError, match='layer_decay'):
-    optim.layer_decay_multipliers({'conv': {'kernel': jnp.ones((3, 3))}}, 0.7)
+def test_layer_decay_needs_the_model():
+  with pytest.raises(ValueError, match='layers=model'):
+    optim.make_optimizer(_cfg(layer_decay=0.7), total_steps=10)
 
 
 @pytest.mark.parametrize('convention, shift', [('cosub', 0), ('mae', 1)])
@@ -192,7 +258,7 @@ def test_layer_decay_applied_with_lr_scale(convention, shift):
   cfg = _cfg(name='sgd', momentum=0.0, nesterov=False, weight_decay=0.0, lr=0.1,
              layer_decay=0.5, layer_decay_convention=convention,
              **{'schedule.name': 'constant'})
-  tx, schedule = optim.make_optimizer(cfg, total_steps=10)
+  tx, schedule = optim.make_optimizer(cfg, total_steps=10, layers=_vit(3))
   assert float(schedule(0)) == pytest.approx(0.2)  # lr * C_LD (2.0).
   updates, _ = tx.update(grads, tx.init(params), params)
   u = _by_path(updates)

@@ -86,3 +86,38 @@ def test_task_from_the_dataset_name(init_from):
   assert config.optim.lr == pytest.approx(1.2e-2)
   with pytest.raises(ValueError, match="task="):
     swag_finetune.get_config("task=coco")
+
+
+def test_finetune_sets_its_own_batchnorm_and_resolution(monkeypatch):
+  """A semi-supervised checkpoint's 24-image BatchNorm and its pre-training size do not carry
+  over: SWAG fine-tunes with synchronised BN (section 4.1), at the run's resolution."""
+  model = {"name": "resnet50", "bn_group_size": 24, "image_size": 224}
+  monkeypatch.setattr(checkpoint, "read_meta", lambda path: _meta(model))
+  config = swag_finetune.get_config("init=/ckpt,size=large,dataset=tfds:imagenet2012")
+  assert dict(config.model) == dict(config_lib.model_section(name="resnet50"))
+  assert "bn_group_size" not in config.model and "image_size" not in config.model
+
+
+def _dataset(monkeypatch, class_names):
+  """swag_finetune's datasets.get_dataset returning a dataset of these classes."""
+  import types
+  info = types.SimpleNamespace(class_names=list(class_names), num_classes=len(class_names))
+  monkeypatch.setattr(swag_finetune.datasets, "get_dataset",
+                      lambda cfg: types.SimpleNamespace(info=info))
+
+
+def test_task_from_the_class_list_under_any_name(init_from, monkeypatch):
+  vit = {"name": "vit_b16"}
+  _dataset(monkeypatch, swag_finetune.IN1K_WNIDS.read_text().split())
+  in1k = init_from(vit, "dataset=folder:imagenet")  # ImageNet-1k prepared from a folder.
+  assert in1k.num_epochs == 28 and in1k.optim.lr == pytest.approx(6e-3)
+  # A 365-class dataset that is not named Places365: which column is unknown, so refused...
+  _dataset(monkeypatch, [f"scene{i}" for i in range(365)])
+  with pytest.raises(ValueError, match="365 classes, as Table 8's places dataset.*task=places"):
+    init_from(vit, "dataset=folder:scenes")
+  assert init_from(vit, "dataset=folder:scenes,task=places").optim.lr == pytest.approx(3e-3)
+  # ... while a dataset that is none of Table 8's gets ImageNet-1k's lr and the step rule.
+  _dataset(monkeypatch, [f"pet{i}" for i in range(37)])
+  other = init_from(vit, "dataset=folder:pets")
+  assert other.total_steps == 20_000 and other.num_epochs == -1
+  assert other.optim.lr == pytest.approx(swag_finetune.PAPER_LR)

@@ -230,3 +230,66 @@ def test_fewshot_eval_k_larger_than_pool_errors(tiny_checkpoint, tmp_path):
   config.evals.fewshot.train_records = 100
   with pytest.raises(ValueError, match=r"demo_coarse:train\): \d+-shot draw: class \d+ has only"):
     train.train_and_evaluate(config, str(tmp_path))
+
+
+
+def test_swag_finetune_of_a_real_checkpoint_at_a_larger_resolution(tiny_checkpoint, tmp_path,
+                                                                  capsys):
+  """The 32 px demo ViT (a 4x4 grid and the class token's row) fine-tuned at 64 px, one step:
+  the model is built at the run's resolution and its position embedding resized to the 8x8
+  grid (the first step used to stop on the checkpoint's image size)."""
+  import ml_collections
+  from bigpretrain import checkpoint
+  from configs import swag_finetune
+  config = swag_finetune.get_config(f"init={tiny_checkpoint},res=64")
+  assert checkpoint.read_meta(tiny_checkpoint)["model"]["image_size"] == 32
+  assert "image_size" not in config.model and config.data.image_size == 64
+  assert config.model_init_resize == "bicubic_align_corners"  # SWAG's trainer's.
+  config.batch_size, config.total_steps = 16, 1
+  config.evals = ml_collections.ConfigDict()
+  config.compilation_cache_dir = helpers.JAX_CACHE
+  capsys.readouterr()
+  train.train_and_evaluate(config, str(tmp_path))
+  assert "resized: ['params/pos_embed (1, 17, 128) -> (1, 65, 128)']" in capsys.readouterr().out
+  assert checkpoint.read_meta(str(tmp_path))["model"]["image_size"] == 64
+
+
+def _initialised_logits(config, num_classes):
+  """What a run of `config` starts from, as its trainer builds it: the model at
+  config.data.image_size, model_init's weights adapted by the model; its logits on zeros."""
+  import jax
+  import jax.numpy as jnp
+  from bigpretrain import checkpoint
+  from bigpretrain import models
+  model_def = models.ModelDef.from_config(config.model, num_classes,
+                                          image_size=config.data.image_size)
+  params, extra = model_def.create(jax.random.key(0))
+  loaded, _, resized = checkpoint.init_from(
+      config.model_init, {"params": params, "extra": extra}, skip=config.model_init_skip,
+      adapt=model_def.param_adapter(config.model_init_resize))
+  size = config.data.image_size
+  logits = model_def.merge(loaded["params"], loaded["extra"])(jnp.zeros((1, size, size, 3)))
+  return logits, resized
+
+
+@pytest.mark.parametrize("recipe", ["in21k", "cosub"])
+def test_transfer_of_a_real_checkpoint_at_a_larger_resolution(tiny_checkpoint, recipe):
+  config = transfer.get_config(f"mode=finetune,init={tiny_checkpoint},recipe={recipe},res=64")
+  assert "image_size" not in config.model and config.data.image_size == 64
+  # timm's resize for the in21k recipe (a timm run), DeiT's for cosub.
+  method = {"in21k": "bicubic_antialias", "cosub": "bicubic"}[recipe]
+  assert config.model_init_resize == method
+  logits, resized = _initialised_logits(config, 12)
+  assert logits.shape == (1, 12) and resized == ["params/pos_embed (1, 17, 128) -> (1, 65, 128)"]
+
+
+def test_cosub_finetune_from_a_checkpoint_at_a_larger_resolution(tmp_path):
+  """cosub_finetune_in1k from a demo checkpoint of its own architecture (DeiT-III's ViT: no
+  position-embedding row for the class token), at 64 px."""
+  from configs import cosub_common
+  from configs import cosub_finetune_in1k
+  init = helpers.random_checkpoint(tmp_path, model=cosub_common.cosub_model("vit_demo", 0.1))
+  config = cosub_finetune_in1k.get_config(f"init={init},res=64")
+  assert config.data.image_size == 64 and config.model_init_resize == "auto"
+  logits, resized = _initialised_logits(config, 100)
+  assert logits.shape == (1, 100) and resized == ["params/pos_embed (1, 16, 128) -> (1, 64, 128)"]

@@ -113,3 +113,19 @@ def test_swag_transfer_drops_the_vit_tanh_layer(monkeypatch):
   assert swag.model.pre_logits is False and swag.data.image_size == 224
   linear = transfer.get_config("mode=linear,init=/c")
   assert linear.model.pre_logits is True  # A frozen probe reads the model as trained.
+
+
+def test_batchnorm_statistics_are_the_recipes_not_the_checkpoints(monkeypatch):
+  """semisup_cub's BN over 24 images (paper 002: 768 images on 32 GPUs, BN on each GPU) from
+  a checkpoint without grouping; the in21k recipe's whole-batch BN from one with it (swag's:
+  tests/test_swag_finetune_recipe.py)."""
+  grouped = {"name": "resnet50", "bn_group_size": 24}
+  for model, recipe, want in (({"name": "resnet50"}, "semisup_cub", 24),
+                              (grouped, "in21k", None)):
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path, m=model: {
+        "model": m, "data": {"image_size": 224, "normalize": "imagenet"}})
+    c = transfer.get_config(f"mode=finetune,init=/c,recipe={recipe},"
+                            "dataset=tfds:caltech_birds2011")
+    assert c.model.get("bn_group_size") == want, recipe
+  demo = transfer.get_config("mode=finetune,init=/c,recipe=semisup_cub")
+  assert "bn_group_size" not in demo.model  # The demo's batch of 64 keeps whole-batch BN.

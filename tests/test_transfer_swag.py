@@ -220,7 +220,7 @@ def test_swag_finetune_config():
   assert [swag_finetune.size_of(n) for n in (20_000, 20_001, 500_000, 500_001)] == [
       "small", "medium", "medium", "large"]
   assert swag_finetune.size_of(round(1_281_167 * 0.01)) == "small"  # 1% of ImageNet-1k.
-  paper = swag_finetune.get_config("dataset=tfds:x,size=large")
+  paper = swag_finetune.get_config("dataset=tfds:x,size=large,task=other")
   assert paper.total_steps == 20_000 and paper.ema.momentum == 0.9999
   assert paper.batch_size == 512 and paper.optim.lr == pytest.approx(6e-3)
   with pytest.raises(ValueError, match="size="):

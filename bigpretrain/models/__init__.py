@@ -111,6 +111,32 @@ class ModelDef:
     return {"name": self.name, **{k: v for k, v in self.kwargs.items()
                                   if k not in ("dtype", "num_classes", "remat")}}
 
+  def abstract_module(self) -> nnx.Module:
+    """The model with shapes in place of arrays: its hooks (layer order, parameter
+    adaptation) without weights."""
+    return nnx.merge(self.graphdef, self.abstract_params, self.abstract_extra)
+
+  def param_adapter(self, method: str, origin=lambda: ""):
+    """`adapt(path, saved) -> array or None` for checkpoint.init_from: the model's
+    adapt_param hook on a checkpoint path ('params/pos_embed'). `method` says how a
+    position embedding is resized (vit.RESIZE_METHODS), or 'auto': as the library a
+    converted checkpoint came from resizes it (`origin()`, its meta's source, read only when
+    an array is adapted: timm, torchvision; vit.ORIGIN_RESIZE), 'bicubic' for any other."""
+    if method != "auto" and method not in vit.RESIZE_METHODS:
+      raise ValueError(f"config.model_init_resize={method!r} must be auto or one of "
+                       f"{vit.RESIZE_METHODS}.")
+    module = self.abstract_module()
+
+    def adapt(path: str, saved):
+      kind, _, inner = path.partition("/")
+      if kind != "params":
+        return None
+      how = (vit.ORIGIN_RESIZE.get(origin().split(":", 1)[0], "bicubic") if method == "auto"
+             else method)
+      return module.adapt_param(inner, saved, how)
+
+    return adapt
+
   def abstract_pure_params(self):
     return nnx.to_pure_dict(self.abstract_params)
 

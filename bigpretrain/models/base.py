@@ -1,4 +1,6 @@
 """The model contract and the registry of models by name (config.model.name)."""
+import re
+
 import jax
 from flax import nnx
 
@@ -21,8 +23,16 @@ class Classifier(nnx.Module):
 
   drop_path_rates: the per-block stochastic-depth rates, or None for a model without
   stochastic depth (cosub needs it).
+
+  Layer order (LayerDecay, bigpretrain/optim.py): layer 0 is the stem, the top-level
+  attributes named in STEM; layer i + 1 the i-th residual block in forward order over
+  residual_stages(); the last layer the attributes named in TOP (after the last block: final
+  norm, head). Each family names its own; a parameter under any other name is an error, so a
+  new layer cannot silently fall outside the order.
   """
   drop_path_rates: list[float] | None = None
+  STEM: tuple[str, ...] = ()
+  TOP: tuple[str, ...] = ("head",)
 
   def __call__(self, images: jax.Array, *, train: bool = False,
                rng: jax.Array | None = None) -> jax.Array:
@@ -43,6 +53,35 @@ class Classifier(nnx.Module):
     bigpretrain/evaluators/evaluate.py, remat_blocks); [] for a model without them."""
     blocks = getattr(self, "blocks", None)
     return [blocks] if isinstance(blocks, nnx.List) else []
+
+  def num_layers(self) -> int:
+    """The layers of the layer order: the stem, every residual block, the top."""
+    return sum(len(stage) for stage in self.residual_stages()) + 2
+
+  def layer_of(self, path: str) -> int:
+    """The layer (0 = stem .. num_layers() - 1 = top) of the parameter at `path`
+    ('blocks/3/attn/qkv/kernel', relative to the model)."""
+    first, index = re.match(r"([^/]+)(?:/(\d+))?", path).groups()
+    if first in self.STEM:
+      return 0
+    if first in self.TOP:
+      return self.num_layers() - 1
+    offset = 1
+    for stage in self.residual_stages():
+      if getattr(self, first, None) is stage and index is not None:
+        return offset + int(index)
+      offset += len(stage)
+    raise ValueError(f"{type(self).__name__}: parameter {path!r} is in none of its layers "
+                     f"(stem {self.STEM}, residual blocks, top {self.TOP}).")
+
+  def adapt_param(self, path: str, saved: jax.Array, method: str) -> jax.Array | None:
+    """This model's value of parameter `path` (relative to the model) from a checkpoint's
+    array `saved` of another shape, e.g. a ViT's position embedding at a new image size
+    (`method`: how it resamples, see vit.RESIZE_METHODS); None when the difference is not
+    one this model adapts (the caller refuses it). Models without size-dependent
+    parameters adapt nothing."""
+    del path, saved, method
+    return None
 
 
 def remat_blocks(model: nnx.Module, policy: str) -> nnx.Module:

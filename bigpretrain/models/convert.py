@@ -11,11 +11,11 @@ weight [O, I, kh, kw], linear kernel [I, O] <- weight [O, I], LayerNorm / BatchN
 weight, BatchNorm mean / var <- running_mean / running_var (carried into 'extra').
 
 Image size: ViT and Mixer take it from the weights (position embedding / token-MLP size);
---image_size resizes a ViT's position-embedding grid bilinearly (half-pixel centres, as
-torch's F.interpolate(mode='bilinear', align_corners=False); timm's resample_abs_pos_embed
-defaults to antialiased bicubic, so an embedding timm resizes differs slightly). A Mixer's
-token-mixing MLP is tied to its token count, so it cannot change size. --num_classes other
-than the weights' keeps the backbone and gives a freshly initialised head (model_init's rule).
+--image_size resizes a ViT's position-embedding grid as the source library does
+(models.vit.ORIGIN_RESIZE: torchvision bicubic with align_corners, timm its antialiased
+bicubic). A Mixer's token-mixing MLP is tied to its token count, so it cannot change size.
+--num_classes other than the weights' keeps the backbone and gives a freshly initialised head
+(model_init's rule).
 
 Security: weight files come from the internet. `.safetensors` is read with the safetensors
 numpy API (no torch, no code); `.pth` / `.pt` / `.torch` / `.bin` pickles only through
@@ -366,7 +366,8 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
     if arch.sized_by != "pos_embed":
       raise ValueError(f"{spec}: the token-mixing MLPs fix the image size to "
                        f"{cfg['image_size']}; --image_size={image_size} is not possible")
-    flat["params/pos_embed"] = _resize_pos_embed(flat["params/pos_embed"], cfg, image_size)
+    flat["params/pos_embed"] = _resize_pos_embed(flat["params/pos_embed"], cfg, image_size,
+                                                 spec)
   num_classes = src_classes if num_classes is None else int(num_classes)
   if image_size is not None and image_size != cfg.get("image_size"):
     cfg["image_size"] = image_size
@@ -381,14 +382,16 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
   return model_def, _unflat(flat), cfg
 
 
-def _resize_pos_embed(pos: np.ndarray, cfg: dict, image_size: int) -> np.ndarray:
+def _resize_pos_embed(pos: np.ndarray, cfg: dict, image_size: int, spec: str) -> np.ndarray:
   from bigpretrain.models import vit  # pylint: disable=import-outside-toplevel
   patch = int(re.search(r"(\d+)$", cfg["name"]).group(1))
   if image_size % patch:
     raise ValueError(f"--image_size={image_size} is not divisible by the patch size {patch}")
   old, new = cfg["image_size"] // patch, image_size // patch
   prefix = 0 if cfg.get("pos_embed_cls", True) is False else 1
-  return np.asarray(vit.resize_pos_embed(pos, (old, old), (new, new), num_prefix=prefix))
+  method = vit.ORIGIN_RESIZE[spec.split(":", 1)[0]]
+  return np.asarray(vit.resize_pos_embed(pos, (old, old), (new, new), num_prefix=prefix,
+                                         method=method))
 
 
 def read_class_names(path: str, num_classes: int) -> list[str]:

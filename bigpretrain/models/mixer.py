@@ -37,7 +37,12 @@ class MixerBlock(nnx.Module):
 
 
 class MlpMixer(base.Classifier):
-  """MLP-Mixer classifier: `model(images, *, train, rng) -> float32 logits [B, C]`."""
+  """MLP-Mixer classifier: `model(images, *, train, rng) -> float32 logits [B, C]`.
+
+  Its token-mixing MLPs are tied to the token count: a checkpoint of another image size is
+  not adapted (the base class's adapt_param refuses it)."""
+  STEM = ("patch_embed",)
+  TOP = ("norm", "head")
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, patch_size: int, width: int,
                depth: int, tokens_mlp_dim: int, channels_mlp_dim: int, image_size=224,

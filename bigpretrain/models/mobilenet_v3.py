@@ -105,6 +105,8 @@ class InvertedResidual(nnx.Module):
 
 class MobileNetV3(base.Classifier):
   """MobileNetV3-Large: `model(images, *, train, rng) -> float32 logits [B, C]`."""
+  STEM = ("conv_stem", "bn_stem")
+  TOP = ("conv_last", "bn_last", "conv_head", "head")  # After the last block.
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, image_size=224,
                dtype=jnp.float32, param_dtype=jnp.float32, drop_path_rate: float = 0.0,

@@ -125,6 +125,7 @@ class RegNet(base.Classifier):
   `depth, w_0, w_a, w_m, group_width` are the RegNet parameters (regnet_stages);
   se_ratio 0.25 makes a RegNetY, None a RegNetX.
   """
+  STEM = ("stem_conv", "stem_bn")
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, depth: int, w_0: int, w_a: float,
                w_m: float, group_width: int, se_ratio: float | None = 0.25,

@@ -143,6 +143,7 @@ class ResNet(base.Classifier):
   `block` is 'basic' or 'bottleneck'; `groups` and `width_per_group` (ResNeXt) apply to the
   bottleneck only, as in torchvision.
   """
+  STEM = ("stem_conv", "stem_bn")
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, stage_sizes: tuple[int, ...],
                block: str = "bottleneck", groups: int = 1, width_per_group: int = 64,

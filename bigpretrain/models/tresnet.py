@@ -169,6 +169,7 @@ class TResNet(base.Classifier):
   (planes = int(64 * width_factor), as timm). Images need height and width divisible by 4
   (SpaceToDepth); the final map is 1/32 of the input at sizes divisible by 32.
   """
+  STEM = ("conv1",)
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, stage_sizes: tuple[int, ...],
                width_factor: float = 1.0, image_size=224, dtype=jnp.float32,

@@ -17,16 +17,18 @@ input dimension, similar to [ViT]"); the tanh and the layout follow torchvision'
 `representation_size` head (heads.pre_logits + Tanh) and ClassyVision's, which SWAG's code
 uses, so their weights map one to one. Its init: lecun-normal kernel, zero bias (as theirs).
 
-Parameter paths (the trainer's layer-decay and weight-decay rules rely on them):
+Parameter paths (weight decay's exclusions and the layer order, STEM / TOP, name them):
 patch_embed/{kernel,bias}, cls_token, pos_embed, blocks/<i>/{norm1,attn/qkv,attn/proj,ls1,
 norm2,mlp/fc1,mlp/fc2,ls2}/..., norm/{scale,bias}, pre_logits/{kernel,bias} (optional),
 head/{kernel,bias}.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+import numpy as np
 
 from bigpretrain.models import base
 from bigpretrain.models import layers
@@ -118,7 +120,12 @@ class Block(nnx.Module):
 
 
 class VisionTransformer(base.Classifier):
-  """ViT classifier: `model(images [B,H,W,3], *, train, rng) -> float32 logits [B, C]`."""
+  """ViT classifier: `model(images [B,H,W,3], *, train, rng) -> float32 logits [B, C]`.
+
+  Its position embedding depends on the image size: adapt_param resizes a checkpoint's to
+  this model's grid (fine-tuning at a new resolution)."""
+  STEM = ("patch_embed", "cls_token", "pos_embed")
+  TOP = ("norm", "pre_logits", "head")
 
   def __init__(self, *, num_classes: int, rngs: nnx.Rngs, patch_size: int, width: int,
                depth: int, num_heads: int, mlp_dim: int, image_size=224,
@@ -195,6 +202,16 @@ class VisionTransformer(base.Classifier):
       return jnp.concatenate([cls, x], axis=1) + pos
     return jnp.concatenate([cls, x + pos], axis=1)
 
+  def adapt_param(self, path: str, saved: jax.Array, method: str) -> jax.Array | None:
+    """The position embedding of a square grid (plus the class token's row when this model
+    gives it one, kept as it is) resized to this model's grid by `method`."""
+    prefix = 1 if self.cls_token is not None and self.pos_embed_cls else 0
+    old = math.isqrt(max(saved.shape[1] - prefix, 0)) if saved.ndim == 3 else 0
+    if (path != "pos_embed" or not old or old * old != saved.shape[1] - prefix
+        or saved.shape[::2] != (1, self.width)):
+      return None
+    return resize_pos_embed(saved, (old, old), self.grid, num_prefix=prefix, method=method)
+
   def effective_drop_path_rates(self, batch_size: int) -> list[float]:
     """Per-block drop rates training applies to a global batch of `batch_size` rows.
 
@@ -223,16 +240,69 @@ class VisionTransformer(base.Classifier):
     return x if self.pre_logits is None else jnp.tanh(self.pre_logits(x))
 
 
-def resize_pos_embed(pos_embed: jax.Array, old_grid: tuple[int, int],
-                     new_grid: tuple[int, int], num_prefix: int = 0) -> jax.Array:
-  """Bilinearly resizes a [1, prefix + gh*gw, D] position embedding for a new resolution.
+# How a position embedding is resampled to a new grid: the bicubic resizes of the code bases
+# checkpoints come from (torch's F.interpolate, mode="bicubic"):
+# - bicubic_align_corners: align_corners=True; ClassyVision's VisionTransformer (the trainer
+#   SWAG fine-tunes with) and torchvision's interpolate_embeddings.
+# - bicubic: align_corners=False (half-pixel centres); DeiT / DeiT-III's fine-tuning at a new
+#   resolution (the code base of cosub).
+# - bicubic_antialias: half-pixel and antialias=True; timm's resample_abs_pos_embed default.
+RESIZE_METHODS = ("bicubic_align_corners", "bicubic", "bicubic_antialias")
+# The resize of the library a converted checkpoint came from (bigpretrain/models/convert.py sources).
+ORIGIN_RESIZE = {"torchvision": "bicubic_align_corners", "timm": "bicubic_antialias"}
 
-  The first `num_prefix` rows (the class token's, when it has one) are kept as they are.
-  """
+
+def _cubic(x: np.ndarray, a: float) -> np.ndarray:
+  """Keys' cubic convolution kernel with coefficient `a` (torch: -0.75; antialiased and PIL:
+  -0.5)."""
+  x = np.abs(x)
+  near = ((a + 2) * x - (a + 3)) * x * x + 1
+  far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+  return np.where(x <= 1, near, np.where(x < 2, far, 0.0))
+
+
+def resize_matrix(old: int, new: int, method: str) -> np.ndarray:
+  """The [new, old] matrix of one axis's resampling by `method` (RESIZE_METHODS), as torch's
+  upsample_bicubic2d (four taps, indices clamped at the border) or, antialiased, its
+  _upsample_bicubic2d_aa (taps widened by the scale when shrinking, weights renormalised)."""
+  if method not in RESIZE_METHODS:
+    raise ValueError(f"position-embedding resize method {method!r} must be one of "
+                     f"{RESIZE_METHODS}.")
+  out = np.zeros((new, old), np.float64)
+  if method == "bicubic_antialias":
+    scale = old / new
+    support, stretch = 2.0 * max(scale, 1.0), max(scale, 1.0)
+    for i in range(new):
+      centre = scale * (i + 0.5)
+      lo, hi = max(int(centre - support + 0.5), 0), min(int(centre + support + 0.5), old)
+      taps = np.arange(lo, hi)
+      weights = _cubic((taps - centre + 0.5) / stretch, -0.5)
+      out[i, taps] = weights / weights.sum()
+    return out
+  for i in range(new):
+    if method == "bicubic_align_corners":
+      src = i * (old - 1) / (new - 1) if new > 1 else 0.0
+    else:
+      src = (i + 0.5) * old / new - 0.5
+    base = math.floor(src)
+    for k in range(-1, 3):
+      out[i, min(max(base + k, 0), old - 1)] += _cubic(np.float64(src - base - k), -0.75)
+  return out
+
+
+def resize_pos_embed(pos_embed: jax.Array, old_grid: tuple[int, int],
+                     new_grid: tuple[int, int], num_prefix: int = 0,
+                     method: str = "bicubic") -> jax.Array:
+  """Resizes a [1, prefix + gh*gw, D] position embedding for a new resolution by `method`
+  (RESIZE_METHODS), separably along the grid's rows and columns. The first `num_prefix`
+  rows (the class token's, when it has one) are kept as they are."""
+  pos_embed = jnp.asarray(pos_embed, jnp.float32)
   d = pos_embed.shape[-1]
   prefix, grid = pos_embed[:, :num_prefix], pos_embed[:, num_prefix:]
-  grid = grid.reshape(1, old_grid[0], old_grid[1], d)
-  grid = jax.image.resize(grid, (1, new_grid[0], new_grid[1], d), method="bilinear")
+  grid = grid.reshape(old_grid[0], old_grid[1], d)
+  rows = jnp.asarray(resize_matrix(old_grid[0], new_grid[0], method), jnp.float32)
+  cols = jnp.asarray(resize_matrix(old_grid[1], new_grid[1], method), jnp.float32)
+  grid = jnp.einsum("ih,jw,hwd->ijd", rows, cols, grid, precision="highest")
   return jnp.concatenate([prefix, grid.reshape(1, -1, d)], axis=1)
 
 
