@@ -18,6 +18,7 @@ again inside every bundle that reads it.
 """
 import functools
 
+import dask
 from apache_beam import DoFn
 from apache_beam import pvalue
 from apache_beam.pipeline import PipelineVisitor
@@ -32,10 +33,15 @@ from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms import sideinputs
 
 
-def _bundle_keeping_tags(items, invoker_args, invoker_kwargs, receivers):
-  """transform_evaluator.apply_dofn_to_bundle, but a tagged output stays a TaggedOutput and
-  what finish_bundle outputs (e.g. WriteToText's written files) is kept."""
-  invoker = DoFnInvoker.create_invoker(*invoker_args, **invoker_kwargs)
+def _bundle(items, invoker_args, invoker_kwargs, receivers, side_specs, side_values):
+  """transform_evaluator.apply_dofn_to_bundle, but each side input arrives computed (its
+  elements, side_values) instead of being computed again inside the bundle, a tagged output
+  stays a TaggedOutput, and what finish_bundle outputs (e.g. WriteToText's files) is kept."""
+  side_inputs = [
+      sideinputs.SideInputMap(view, options, [
+          transform_evaluator.get_windowed_value(x, window_mapping_fn) for x in values])
+      for (view, options, window_mapping_fn), values in zip(side_specs, side_values)]
+  invoker = DoFnInvoker.create_invoker(*invoker_args, side_inputs=side_inputs, **invoker_kwargs)
   invoker.invoke_setup()
   invoker.invoke_start_bundle()
   for item in items:
@@ -47,8 +53,8 @@ def _bundle_keeping_tags(items, invoker_args, invoker_kwargs, receivers):
 
 
 class _ParDo(transform_evaluator.ParDo):
-  """Beam's ParDo translation with _bundle_keeping_tags: the bag holds each tagged element as
-  a TaggedOutput, for _BagPerPCollection to split by tag."""
+  """Beam's ParDo translation with _bundle. side_inputs: (view class, view options, window
+  mapping fn, bag) of each side input."""
 
   def apply(self, input_bag, side_inputs=None):
     transform = self.transform
@@ -64,11 +70,14 @@ class _ParDo(transform_evaluator.ParDo):
                        output_batch_converter=None, process_yields_batches=False,
                        process_batch_yields_elements=False)]
     invoker_kwargs = dict(context=DoFnContext(transform.label, state=None),
-                          side_inputs=side_inputs, input_args=list(args), input_kwargs=kwargs,
-                          user_state_context=None,
+                          input_args=list(args), input_kwargs=kwargs, user_state_context=None,
                           bundle_finalizer_param=DoFn.BundleFinalizerParam())
+    side_inputs = side_inputs or []
+    side_specs = [spec[:3] for spec in side_inputs]
+    # Partitions as dependencies: the scheduler computes each side input once, for all bundles.
+    side_values = [dask.delayed(list)(spec[3]) for spec in side_inputs]
     return input_bag.map(transform_evaluator.get_windowed_value, window_fn).map_partitions(
-        _bundle_keeping_tags, invoker_args, invoker_kwargs, receivers)
+        _bundle, invoker_args, invoker_kwargs, receivers, side_specs, side_values)
 
 
 def _has_tag(tag, item) -> bool:
@@ -108,10 +117,8 @@ class _BagPerPCollection(PipelineVisitor):
       side_inputs = []
       for si in transform_node.side_inputs:
         self.consumed.add(si.pvalue)
-        side_inputs.append(sideinputs.SideInputMap(
-            type(si), si._view_options(),  # pylint: disable=protected-access
-            transform_evaluator.DaskBagWindowedIterator(
-                self.bags.get(si.pvalue), si._window_mapping_fn)))  # pylint: disable=protected-access
+        side_inputs.append((type(si), si._view_options(), si._window_mapping_fn,  # pylint: disable=protected-access
+                            self.bags[si.pvalue]))
     bag = op.apply(input_bag=input_bag, side_inputs=side_inputs)
     if not outputs and bag is not None:
       self.terminal_bags.append(bag)
@@ -142,7 +149,6 @@ class DaskRunner(dask_runner.DaskRunner):
   """Beam's DaskRunner computing every output of the pipeline, tagged outputs kept apart."""
 
   def run_pipeline(self, pipeline, options):
-    import dask  # pylint: disable=g-import-not-at-top
     from dask import distributed  # pylint: disable=g-import-not-at-top
     dask_options = options.view_as(dask_runner.DaskOptions).get_all_options(
         drop_default=True, current_only=True)
@@ -151,5 +157,6 @@ class DaskRunner(dask_runner.DaskRunner):
     pipeline.replace_all(overrides.dask_overrides())
     visitor = _BagPerPCollection(bag_kwargs)
     pipeline.visit(visitor)
-    futures = client.compute(list(dask.optimize(*visitor.leaves())))
+    # Unoptimised: fusing would rename the side inputs' partitions that bundles depend on.
+    futures = client.compute(visitor.leaves(), optimize_graph=False)
     return DaskRunnerResult(client, futures)
