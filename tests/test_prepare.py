@@ -343,6 +343,25 @@ def test_layouts_and_worker_counts_give_identical_data(prepared):
     assert all(x["image"] == y["image"] and x["label"] == y["label"] for x, y in zip(a, b))
 
 
+def test_dask_runner_writes_the_direct_runners_dataset(prepared, raw, tmp_path, dask_beam):
+  """The command line on two dask worker processes (tar reads, the unreadable class, the
+  corrupt file) writes the records and report of the DirectRunner run from the same tars."""
+  runner, options = dask_beam
+  assert prepare.main(["imagenet21k_p", f"--manual_dir={raw['tars']}", f"--data_dir={tmp_path}",
+                       f"--min_images={MIN_IMAGES}", f"--val_per_class={VAL}",
+                       f"--beam_runner={runner}"] + options) == 0
+  builder = datasets.get_dataset({"name": "imagenet21k_p", "dir": str(tmp_path)}).builder
+  _, direct = prepared["tars"]
+  for split in ("train", "validation"):
+    got = sorted((r["file_name"], r["label"], r["image"]) for r in _records(builder, split))
+    want = sorted((r["file_name"], r["label"], r["image"]) for r in _records(direct, split))
+    assert got == want and got
+  meta, direct_meta = i21k.report(builder), i21k.report(direct)
+  assert meta.pop("counters") == {}  # Beam's Dask runner reports no metrics.
+  del direct_meta["counters"]
+  assert meta == direct_meta
+
+
 def test_dataset_lookup(prepared):
   out, ds = prepared["folders"]
   assert ds.info.class_names == KEPT and ds.info.num_classes == 4
