@@ -492,6 +492,20 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
   assert builder.info.features["label"].names == ["cat_a", "cat_b"]
 
 
+def test_image_folder_on_dask_equals_direct_runner(folder_tree, tmp_path, dask_beam):
+  root, _ = folder_tree
+  runner, options = dask_beam
+  direct = image_folder.prepare(root, tmp_path / "direct", "toy")
+  dask = image_folder.prepare(root, tmp_path / "dask", "toy", beam_runner=runner,
+                              beam_options=options)
+  for split in ("train", "validation"):
+    got = sorted((r["file_name"], r["label"], r["image"]) for r in _records(dask, split))
+    assert got == sorted((r["file_name"], r["label"], r["image"])
+                         for r in _records(direct, split)) and got
+  assert ({**i21k.report(dask), "counters": None}
+          == {**i21k.report(direct), "counters": None})  # Dask reports no Beam counters.
+
+
 def test_image_folder_lookup_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="--name=nothing"):
     datasets.get_dataset({"name": "folder:nothing", "dir": str(tmp_path)})
