@@ -8,13 +8,15 @@ dask.bag operation, but it keeps one bag per transform and computes only the las
   - a ParDo's tagged outputs (`.with_outputs(...)`) all reach every consumer, mixed together
     (the jobs route corrupt files and skip reasons to their reports that way);
   - every branch that does not feed the last transform never runs (tfds writes each split in
-    its own branch, and the jobs write their reports in another).
-This runner keeps one bag per PCollection (a tagged output is its ParDo's bag filtered to that
-tag), computes every PCollection nothing consumes, and closes its dask client when the
-pipeline finishes. Everything else is Beam's runner: its transform translations, its options
-(`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts a
-LocalCluster on this machine) and its limits: no Beam metrics, and a side input is computed
-again inside every bundle that reads it.
+    its own branch, and the jobs write their reports in another);
+and each bundle drops what its DoFn outputs in finish_bundle and computes its side inputs
+again itself. This runner keeps one bag per PCollection (a tagged output is its ParDo's bag
+filtered to that tag), computes every PCollection nothing consumes, keeps finish_bundle's
+outputs, hands each bundle its side inputs computed once by the scheduler, and closes its
+dask client when the pipeline finishes. The rest is Beam's runner: its other translations,
+its options (`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts
+a LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
+carry no counters).
 """
 import functools
 
@@ -157,6 +159,7 @@ class DaskRunner(dask_runner.DaskRunner):
     pipeline.replace_all(overrides.dask_overrides())
     visitor = _BagPerPCollection(bag_kwargs)
     pipeline.visit(visitor)
-    # Unoptimised: fusing would rename the side inputs' partitions that bundles depend on.
+    # Unoptimised: with dask's graph optimisation (fusion) the jobs' reports missed elements
+    # of side inputs built from tagged outputs and Flattens.
     futures = client.compute(visitor.leaves(), optimize_graph=False)
     return DaskRunnerResult(client, futures)
