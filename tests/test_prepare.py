@@ -6,6 +6,7 @@ corrupt JPEG, a tiny image, a grayscale one, a wide one) is prepared in the wint
 layout and again as one tar per class; every rule of the issue is checked against values
 computed here independently (sha256 ranking, PIL resizing, the threshold by hand).
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -440,12 +441,21 @@ def folder_tree(tmp_path_factory):
   return root, files
 
 
-def test_image_folder_with_split_folders(folder_tree, tmp_path, capsys):
-  root, files = folder_tree
-  assert prepare.main(["folder", f"--manual_dir={root}", f"--data_dir={tmp_path}",
-                       "--name=toy"]) == 0
-  assert "corrupt/unreadable files skipped: 1" in capsys.readouterr().out
-  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(tmp_path)})
+@pytest.fixture(scope="module")
+def folder_toy(folder_tree, tmp_path_factory):
+  """folder:toy prepared from folder_tree by the command line: (data dir, what it printed)."""
+  out, printed = tmp_path_factory.mktemp("toy"), io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert prepare.main(["folder", f"--manual_dir={folder_tree[0]}", f"--data_dir={out}",
+                         "--name=toy"]) == 0
+  return out, printed.getvalue()
+
+
+def test_image_folder_with_split_folders(folder_tree, folder_toy):
+  _, files = folder_tree
+  data_dir, printed = folder_toy
+  assert "corrupt/unreadable files skipped: 1" in printed
+  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(data_dir)})
   assert ds.info.class_names == ["cat_a", "cat_b"]
   assert ds.info.num_examples == {"train": 7, "validation": 2}  # 3 + (3 + bmp); 1 + 1.
   meta = i21k.report(ds.builder)
@@ -492,11 +502,10 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
   assert builder.info.features["label"].names == ["cat_a", "cat_b"]
 
 
-def test_image_folder_on_dask_equals_direct_runner(folder_tree, tmp_path, dask_beam):
-  root, _ = folder_tree
+def test_image_folder_on_dask_equals_direct_runner(folder_tree, folder_toy, tmp_path, dask_beam):
   runner, options = dask_beam
-  direct = image_folder.prepare(root, tmp_path / "direct", "toy")
-  dask = image_folder.prepare(root, tmp_path / "dask", "toy", beam_runner=runner,
+  direct = datasets.get_dataset({"name": "folder:toy", "dir": str(folder_toy[0])}).builder
+  dask = image_folder.prepare(folder_tree[0], tmp_path, "toy", beam_runner=runner,
                               beam_options=options)
   for split in ("train", "validation"):
     got = sorted((r["file_name"], r["label"], r["image"]) for r in _records(dask, split))
