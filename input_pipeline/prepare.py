@@ -35,6 +35,8 @@ import sys
 from typing import Sequence
 
 from absl import logging
+from apache_beam.options import pipeline_options
+from apache_beam.runners import runner as runner_lib
 
 from input_pipeline import beam_images
 from input_pipeline import hashtag_job
@@ -187,12 +189,30 @@ def summary(builder) -> str:
   return "\n".join(lines)
 
 
+def check_beam_flags(beam_runner: str | None, beam_options: Sequence[str]) -> None:
+  """SystemExit naming an unknown runner, or the flags that no Beam pipeline option defines
+  (Beam would drop them with a warning and run with its defaults, e.g. on a local cluster)."""
+  if beam_runner:
+    try:
+      runner_lib.create_runner(beam_runner)  # Imports the runner's module: its options too.
+    except (ValueError, ImportError) as e:
+      raise SystemExit(f"--beam_runner={beam_runner}: {e}") from e
+  options = pipeline_options.PipelineOptions(list(beam_options))
+  unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
+                   - set(options.get_all_options()))
+  if unknown:
+    raise SystemExit(f"Neither this command nor Beam (runner {beam_runner or 'DirectRunner'}) "
+                     f"defines {['--' + u for u in unknown]}; docs/data.md lists each "
+                     "runner's options.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses argv (without the program name), runs the job, prints the summary."""
   args, beam_options = build_parser().parse_known_args(argv)
   bad = [a for a in beam_options if not a.startswith("--")]
   if bad:
     raise SystemExit(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
+  check_beam_flags(args.beam_runner, beam_options)
   if beam_options:
     logging.info("Passing to Beam: %s", beam_options)
   if args.dataset == "selection":
