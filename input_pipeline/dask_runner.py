@@ -12,10 +12,13 @@ dask.bag operation, but it keeps one bag per transform and computes only the las
 and each bundle drops what its DoFn outputs in finish_bundle and computes its side inputs
 again itself. This runner keeps one bag per PCollection (a tagged output is its ParDo's bag
 filtered to that tag), computes every PCollection nothing consumes, keeps finish_bundle's
-outputs, hands each bundle its side inputs computed once by the scheduler, and closes its
-dask client when the pipeline finishes. The rest is Beam's runner: its other translations,
-its options (`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts
-a LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
+outputs, hands a transform's bundles its side inputs as scheduler-computed values, and closes
+its dask client when the pipeline finishes. Each side input is still computed apart from the
+main graph, once per transform reading it, so the DoFns upstream of it run more than once (as
+under retried bundles: the jobs' DoFns are idempotent, and their tests compare the output
+with the DirectRunner's). The rest is Beam's runner: its other translations, its options
+(`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts a
+LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
 carry no counters).
 """
 import functools
@@ -76,7 +79,7 @@ class _ParDo(transform_evaluator.ParDo):
                           bundle_finalizer_param=DoFn.BundleFinalizerParam())
     side_inputs = side_inputs or []
     side_specs = [spec[:3] for spec in side_inputs]
-    # Partitions as dependencies: the scheduler computes each side input once, for all bundles.
+    # Computed by the scheduler once for all of this transform's bundles.
     side_values = [dask.delayed(list)(spec[3]) for spec in side_inputs]
     return input_bag.map(transform_evaluator.get_windowed_value, window_fn).map_partitions(
         _bundle, invoker_args, invoker_kwargs, receivers, side_specs, side_values)
