@@ -38,13 +38,15 @@ setuptools.setup(
         "pyarrow>=15",  # Parquet: teacher predictions and the selected dataset's index.
     ],
     extras_require={
-        # Beam: the data-preparation tests; faiss: the dedup tests. The weight-conversion
+        # beam: the data-preparation tests; faiss: the dedup tests. The weight-conversion
         # tests need the interop extra too (pytest -m interop); without it they skip.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "apache-beam>=2.60", "faiss-cpu>=1.8",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "faiss-cpu>=1.8", "bigpretrain[beam]",
                  "bigpretrain[bench]"],
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],
-        "beam": ["apache-beam>=2.60"],
+        # The offline preparation jobs; Beam's dask extra (dask, distributed) runs them on a
+        # dask cluster (input_pipeline/dask_runner.py).
+        "beam": ["apache-beam[dask]>=2.60"],
         # Nearest-neighbour search of bigpretrain.tools.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.
         "dedup": ["faiss-cpu>=1.8"],

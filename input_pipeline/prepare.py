@@ -23,10 +23,11 @@ hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manife
 (input_pipeline/jobs/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
 The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
-FlinkRunner, SparkRunner, ...). Flags this command does not define are handed to Beam as
-pipeline options, e.g. `--direct_num_workers=8 --direct_running_mode=multi_processing` (all
-local cores), or `--project=P --region=R --temp_location=gs://... --setup_file=./setup.py`
-(Dataflow). A finished dataset in OUT is reused, not regenerated. Prints a summary at the end.
+FlinkRunner, SparkRunner, input_pipeline.dask_runner.DaskRunner). Flags this command does not
+define are handed to Beam as pipeline options, e.g. `--direct_num_workers=8
+--direct_running_mode=multi_processing` (all local cores), or `--project=P --region=R
+--temp_location=gs://... --setup_file=./setup.py` (Dataflow); docs/data.md lists each runner's.
+A finished dataset in OUT is reused, not regenerated. Prints a summary at the end.
 """
 import argparse
 import json
@@ -34,6 +35,8 @@ import sys
 from typing import Sequence
 
 from absl import logging
+from apache_beam.options import pipeline_options
+from apache_beam.runners import runner as runner_lib
 
 from input_pipeline.jobs import beam_images
 from input_pipeline.jobs import hashtag_job
@@ -41,6 +44,12 @@ from input_pipeline.sources import hashtag_source
 from input_pipeline.jobs import image_folder
 from input_pipeline.jobs import imagenet21k_p
 from input_pipeline.jobs import selection_job
+
+
+RUNNER_HELP = ("Beam runner: DataflowRunner, FlinkRunner, SparkRunner, "
+               "input_pipeline.dask_runner.DaskRunner or a runner class's full name; its "
+               "options are passed as --key=value flags (docs/data.md). Default: the "
+               "DirectRunner on this machine.")
 
 
 def _size(text: str) -> int | None:
@@ -57,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
   def common(p, min_images, val_per_class, image_size):
     p.add_argument("--manual_dir", required=True, help="Raw data folder.")
     p.add_argument("--data_dir", required=True, help="tfds data dir to write into.")
-    p.add_argument("--beam_runner", default=None,
-                   help="Beam runner (default: DirectRunner on this machine).")
+    p.add_argument("--beam_runner", default=None, help=RUNNER_HELP)
     p.add_argument("--min_images", type=int, default=min_images,
                    help="Keep a class only if it has at least this many files.")
     p.add_argument("--val_per_class", type=int, default=val_per_class,
@@ -79,8 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
   psel.add_argument("--predictions", required=True,
                     help="Folder of prediction shards and predictions.json.")
   psel.add_argument("--data_dir", required=True, help="Folder to write D-hat's index into.")
-  psel.add_argument("--beam_runner", default=None,
-                    help="Beam runner (default: DirectRunner on this machine).")
+  psel.add_argument("--beam_runner", default=None, help=RUNNER_HELP)
   psel.add_argument("--variant", default="balanced_ranked", choices=selection_job.VARIANTS)
   psel.add_argument("--k", type=int, default=None,
                     help="Images per class (balanced_ranked, balanced_with_tags).")
@@ -106,8 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
   ptags.add_argument("--data_dir", required=True, help="tfds data dir to write into.")
   ptags.add_argument("--name", default="hashtags",
                      help="Dataset name (read as hashtags:NAME); 'demo' is reserved.")
-  ptags.add_argument("--beam_runner", default=None,
-                     help="Beam runner (default: DirectRunner on this machine).")
+  ptags.add_argument("--beam_runner", default=None, help=RUNNER_HELP)
   ptags.add_argument("--min_count", type=int, default=hashtag_job.MIN_COUNT,
                      help="Keep a canonical hashtag only if at least this many train images "
                      "have it.")
@@ -183,12 +189,30 @@ def summary(builder) -> str:
   return "\n".join(lines)
 
 
+def check_beam_flags(beam_runner: str | None, beam_options: Sequence[str]) -> None:
+  """SystemExit naming an unknown runner, or the flags that no Beam pipeline option defines
+  (Beam would drop them with a warning and run with its defaults, e.g. on a local cluster)."""
+  if beam_runner:
+    try:
+      runner_lib.create_runner(beam_runner)  # Imports the runner's module: its options too.
+    except (ValueError, ImportError) as e:
+      raise SystemExit(f"--beam_runner={beam_runner}: {e}") from e
+  options = pipeline_options.PipelineOptions(list(beam_options))
+  unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
+                   - set(options.get_all_options()))
+  if unknown:
+    raise SystemExit(f"Neither this command nor Beam (runner {beam_runner or 'DirectRunner'}) "
+                     f"defines {['--' + u for u in unknown]}; docs/data.md lists each "
+                     "runner's options.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses argv (without the program name), runs the job, prints the summary."""
   args, beam_options = build_parser().parse_known_args(argv)
   bad = [a for a in beam_options if not a.startswith("--")]
   if bad:
     raise SystemExit(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
+  check_beam_flags(args.beam_runner, beam_options)
   if beam_options:
     logging.info("Passing to Beam: %s", beam_options)
   if args.dataset == "selection":

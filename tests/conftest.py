@@ -6,6 +6,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain"))
 
 import jax  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
@@ -38,3 +39,15 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"{len(skipped)} interop tests skipped: torch/timm are not installed; "
         "pip install -e '.[interop]' runs them.")
+
+
+@pytest.fixture(scope="session")
+def dask_beam():
+  """The Beam jobs' Dask runner on a local dask.distributed cluster of two single-threaded
+  worker processes, shared by the tests that use it: (runner, Beam options)."""
+  distributed = pytest.importorskip("distributed", reason="the beam extra's dask")
+  with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                dashboard_address=None) as cluster:
+    # Two partitions: every Create is split between the two workers.
+    yield ("input_pipeline.dask_runner.DaskRunner",
+           [f"--dask_client_address={cluster.scheduler_address}", "--dask_npartitions=2"])

@@ -252,3 +252,27 @@ def test_a_sample_with_an_oversized_tag_file_is_rejected_under_one_reason(tmp_pa
   assert [(type(i).__name__, i.reason if hasattr(i, "reason") else i.name) for i in items] == [
       ("Skip", "bad_tags"), ("DroppedTag", "non_utf8_tag"), ("Sample", "s.tar/b")]
   assert items[2].tags == ("dog",)
+
+
+def _records(dataset) -> dict[str, set]:
+  """Split -> every record as the repr of its sorted (field, value) pairs (order-free)."""
+  out = {}
+  for split in ("train", "validation"):
+    source = dataset.source(split)
+    out[split] = {repr(sorted((k, v if isinstance(v, (bytes, str)) else np.asarray(v).tolist())
+                              for k, v in source[i].items())) for i in range(len(source))}
+  return out
+
+
+def test_dask_runner_writes_the_direct_runners_dataset(crawl, tmp_path, dask_beam):
+  runner, options = dask_beam
+  out = tmp_path / "dask"
+  hashtag_job.prepare(crawl["root"] / "raw", out, NAME, min_count=2, min_raw_count=1,
+                      tail_threshold=6, beam_runner=runner, beam_options=options)
+  dataset = datasets.get_dataset({"name": f"hashtags:{NAME}", "dir": str(out)})
+  records = _records(dataset)
+  assert records == _records(crawl["dataset"])
+  assert len(records["train"]) == 8 and len(records["validation"]) == 2
+  meta = dict(dataset.builder.info.metadata)
+  assert meta.pop("counters") == {}  # Beam's Dask runner reports no metrics.
+  assert meta == {k: v for k, v in crawl["meta"].items() if k != "counters"}

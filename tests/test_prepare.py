@@ -6,6 +6,7 @@ corrupt JPEG, a tiny image, a grayscale one, a wide one) is prepared in the wint
 layout and again as one tar per class; every rule of the issue is checked against values
 computed here independently (sha256 ranking, PIL resizing, the threshold by hand).
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -343,6 +344,25 @@ def test_layouts_and_worker_counts_give_identical_data(prepared):
     assert all(x["image"] == y["image"] and x["label"] == y["label"] for x, y in zip(a, b))
 
 
+def test_dask_runner_writes_the_direct_runners_dataset(prepared, raw, tmp_path, dask_beam):
+  """The command line on two dask worker processes (tar reads, the unreadable class, the
+  corrupt file) writes the records and report of the DirectRunner run from the same tars."""
+  runner, options = dask_beam
+  assert prepare.main(["imagenet21k_p", f"--manual_dir={raw['tars']}", f"--data_dir={tmp_path}",
+                       f"--min_images={MIN_IMAGES}", f"--val_per_class={VAL}",
+                       f"--beam_runner={runner}"] + options) == 0
+  builder = datasets.get_dataset({"name": "imagenet21k_p", "dir": str(tmp_path)}).builder
+  _, direct = prepared["tars"]
+  for split in ("train", "validation"):
+    got = sorted((r["file_name"], r["label"], r["image"]) for r in _records(builder, split))
+    want = sorted((r["file_name"], r["label"], r["image"]) for r in _records(direct, split))
+    assert got == want and got
+  meta, direct_meta = i21k.report(builder), i21k.report(direct)
+  assert meta.pop("counters") == {}  # Beam's Dask runner reports no metrics.
+  del direct_meta["counters"]
+  assert meta == direct_meta
+
+
 def test_dataset_lookup(prepared):
   out, ds = prepared["folders"]
   assert ds.info.class_names == KEPT and ds.info.num_classes == 4
@@ -388,6 +408,13 @@ def test_cli_rejects_stray_arguments(tmp_path):
     prepare.main(["imagenet21k_p", "--manual_dir=x", f"--data_dir={tmp_path}", "stray"])
   with pytest.raises(SystemExit):
     prepare.main(["imagenet21k_p", f"--data_dir={tmp_path}"])  # --manual_dir is required.
+  # A misspelt Beam option or runner is an error before anything runs, not a warning.
+  with pytest.raises(SystemExit, match=r"defines \['--dask_npartition'\]; docs/data.md"):
+    prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=n",
+                  "--beam_runner=input_pipeline.dask_runner.DaskRunner", "--dask_npartition=2"])
+  with pytest.raises(SystemExit, match="--beam_runner=FlinkRuner: Unexpected pipeline runner"):
+    prepare.main(["selection", "--predictions=x", f"--data_dir={tmp_path}",
+                  "--beam_runner=FlinkRuner"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -421,12 +448,21 @@ def folder_tree(tmp_path_factory):
   return root, files
 
 
-def test_image_folder_with_split_folders(folder_tree, tmp_path, capsys):
-  root, files = folder_tree
-  assert prepare.main(["folder", f"--manual_dir={root}", f"--data_dir={tmp_path}",
-                       "--name=toy"]) == 0
-  assert "corrupt/unreadable files skipped: 1" in capsys.readouterr().out
-  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(tmp_path)})
+@pytest.fixture(scope="module")
+def folder_toy(folder_tree, tmp_path_factory):
+  """folder:toy prepared from folder_tree by the command line: (data dir, what it printed)."""
+  out, printed = tmp_path_factory.mktemp("toy"), io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert prepare.main(["folder", f"--manual_dir={folder_tree[0]}", f"--data_dir={out}",
+                         "--name=toy"]) == 0
+  return out, printed.getvalue()
+
+
+def test_image_folder_with_split_folders(folder_tree, folder_toy):
+  _, files = folder_tree
+  data_dir, printed = folder_toy
+  assert "corrupt/unreadable files skipped: 1" in printed
+  ds = datasets.get_dataset({"name": "folder:toy", "dir": str(data_dir)})
   assert ds.info.class_names == ["cat_a", "cat_b"]
   assert ds.info.num_examples == {"train": 7, "validation": 2}  # 3 + (3 + bmp); 1 + 1.
   meta = i21k.report(ds.builder)
@@ -471,6 +507,19 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
   record = ds.source("train")[0]
   assert Image.open(io.BytesIO(record["image"])).size == (8, 8)  # --image_size squishes.
   assert builder.info.features["label"].names == ["cat_a", "cat_b"]
+
+
+def test_image_folder_on_dask_equals_direct_runner(folder_tree, folder_toy, tmp_path, dask_beam):
+  runner, options = dask_beam
+  direct = datasets.get_dataset({"name": "folder:toy", "dir": str(folder_toy[0])}).builder
+  dask = image_folder.prepare(folder_tree[0], tmp_path, "toy", beam_runner=runner,
+                              beam_options=options)
+  for split in ("train", "validation"):
+    got = sorted((r["file_name"], r["label"], r["image"]) for r in _records(dask, split))
+    assert got == sorted((r["file_name"], r["label"], r["image"])
+                         for r in _records(direct, split)) and got
+  assert ({**i21k.report(dask), "counters": None}
+          == {**i21k.report(direct), "counters": None})  # Dask reports no Beam counters.
 
 
 def test_image_folder_lookup_errors(tmp_path):

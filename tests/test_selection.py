@@ -457,3 +457,14 @@ def test_rerun_with_other_parameters_is_an_error(predictions, tmp_path):
   _run(predictions, tmp_path / "out", k=2)
   with pytest.raises(ValueError, match="other parameters"):
     _run(predictions, tmp_path / "out", k=3)
+
+
+def test_beam_on_dask_equals_direct_runner(predictions, tmp_path, dask_beam):
+  """Two dask worker processes write the DirectRunner's index and report."""
+  runner, options = dask_beam
+  info, table = _run(predictions, tmp_path / "direct", variant="balanced_with_tags", k=20,
+                     seed=5)
+  dask_info, dask_table = _run(predictions, tmp_path / "dask", variant="balanced_with_tags",
+                               k=20, seed=5, beam_runner=runner, beam_options=options)
+  assert dask_table.equals(table) and len(table)
+  assert dask_info == info

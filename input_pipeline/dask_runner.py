@@ -1,0 +1,168 @@
+"""Beam's Dask runner, fixed for pipelines with several outputs (the preparation jobs).
+
+  python -m input_pipeline.prepare ... --beam_runner=input_pipeline.dask_runner.DaskRunner \
+      --dask_client_address=tcp://SCHEDULER:8786 [--dask_npartitions=N]
+
+apache_beam.runners.dask.dask_runner.DaskRunner translates each Beam transform into a
+dask.bag operation, but it keeps one bag per transform and computes only the last one, so:
+  - a ParDo's tagged outputs (`.with_outputs(...)`) all reach every consumer, mixed together
+    (the jobs route corrupt files and skip reasons to their reports that way);
+  - every branch that does not feed the last transform never runs (tfds writes each split in
+    its own branch, and the jobs write their reports in another);
+and each bundle drops what its DoFn outputs in finish_bundle and computes its side inputs
+again itself. This runner keeps one bag per PCollection (a tagged output is its ParDo's bag
+filtered to that tag), computes every PCollection nothing consumes, keeps finish_bundle's
+outputs, hands a transform's bundles its side inputs as scheduler-computed values, and closes
+its dask client when the pipeline finishes. Each side input is still computed apart from the
+main graph, once per transform reading it, so the DoFns upstream of it run more than once (as
+under retried bundles: the jobs' DoFns are idempotent, and their tests compare the output
+with the DirectRunner's). The rest is Beam's runner: its other translations, its options
+(`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts a
+LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
+carry no counters).
+"""
+import functools
+
+import dask
+from apache_beam import DoFn
+from apache_beam import pvalue
+from apache_beam.pipeline import PipelineVisitor
+from apache_beam.runners.dask import dask_runner
+from apache_beam.runners.dask import overrides
+from apache_beam.runners.dask import transform_evaluator
+from apache_beam.runners.common import DoFnContext
+from apache_beam.runners.common import DoFnInvoker
+from apache_beam.runners.common import DoFnSignature
+from apache_beam.runners.common import _OutputHandler
+from apache_beam.runners.runner import PipelineState
+from apache_beam.transforms import sideinputs
+
+
+def _bundle(items, invoker_args, invoker_kwargs, receivers, side_specs, side_values):
+  """transform_evaluator.apply_dofn_to_bundle, but each side input arrives computed (its
+  elements, side_values) instead of being computed again inside the bundle, a tagged output
+  stays a TaggedOutput, and what finish_bundle outputs (e.g. WriteToText's files) is kept."""
+  side_inputs = [
+      sideinputs.SideInputMap(view, options, [
+          transform_evaluator.get_windowed_value(x, window_mapping_fn) for x in values])
+      for (view, options, window_mapping_fn), values in zip(side_specs, side_values)]
+  invoker = DoFnInvoker.create_invoker(*invoker_args, side_inputs=side_inputs, **invoker_kwargs)
+  invoker.invoke_setup()
+  invoker.invoke_start_bundle()
+  for item in items:
+    invoker.invoke_process(item)
+  invoker.invoke_finish_bundle()
+  invoker.invoke_teardown()
+  return [pvalue.TaggedOutput(v.tag, v.value) if isinstance(v, pvalue.TaggedOutput)
+          else v.value for v in receivers.values]
+
+
+class _ParDo(transform_evaluator.ParDo):
+  """Beam's ParDo translation with _bundle. side_inputs: (view class, view options, window
+  mapping fn, bag) of each side input."""
+
+  def apply(self, input_bag, side_inputs=None):
+    transform = self.transform
+    args, kwargs = transform.raw_side_inputs
+    main_input = next(iter(self.applied.main_inputs.values()))
+    window_fn = getattr(main_input, "windowing", None)
+    window_fn = window_fn.windowfn if window_fn else None
+    receivers = transform_evaluator.OneReceiver()
+    invoker_args = [
+        DoFnSignature(transform.fn),
+        _OutputHandler(window_fn=window_fn, main_receivers=receivers[None],
+                       tagged_receivers=receivers, per_element_output_counter=None,
+                       output_batch_converter=None, process_yields_batches=False,
+                       process_batch_yields_elements=False)]
+    invoker_kwargs = dict(context=DoFnContext(transform.label, state=None),
+                          input_args=list(args), input_kwargs=kwargs, user_state_context=None,
+                          bundle_finalizer_param=DoFn.BundleFinalizerParam())
+    side_inputs = side_inputs or []
+    side_specs = [spec[:3] for spec in side_inputs]
+    # Computed by the scheduler once for all of this transform's bundles.
+    side_values = [dask.delayed(list)(spec[3]) for spec in side_inputs]
+    return input_bag.map(transform_evaluator.get_windowed_value, window_fn).map_partitions(
+        _bundle, invoker_args, invoker_kwargs, receivers, side_specs, side_values)
+
+
+def _has_tag(tag, item) -> bool:
+  return (item.tag if isinstance(item, pvalue.TaggedOutput) else None) == tag
+
+
+class _BagPerPCollection(PipelineVisitor):
+  """Translates leaf transforms into dask bags, one per output PCollection."""
+
+  def __init__(self, bag_kwargs):
+    self.bags = {}  # PCollection -> dask bag (None for PBegin-like outputs).
+    self.terminal_bags = []  # Bags of transforms without outputs.
+    self.consumed = set()
+    self._bag_kwargs = bag_kwargs
+
+  def visit_transform(self, transform_node) -> None:
+    outputs = list(transform_node.outputs.values())
+    op_class = transform_evaluator.TRANSLATIONS.get(transform_node.transform.__class__,
+                                                    transform_evaluator.NoOp)
+    if op_class is transform_evaluator.ParDo:
+      op_class = _ParDo
+    tagged = len(outputs) > 1 and op_class is _ParDo
+    op = op_class(transform_node, bag_kwargs=self._bag_kwargs)
+    inputs = []
+    for value in transform_node.inputs:
+      self.consumed.add(value)
+      if isinstance(value, pvalue.PBegin):
+        inputs.append(None)
+      elif value in self.bags:
+        inputs.append(self.bags[value])
+    if isinstance(op, transform_evaluator.Flatten):
+      input_bag = inputs
+    else:
+      input_bag = inputs[0] if len(inputs) == 1 else (inputs or None)
+    side_inputs = None
+    if transform_node.side_inputs:
+      side_inputs = []
+      for si in transform_node.side_inputs:
+        self.consumed.add(si.pvalue)
+        side_inputs.append((type(si), si._view_options(), si._window_mapping_fn,  # pylint: disable=protected-access
+                            self.bags[si.pvalue]))
+    bag = op.apply(input_bag=input_bag, side_inputs=side_inputs)
+    if not outputs and bag is not None:
+      self.terminal_bags.append(bag)
+    for output in outputs:
+      if tagged and bag is not None:
+        self.bags[output] = bag.filter(functools.partial(_has_tag, output.tag))
+      else:
+        self.bags[output] = bag
+
+  def leaves(self) -> list:
+    """The bags nothing consumes: computing them runs the whole pipeline."""
+    unused = [bag for pcoll, bag in self.bags.items() if pcoll not in self.consumed]
+    return [bag for bag in unused + self.terminal_bags if bag is not None]
+
+
+class DaskRunnerResult(dask_runner.DaskRunnerResult):
+  """Beam's result, which also closes the client once the pipeline has finished."""
+
+  def wait_until_finish(self, duration=None) -> str:
+    try:
+      return super().wait_until_finish(duration)
+    finally:
+      if self.state in (PipelineState.DONE, PipelineState.FAILED):
+        self.client.close()
+
+
+class DaskRunner(dask_runner.DaskRunner):
+  """Beam's DaskRunner computing every output of the pipeline, tagged outputs kept apart."""
+
+  def run_pipeline(self, pipeline, options):
+    from dask import distributed  # pylint: disable=g-import-not-at-top
+    dask_options = options.view_as(dask_runner.DaskOptions).get_all_options(
+        drop_default=True, current_only=True)
+    bag_kwargs = dask_runner.DaskOptions._extract_bag_kwargs(dask_options)  # pylint: disable=protected-access
+    client = distributed.Client(**dask_options)
+    pipeline.replace_all(overrides.dask_overrides())
+    visitor = _BagPerPCollection(bag_kwargs)
+    pipeline.visit(visitor)
+    # Unoptimised: with dask's graph optimisation (fusion) the jobs' reports missed elements
+    # of side inputs built from tagged outputs and Flattens.
+    futures = client.compute(visitor.leaves(), optimize_graph=False)
+    return DaskRunnerResult(client, futures)
