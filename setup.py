@@ -45,7 +45,7 @@ setuptools.setup(
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],
         # The offline preparation jobs; Beam's dask extra (dask, distributed) runs them on a
-        # dask cluster (input_pipeline/dask_runner.py).
+        # dask cluster (input_pipeline/jobs/dask_runner.py).
         "beam": ["apache-beam[dask]>=2.60"],
         # Nearest-neighbour search of bigpretrain.tools.dedup, one offline step of the
         # semi-supervised recipe: training hosts do not need the native wheel.

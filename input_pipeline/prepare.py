@@ -23,7 +23,7 @@ hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manife
 (input_pipeline/jobs/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
 The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
-FlinkRunner, SparkRunner, input_pipeline.dask_runner.DaskRunner). Flags this command does not
+FlinkRunner, SparkRunner, input_pipeline.jobs.dask_runner.DaskRunner). Flags this command does not
 define are handed to Beam as pipeline options, e.g. `--direct_num_workers=8
 --direct_running_mode=multi_processing` (all local cores), or `--project=P --region=R
 --temp_location=gs://... --setup_file=./setup.py` (Dataflow); docs/data.md lists each runner's.
@@ -47,7 +47,7 @@ from input_pipeline.jobs import selection_job
 
 
 RUNNER_HELP = ("Beam runner: DataflowRunner, FlinkRunner, SparkRunner, "
-               "input_pipeline.dask_runner.DaskRunner or a runner class's full name; its "
+               "input_pipeline.jobs.dask_runner.DaskRunner or a runner class's full name; its "
                "options are passed as --key=value flags (docs/data.md). Default: the "
                "DirectRunner on this machine.")
 

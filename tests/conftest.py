@@ -49,5 +49,5 @@ def dask_beam():
   with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                 dashboard_address=None) as cluster:
     # Two partitions: every Create is split between the two workers.
-    yield ("input_pipeline.dask_runner.DaskRunner",
+    yield ("input_pipeline.jobs.dask_runner.DaskRunner",
            [f"--dask_client_address={cluster.scheduler_address}", "--dask_npartitions=2"])

@@ -411,7 +411,7 @@ def test_cli_rejects_stray_arguments(tmp_path):
   # A misspelt Beam option or runner is an error before anything runs, not a warning.
   with pytest.raises(SystemExit, match=r"defines \['--dask_npartition'\]; docs/data.md"):
     prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=n",
-                  "--beam_runner=input_pipeline.dask_runner.DaskRunner", "--dask_npartition=2"])
+                  "--beam_runner=input_pipeline.jobs.dask_runner.DaskRunner", "--dask_npartition=2"])
   with pytest.raises(SystemExit, match="--beam_runner=FlinkRuner: Unexpected pipeline runner"):
     prepare.main(["selection", "--predictions=x", f"--data_dir={tmp_path}",
                   "--beam_runner=FlinkRuner"])

@@ -6,4 +6,5 @@ imagenet21k_p.py   ImageNet-21K-P (Ridnik et al. 2021, section 2.1)
 image_folder.py    any ImageFolder tree
 hashtag_job.py     SWAG hashtag datasets; crawl_inputs.py reads their crawled inputs
 selection_job.py   the semi-supervised top-K selection of D-hat
+dask_runner.py     a Beam runner on a dask.distributed cluster
 """

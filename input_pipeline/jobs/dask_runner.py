@@ -1,6 +1,6 @@
 """Beam's Dask runner, fixed for pipelines with several outputs (the preparation jobs).
 
-  python -m input_pipeline.prepare ... --beam_runner=input_pipeline.dask_runner.DaskRunner \
+  python -m input_pipeline.prepare ... --beam_runner=input_pipeline.jobs.dask_runner.DaskRunner \
       --dask_client_address=tcp://SCHEDULER:8786 [--dask_npartitions=N]
 
 apache_beam.runners.dask.dask_runner.DaskRunner translates each Beam transform into a
