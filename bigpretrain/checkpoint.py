@@ -239,11 +239,21 @@ class Checkpointer:
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     cause = _root_cause(e)
     kept = [s for s in self.manager.all_steps() if s != step]
+    self._remove_partial(step)
     return CheckpointSaveError(
         f"saving checkpoint step {step} in {self.directory} failed ({type(cause).__name__}: "
         f"{cause}); it is not kept, the earlier ones are (latest: "
         f"{max(kept) if kept else 'none'}). Fix the cause (e.g. free disk space) and re-run "
         "the same command to resume.")
+
+  def _remove_partial(self, step: int) -> None:
+    """Deletes what a failed save of `step` left (its folder, or Orbax's
+    `<step>.orbax-checkpoint-tmp*`): never a committed checkpoint, only on process 0."""
+    if jax.process_index() != 0 or step in self.manager.all_steps():
+      return
+    for name in os.listdir(self.directory):
+      if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore(self, state: dict, data_iter=None) -> tuple[dict, int] | None:
     """Restores the newest readable checkpoint into `state`'s structure and shardings.

@@ -1,5 +1,6 @@
 """Nothing lost, nothing silently wrong: a re-run with another config, two runs on one
 workdir, corrupt checkpoints and records, 16-bit images, and how faults are reported."""
+import contextlib
 import io
 import json
 import os
@@ -135,6 +136,28 @@ def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
                                                          (4, 14.0)]
 
 
+def test_rows_appended_after_a_torn_last_line_start_on_their_own_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "tr')
+  writer = metric_writers.MetricWriter(str(tmp_path))
+  writer.write(2, {"train/loss": 2.5})
+  writer.write(3, {"train/loss": 3.5})
+  writer.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert lines[1:] == ['{"step": 2, "tr', '{"step": 2, "train/loss": 2.5}',
+                       '{"step": 3, "train/loss": 3.5}']
+  assert [r["step"] for r in metric_writers.read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_error(tmp_path):
+  writer = metric_writers.MetricWriter(str(tmp_path))
+  os.symlink("/dev/full", tmp_path / "metrics.jsonl")  # Every write: ENOSPC.
+  with pytest.raises(metric_writers.MetricWriteError) as e:
+    writer.write(1, {"train/loss": 1.0})
+  writer.close()
+  assert str(e.value).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed (OSError: "
+                                 "[Errno 28] No space left on device). Free space")
+
+
 # ------------------------------------------------------------------------------------------
 # One run per workdir.
 
@@ -199,6 +222,98 @@ def test_lock_staleness_rules(tmp_path, monkeypatch):
     os.utime(path, (old, old))
     time.sleep(0.5)
     assert time.time() - path.stat().st_mtime < 5  # The holder's heartbeat refreshed it.
+
+
+def test_an_empty_or_unreadable_lock_is_not_a_live_run(tmp_path):
+  path = tmp_path / workdir_lock.LOCK_NAME
+  for left in ("", '{"host": "h'):  # A full disk; a starter killed mid-write. Fresh mtimes.
+    path.write_text(left)
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists()
+
+
+def test_a_lock_that_cannot_be_written_is_one_error_and_leaves_no_file(tmp_path, monkeypatch):
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(workdir_lock.json, "dump", full_disk)
+  with pytest.raises(workdir_lock.WorkdirUnwritable,
+                     match=r"cannot write the workdir lock .* \(No space left on device\)"):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      pass
+  assert not (tmp_path / workdir_lock.LOCK_NAME).exists()  # No empty lock blocks a re-run.
+
+
+def _racer(workdir, barrier, results, trials):
+  """Takes over the same stale lock as another process, `trials` times."""
+  for _ in range(trials):
+    barrier.wait(timeout=60)
+    try:
+      got = workdir_lock.WorkdirLock(workdir)._acquire() == ""  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-except
+      got = repr(e)
+    results.put((os.getpid(), got))
+    barrier.wait(timeout=60)
+
+
+@pytest.mark.multiprocess
+def test_two_starters_taking_over_one_stale_lock_never_both_get_it(tmp_path):
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  trials = 30
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  ctx = multiprocessing.get_context("spawn")
+  barrier, results = ctx.Barrier(3), ctx.Queue()
+  racers = [ctx.Process(target=_racer, args=(str(tmp_path), barrier, results, trials))
+            for _ in range(2)]
+  for r in racers:
+    r.start()
+  path = tmp_path / workdir_lock.LOCK_NAME
+  winners = []
+  try:
+    for _ in range(trials):
+      path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+      barrier.wait(timeout=120)
+      got = [results.get(timeout=60) for _ in racers]
+      assert all(isinstance(won, bool) for _, won in got), got
+      winners.append([pid for pid, won in got if won])
+      assert len(winners[-1]) == 1 and json.loads(path.read_text())["pid"] == winners[-1][0]
+      path.unlink()
+      barrier.wait(timeout=60)
+  finally:
+    for r in racers:
+      r.join(timeout=10)
+      r.kill()
+  assert [len(w) for w in winners] == [1] * trials
+
+
+def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  with _read_only(tmp_path / "checkpoints"):
+    with pytest.raises(workdir_lock.WorkdirUnwritable,
+                       match=f"cannot write to {tmp_path / 'checkpoints'} "):
+      workdir_lock.check_writable(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints"]  # The probe is gone.
+  workdir_lock.check_writable(str(tmp_path))
+
+
+@contextlib.contextmanager
+def _read_only(folder):
+  """`folder` refuses new files, also to root (immutable attribute; as another user: mode)."""
+  if os.geteuid() == 0:
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+      pytest.skip("running as root on a file system without chattr +i")
+    try:
+      yield
+    finally:
+      subprocess.run(["chattr", "-i", str(folder)], check=True)
+  else:
+    folder.chmod(0o555)
+    try:
+      yield
+    finally:
+      folder.chmod(0o755)
 
 
 # ------------------------------------------------------------------------------------------
@@ -380,7 +495,8 @@ def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, m
   assert message.startswith("saving checkpoint step 2 ") and "No space left on device" in message
   assert "(latest: 1)" in message
   monkeypatch.undo()
-  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved.
+  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved...
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # ...nor its partial folder kept.
   saver.close()
 
 
