@@ -138,6 +138,17 @@ def _root_cause(e: BaseException) -> BaseException:
   return e
 
 
+def _reason(e: BaseException, limit: int = 300) -> str:
+  """'Type: message' of the innermost error (the storage layer's, e.g. a short read): its first
+  line without TensorStore's spec dumps, its end when longer than `limit` (the most specific
+  part of a chained message)."""
+  cause = _root_cause(e)
+  text = (str(cause).strip().splitlines() or [""])[0]
+  text = re.split(r" \[(?:tensorstore_spec|source locations)", text)[0]
+  text = text if len(text) <= limit else "..." + text[-limit:]
+  return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
 class CheckpointMismatch(ValueError):
   """The checkpoint is readable but was written for another configuration: the run refuses
   to start rather than train over it (the user's error; nothing is moved or deleted)."""
@@ -385,7 +396,7 @@ class Checkpointer:
     logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
                  type(e).__name__, e)
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
-                 f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to "
+                 f"({_reason(e)}); moved to {self.directory}_corrupt/, falling back to "
                  "the previous checkpoint.")
     self._move_aside(step)
 

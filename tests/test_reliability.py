@@ -5,6 +5,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -110,7 +111,7 @@ def test_meta_differences_name_the_keys():
       "model.name: checkpoint 'vit_demo', this run 'regnety_demo'"]
 
 
-def test_corrupt_copies_of_one_step_are_all_kept(tmp_path):
+def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
   directory = tmp_path / "ckpt"
   for value in (1.0, 2.0):  # The same step corrupted twice (e.g. two failed copies).
     saver = checkpoint.Checkpointer(str(directory), async_save=False)
@@ -122,6 +123,9 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path):
     reader.close()
   kept = sorted(os.listdir(tmp_path / "ckpt_corrupt"))
   assert kept == ["5", "5.1"]
+  warning = capsys.readouterr().out.strip().splitlines()[-1]  # Why, in the storage's words.
+  assert re.search(r"is unreadable \(ValueError: \.\.\..*Requested byte range \[0, \d+\) "
+                   r"is not valid for value of size \d+\); moved to", warning), warning
   assert not (directory / "5").exists()
 
 
@@ -345,6 +349,17 @@ def _gradients():
   ramp = np.linspace(0, 65535, 24 * 32).astype(np.uint16).reshape(24, 32)
   rgb = np.stack([ramp, ramp[::-1], np.full_like(ramp, 30000)], axis=-1)
   return ramp, rgb
+
+
+def test_an_empty_or_non_image_file_is_told_without_the_stream_object():
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  with pytest.raises(decoding.CorruptImageError) as e:
+    pipeline.decode_image(b"")
+  assert str(e.value) == "empty (0 bytes), not an image"
+  with pytest.raises(decoding.CorruptImageError) as e:
+    pipeline.decode_image(b"<html>not found</html>")
+  assert str(e.value) == "UnidentifiedImageError: cannot identify image file (22 bytes)"
 
 
 def test_16bit_pngs_are_scaled_to_8_bits():
