@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bigpretrain import distributed
 from bigpretrain import objectives
 from bigpretrain import preprocess
 from bigpretrain.models import pretrained
@@ -125,6 +126,7 @@ def main(argv):
   # Orbax and JAX log every restore step and platform probe at INFO: not for a user.
   logging.set_verbosity(logging.WARNING)
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+  distributed.select_platforms()
   if len(argv) < 2:
     raise app.UsageError("Give one or more image files or folders holding images.")
   paths = expand_paths(argv[1:])
