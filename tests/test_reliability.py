@@ -176,11 +176,15 @@ def test_second_run_on_a_workdir_refuses_and_a_killed_run_does_not_block(tmp_pat
       time.sleep(0.2)
     owner = json.loads((tmp_path / ".lock").read_text())
     assert owner["pid"] == first.pid and owner["host"] == socket.gethostname()
+    logs = sorted(tmp_path.glob("log*"))
     second = helpers.run_main(helpers.main_args(tmp_path, total_steps=2), timeout=300)
     assert second.returncode != 0
-    err = second.stderr.strip().splitlines()[-1]
-    assert err.startswith(f"ERROR: workdir {tmp_path} is in use by another run") and (
-        f"pid {first.pid}" in err)
+    err = second.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"ERROR: workdir {tmp_path} is in use by another run") and f"pid {first.pid}" in err[0]
+    # The refused run writes no log there: log.INFO still points at the first run's.
+    assert sorted(tmp_path.glob("log*")) == logs
+    assert os.readlink(tmp_path / "log.INFO").endswith(f".{first.pid}")
     assert first.poll() is None  # The first run goes on.
     assert len(list(tmp_path.glob("events.out.tfevents*"))) == 1
   finally:
