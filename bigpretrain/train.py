@@ -208,6 +208,18 @@ def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
         f"checkpoint (step {checkpointer.latest_step()}).") from e
 
 
+def _settle_saves(checkpointer: ckpt_lib.Checkpointer, error) -> None:
+  """When an error stops the run (e.g. metrics.jsonl on a full disk): the save in flight
+  completes, or what it left is removed; its own failure goes to the log, the error that
+  stopped the run is the one reported."""
+  if error is None or issubclass(error, ckpt_lib.CheckpointSaveError):
+    return
+  try:
+    checkpointer.wait()
+  except ckpt_lib.CheckpointSaveError as e:
+    logging.warning("%s", e)
+
+
 def _every(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
@@ -423,6 +435,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
+  cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "

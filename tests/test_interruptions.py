@@ -127,3 +127,11 @@ def test_a_killed_data_worker_is_one_line_after_the_save_in_flight():
   other = iter(())
   with pytest.raises(StopIteration):  # Anything else goes through unchanged.
     train._next_batch(other, saver)  # pylint: disable=protected-access
+
+
+def test_an_error_that_stops_the_run_lets_the_save_in_flight_finish():
+  saver = _Saver()
+  train._settle_saves(saver, None)  # pylint: disable=protected-access
+  assert not saver.waited  # A normal end waits in the loop's own order.
+  train._settle_saves(saver, metric_writers.MetricWriteError)  # pylint: disable=protected-access
+  assert saver.waited and saver.latest_step() == 8
