@@ -5,9 +5,10 @@ A thing registers itself where it is defined (`@REGISTRY.register("name")`); a c
 it; a miss says which names exist and which one was probably meant. Registering the same
 object twice is a no-op (a module may be imported twice, e.g. as a plugin and by a test);
 another object under a taken name is an error naming both registering modules, also when the
-name is a lazily imported built-in's (see register_lazy) and whichever registers first. A registry made with `prefixes=True` also
-serves names by prefix: a key ending in ':' or '/' (e.g. 'tfds:') serves every longer name
-that starts with it, the longest such key winning, and an exact key winning over all.
+name is a lazily imported built-in's (see register_lazy) and whichever registers first. A
+registry made with `prefixes=True` also serves names by prefix: a key ending in ':' or '/'
+(e.g. 'tfds:') serves every longer name that starts with it, the longest such key winning,
+and an exact key winning over all.
 
 Pure Python: the input pipeline uses it too (see DESIGN: it is one of the few libraries the
 lower layer may import).
