@@ -146,6 +146,17 @@ def _root_cause(e: BaseException) -> BaseException:
   return e
 
 
+def _reason(e: BaseException, limit: int = 300) -> str:
+  """'Type: message' of the innermost error (the storage layer's, e.g. a short read): its first
+  line without TensorStore's spec dumps, its end when longer than `limit` (the most specific
+  part of a chained message)."""
+  cause = _root_cause(e)
+  text = (str(cause).strip().splitlines() or [""])[0]
+  text = re.split(r" \[(?:tensorstore_spec|source locations)", text)[0]
+  text = text if len(text) <= limit else "..." + text[-limit:]
+  return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
 class CheckpointMismatch(ValueError):
   """The checkpoint is readable but was written for another configuration: the run refuses
   to start rather than train over it (the user's error; nothing is moved or deleted)."""
@@ -275,11 +286,21 @@ class Checkpointer:
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     cause = _root_cause(e)
     kept = [s for s in self.manager.all_steps() if s != step]
+    self._remove_partial(step)
     return CheckpointSaveError(
         f"saving checkpoint step {step} in {self.directory} failed ({type(cause).__name__}: "
         f"{cause}); it is not kept, the earlier ones are (latest: "
         f"{max(kept) if kept else 'none'}). Fix the cause (e.g. free disk space) and re-run "
         "the same command to resume.")
+
+  def _remove_partial(self, step: int) -> None:
+    """Deletes what a failed save of `step` left (its folder, or Orbax's
+    `<step>.orbax-checkpoint-tmp*`): never a committed checkpoint, only on process 0."""
+    if jax.process_index() != 0 or step in self.manager.all_steps():
+      return
+    for name in os.listdir(self.directory):
+      if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore(self, state: dict, data_iter=None, step: int | None = None
               ) -> tuple[dict, int] | None:
@@ -421,7 +442,7 @@ class Checkpointer:
     logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
                  type(e).__name__, e)
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
-                 f"({type(e).__name__}); moved to {self.directory}_corrupt/, falling back to "
+                 f"({_reason(e)}); moved to {self.directory}_corrupt/, falling back to "
                  "the previous checkpoint.")
     self._move_aside(step, "corrupt")
 

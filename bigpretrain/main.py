@@ -1,6 +1,6 @@
 """Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
+import io
 import logging as std_logging
-import os
 import re
 import sys
 import tempfile
@@ -52,20 +52,34 @@ def main(argv):
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
   from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
-  from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import metric_writers  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import preemption  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import workdir_lock  # pylint: disable=import-outside-toplevel
-  distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   workdir = _WORKDIR.value
   if not workdir:
     workdir = tempfile.mkdtemp(prefix="bigpretrain_")
     print(f"--workdir not given: writing to {workdir}", flush=True)
-  os.makedirs(workdir, exist_ok=True)
-  logging.get_absl_handler().use_absl_log_file("log", workdir)
+  # The log goes to the workdir once the run holds it (a refused run leaves the log of the run
+  # there alone); what is logged before is kept until then.
+  handler = logging.get_absl_handler()
+  early = handler.python_handler.stream = io.StringIO()
+
+  def log_to_workdir():
+    handler.use_absl_log_file("log", workdir)
+    handler.python_handler.stream.write(early.getvalue())
+
   try:
-    train.train_and_evaluate(_CONFIG.value, workdir)
+    workdir_lock.check_writable(workdir)  # Before anything is built, locked or saved.
+    distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    train.train_and_evaluate(_CONFIG.value, workdir, on_locked=log_to_workdir)
+  except preemption.Interrupted as e:
+    print(str(e), file=sys.stderr, flush=True)
   except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
-          workdir_lock.WorkdirLocked, checkpoint.CheckpointSaveError) as e:
+          workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnwritable,
+          checkpoint.CheckpointSaveError, metric_writers.MetricWriteError,
+          train.DataWorkerDied) as e:
     # Configuration and data errors: one clear line, not a traceback through jit. It
     # starts on a line of its own (a progress bar may be mid-line on the terminal).
     logging.exception("Run failed")

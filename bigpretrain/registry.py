@@ -4,17 +4,21 @@ sources, train ops, optimizers, schedules and model-init hooks.
 A thing registers itself where it is defined (`@REGISTRY.register("name")`); a config names
 it; a miss says which names exist and which one was probably meant. Registering the same
 object twice is a no-op (a module may be imported twice, e.g. as a plugin and by a test);
-another object under a taken name is an error. A registry made with `prefixes=True` also
-serves names by prefix: a key ending in ':' or '/' (e.g. 'tfds:') serves every longer name
-that starts with it, the longest such key winning, and an exact key winning over all. A
-registry made with `builtins=MODULE` imports that module (its built-in entries, which register
-themselves) on its first lookup, so the module holding the registry need not import them.
+another object under a taken name is an error naming both registering modules, also when the
+name is a lazily imported built-in's (see register_lazy) and whichever registers first. A
+registry made with `prefixes=True` also serves names by prefix: a key ending in ':' or '/'
+(e.g. 'tfds:') serves every longer name that starts with it, the longest such key winning,
+and an exact key winning over all. A registry made with `builtins=MODULE` imports that module
+(its built-in entries, which register themselves) on its first lookup, so the module holding
+the registry need not import them.
 
 Pure Python: the input pipeline uses it too (see DESIGN: it is one of the few libraries the
 lower layer may import).
 """
 import difflib
 import importlib
+import sys
+import traceback
 from typing import Any
 
 
@@ -27,16 +31,22 @@ class Registry:
     self._items: dict[str, Any] = {}
     self._usage: dict[str, str] = {}
     self._lazy: dict[str, str] = {}
+    self._owners: dict[str, str] = {}  # The module that registered each name in _items.
 
   def register(self, name: str, obj: Any = None, *, usage: str = "") -> Any:
     """Registers `obj` under `name`; without `obj`, a decorator. `usage` is how the name is
     written in messages (e.g. 'tfds:NAME[/CONFIG]' for the prefix 'tfds:')."""
 
+    owner = sys._getframe(1).f_globals.get("__name__", "?")  # pylint: disable=protected-access
+
     def add(o):
       if name in self._items and self._items[name] is not o:
-        raise ValueError(f"{self.kind} {name!r} is already registered (as "
-                         f"{self._items[name]!r}).")
+        raise ValueError(self._clash(name, self._owners[name], owner))
+      if self._lazy.get(name, owner) != owner:
+        raise ValueError(self._clash(name, f"{self._lazy[name]} (imported on first use)",
+                                     owner))
       self._items[name] = o
+      self._owners[name] = owner
       self._usage[name] = usage or name
       return o
 
@@ -45,6 +55,8 @@ class Registry:
   def register_lazy(self, name: str, module: str, usage: str = "") -> None:
     """`name` is served by `module`, imported on first use (it must register `name`): keeps
     optional dependencies (e.g. Apache Beam) out of every import."""
+    if self._owners.get(name, module) != module:
+      raise ValueError(self._clash(name, self._owners[name], module))
     self._lazy[name] = module
     self._usage.setdefault(name, usage or name)
 
@@ -52,6 +64,10 @@ class Registry:
     if self._builtins:
       module, self._builtins = self._builtins, ""
       importlib.import_module(module)
+
+  def _clash(self, name: str, first: str, second: str) -> str:
+    return (f"{self.kind} {name!r} is already registered by module {first}; module {second} "
+            f"registers another {self.kind} under the same name. Rename one of them.")
 
   def _key(self, name: str) -> str | None:
     self._load_builtins()
@@ -102,7 +118,13 @@ def import_plugins(modules, where: str = "config.plugins") -> None:
       raise ValueError(f"{where} must list module names (strings), got {name!r}.")
     try:
       importlib.import_module(name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+      if e.name is not None and not name.startswith(e.name):  # Its own import failed.
+        raise ValueError(f"{where}: plugin module {name!r} failed to import: {e}.") from e
       raise ValueError(f"{where}: cannot import plugin module {name!r} ({e}). Put its folder "
                        "on PYTHONPATH or install it.") from e
+    except Exception as e:  # pylint: disable=broad-except
+      frame = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__][-1]
+      raise ValueError(f"{where}: plugin module {name!r} failed to import, at "
+                       f"{frame.filename}:{frame.lineno}: {type(e).__name__}: {e}") from e
 

@@ -10,6 +10,8 @@ alike) when config.ema.momentum > 0, created already sharded on a
 import contextlib
 import dataclasses
 import os
+import re
+import signal
 import time
 
 from absl import logging
@@ -201,6 +203,46 @@ class _Pending:
     return out, error
 
 
+class DataWorkerDied(RuntimeError):
+  """A grain worker process died (most often killed by the out-of-memory killer)."""
+
+
+_WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")
+
+
+def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
+  """next(train_iter); a data worker's death raises DataWorkerDied, in one line, once the save
+  in flight (if any) has completed."""
+  try:
+    return next(train_iter)
+  except RuntimeError as e:
+    code = _WORKER_DEATH.search(str(e))
+    if code is None:
+      raise
+    checkpointer.wait()
+    code = int(code.group(1))
+    how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in
+           signal.valid_signals() else f"exit code {code}")
+    likely = (": most likely the out-of-memory killer; see `dmesg`" if code == -signal.SIGKILL
+              else "")
+    raise DataWorkerDied(
+        f"a data worker process died ({how}{likely}). Lower data.num_workers or data.prefetch, "
+        "or give the job more memory, then re-run the same command to resume from the last "
+        f"checkpoint (step {checkpointer.latest_step()}).") from e
+
+
+def _settle_saves(checkpointer: ckpt_lib.Checkpointer, error) -> None:
+  """When an error stops the run (e.g. metrics.jsonl on a full disk): the save in flight
+  completes, or what it left is removed; its own failure goes to the log, the error that
+  stopped the run is the one reported."""
+  if error is None or issubclass(error, ckpt_lib.CheckpointSaveError):
+    return
+  try:
+    checkpointer.wait()
+  except ckpt_lib.CheckpointSaveError as e:
+    logging.warning("%s", e)
+
+
 def _every(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
@@ -322,11 +364,18 @@ def make_train_iterator(exp: Experiment, position: stream_position.Position | No
       position=position)
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, on_locked=None) -> dict:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final metrics.
-  Refuses (workdir_lock.WorkdirLocked) while another run uses `workdir`."""
-  with workdir_lock.WorkdirLock(workdir), contextlib.ExitStack() as cleanup:
-    return _train_and_evaluate(config, workdir, cleanup)
+  Refuses (workdir_lock.WorkdirLocked) while another run uses `workdir`; `on_locked()` runs
+  once this run holds it. A SIGTERM or Ctrl-C while the run is set up raises
+  preemption.Interrupted (nothing new to save); in its loop, the run saves and returns {}."""
+  # The handler first: a signal at any point after the lock is taken releases it.
+  with preemption_lib.Preemption() as preemption, contextlib.ExitStack() as cleanup:
+    lock = cleanup.enter_context(workdir_lock.WorkdirLock(workdir))
+    preemption.on_abort = lock.release
+    if on_locked is not None:
+      on_locked()
+    return _train_and_evaluate(config, workdir, cleanup, preemption)
 
 
 @dataclasses.dataclass
@@ -395,7 +444,9 @@ class _StepOutputs:
     return False
 
 
-def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> dict:
+def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
+                        preemption: preemption_lib.Preemption) -> dict:
+  preemption.setting_up(True)  # Until the loop: a signal stops the run, nothing to save.
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
@@ -410,6 +461,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
+  cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "
@@ -434,13 +486,14 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack) -> 
                      writer=writer, checkpointer=checkpointer, train_iter=train_iter,
                      perf=perf, profiler=profiler, bar=bar,
                      pending=_Pending(divergence.Monitor(config, checkpointer)))
+  preemption.setting_up(False)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
-  with preemption_lib.Preemption() as preemption, jax.set_mesh(mesh):
+  with jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
       with timer.excluded():
         profiler.before_step(step)
       with timer.data_wait():
-        batch = next(train_iter)
+        batch = _next_batch(train_iter, checkpointer)
         if input_delay:
           time.sleep(input_delay)
       batch = sharding.global_batch(batch, mesh)

@@ -8,6 +8,7 @@ counts and skips. `to_rgb` scales 16-bit images to 8 bits (PIL's convert clips t
 """
 import io
 import os
+import re
 
 import numpy as np
 from PIL import Image, ImageFile
@@ -38,15 +39,22 @@ def is_non_image(name: str) -> bool:
   return suffix not in Image.registered_extensions()
 
 
+_STREAM_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
 def open_image(data: bytes) -> Image.Image:
   """Reads only the header of PNG/JPEG/... bytes; the first op that needs pixels decodes them
   (see the module docstring). Raises CorruptImageError if the header is not an image's."""
+  if not data:
+    raise CorruptImageError("empty (0 bytes), not an image")
   try:
     return Image.open(io.BytesIO(data))
   except Exception as e:  # pylint: disable=broad-except
     # PIL reports bad data through many types (UnidentifiedImageError, SyntaxError,
-    # DecompressionBombError, ...); any of them means the record is unusable.
-    raise CorruptImageError(f"{type(e).__name__}: {e}") from e
+    # DecompressionBombError, ...); any of them means the record is unusable. Its message
+    # names the in-memory stream, not the file: the caller names that.
+    text = _STREAM_REPR.sub("", str(e)).strip()
+    raise CorruptImageError(f"{type(e).__name__}: {text} ({len(data)} bytes)") from e
 
 
 # PIL modes of 16-bit single-channel images (16-bit grey PNGs open as 'I;16'; 'I' is 32-bit).

@@ -322,6 +322,25 @@ def test_mismatching_state_dict_names_first_tensor():
     convert.to_bigpretrain(resnet18, "timm:resnet51")
 
 
+def test_nan_weights_and_negative_variances_are_named_in_a_warning(capsys):
+  """A state dict written from our own resnet18 (no torch needed), then damaged."""
+  model_def = convert._model_def({"name": "resnet18"}, 10)  # pylint: disable=protected-access
+  ones = {"params": model_def.abstract_pure_params(), "extra": model_def.abstract_pure_extra()}
+  ones = jax.tree.map(lambda x: np.ones(x.shape, x.dtype), ones)
+  sd = convert.from_bigpretrain(ones, model_def, "timm:resnet18")
+  assert convert.warn_bad_values(sd) == []
+  sd["layer1.0.conv1.weight"][0, 0, 0, 0] = np.nan
+  sd["fc.bias"][3] = np.inf
+  sd["layer2.1.bn2.running_var"][5] = -0.5
+  convert.to_bigpretrain(sd, "timm:resnet18")
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out == [
+      "WARNING: 2 tensors hold NaN or infinite values: layer1.0.conv1.weight, fc.bias. The "
+      "weights are converted as they are; check their source.",
+      "WARNING: 1 BatchNorm running variances are negative: layer2.1.bn2.running_var. The "
+      "weights are converted as they are; check their source."]
+
+
 def test_export_refuses_another_architecture(tmp_path):
   convert.import_weights("timm:resnet18", _save(_timm("resnet18", num_classes=10),
                                                 tmp_path / "w.safetensors"), str(tmp_path / "c"))

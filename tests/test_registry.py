@@ -60,6 +60,42 @@ def test_lazy_entries_import_their_module_on_first_use(tmp_path, monkeypatch):
     registry.import_plugins(["no_such_plugin"])
 
 
+def test_a_name_clash_names_both_modules_whichever_registers_first(tmp_path, monkeypatch):
+  """A plugin taking a built-in's name (also one registered only when first used, e.g.
+  'demo_coarse') is refused, never a silent replacement."""
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  (tmp_path / "takes_demo_coarse.py").write_text(
+      "from input_pipeline import datasets\n"
+      "datasets.SOURCES.register('demo_coarse', lambda name, data_dir: None)\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ValueError) as e:
+    registry.import_plugins(["takes_demo_coarse"])
+  assert ("dataset 'demo_coarse' is already registered by module input_pipeline.sources.demo_coarse "
+          "(imported on first use); module takes_demo_coarse registers another dataset"
+          in str(e.value)), e.value
+  assert datasets.SOURCES.get("demo_coarse").__module__ == "input_pipeline.sources.demo_coarse"
+  # The other order: a name taken, then declared by a lazily imported module.
+  reg = registry.Registry("widget", "config.widget")
+  reg.register("late", object())
+  with pytest.raises(ValueError, match=f"'late' is already registered by module {__name__}; "
+                     "module other.module registers another widget"):
+    reg.register_lazy("late", "other.module")
+
+
+def test_a_plugin_that_fails_on_import_is_one_error_naming_it(tmp_path, monkeypatch):
+  (tmp_path / "broken_plugin.py").write_text("import os\nraise RuntimeError('no licence')\n")
+  (tmp_path / "needs_a_dep.py").write_text("import not_an_installed_package\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ValueError) as e:
+    registry.import_plugins(["broken_plugin"])
+  assert str(e.value) == (f"config.plugins: plugin module 'broken_plugin' failed to import, at "
+                          f"{tmp_path / 'broken_plugin.py'}:2: RuntimeError: no licence")
+  with pytest.raises(ValueError) as e:
+    registry.import_plugins(["needs_a_dep"])
+  assert str(e.value) == ("config.plugins: plugin module 'needs_a_dep' failed to import: No "
+                          "module named 'not_an_installed_package'.")
+
+
 def _import_graph() -> dict[str, set[str]]:
   """module -> the project modules it imports (anywhere in it, functions included)."""
   mods = {}

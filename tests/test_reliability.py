@@ -1,9 +1,11 @@
 """Nothing lost, nothing silently wrong: a re-run with another config, two runs on one
 workdir, corrupt checkpoints and records, 16-bit images, and how faults are reported."""
+import contextlib
 import io
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -109,7 +111,7 @@ def test_meta_differences_name_the_keys():
       "model.name: checkpoint 'vit_demo', this run 'regnety_demo'"]
 
 
-def test_corrupt_copies_of_one_step_are_all_kept(tmp_path):
+def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
   directory = tmp_path / "ckpt"
   for value in (1.0, 2.0):  # The same step corrupted twice (e.g. two failed copies).
     saver = checkpoint.Checkpointer(str(directory), async_save=False)
@@ -121,6 +123,9 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path):
     reader.close()
   kept = sorted(os.listdir(tmp_path / "ckpt_corrupt"))
   assert kept == ["5", "5.1"]
+  warning = capsys.readouterr().out.strip().splitlines()[-1]  # Why, in the storage's words.
+  assert re.search(r"is unreadable \(ValueError: \.\.\..*Requested byte range \[0, \d+\) "
+                   r"is not valid for value of size \d+\); moved to", warning), warning
   assert not (directory / "5").exists()
 
 
@@ -133,6 +138,28 @@ def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
   got = metric_writers.read_metrics(str(tmp_path))
   assert [(r["step"], r["train/loss"]) for r in got] == [(1, 1.0), (2, 12.0), (3, 13.0),
                                                          (4, 14.0)]
+
+
+def test_rows_appended_after_a_torn_last_line_start_on_their_own_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "tr')
+  writer = metric_writers.MetricWriter(str(tmp_path))
+  writer.write(2, {"train/loss": 2.5})
+  writer.write(3, {"train/loss": 3.5})
+  writer.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert lines[1:] == ['{"step": 2, "tr', '{"step": 2, "train/loss": 2.5}',
+                       '{"step": 3, "train/loss": 3.5}']
+  assert [r["step"] for r in metric_writers.read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_error(tmp_path):
+  writer = metric_writers.MetricWriter(str(tmp_path))
+  os.symlink("/dev/full", tmp_path / "metrics.jsonl")  # Every write: ENOSPC.
+  with pytest.raises(metric_writers.MetricWriteError) as e:
+    writer.write(1, {"train/loss": 1.0})
+  writer.close()
+  assert str(e.value).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed (OSError: "
+                                 "[Errno 28] No space left on device). Free space")
 
 
 # ------------------------------------------------------------------------------------------
@@ -149,11 +176,15 @@ def test_second_run_on_a_workdir_refuses_and_a_killed_run_does_not_block(tmp_pat
       time.sleep(0.2)
     owner = json.loads((tmp_path / ".lock").read_text())
     assert owner["pid"] == first.pid and owner["host"] == socket.gethostname()
+    logs = sorted(tmp_path.glob("log*"))
     second = helpers.run_main(helpers.main_args(tmp_path, total_steps=2), timeout=300)
     assert second.returncode != 0
-    err = second.stderr.strip().splitlines()[-1]
-    assert err.startswith(f"ERROR: workdir {tmp_path} is in use by another run") and (
-        f"pid {first.pid}" in err)
+    err = second.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"ERROR: workdir {tmp_path} is in use by another run") and f"pid {first.pid}" in err[0]
+    # The refused run writes no log there: log.INFO still points at the first run's.
+    assert sorted(tmp_path.glob("log*")) == logs
+    assert os.readlink(tmp_path / "log.INFO").endswith(f".{first.pid}")
     assert first.poll() is None  # The first run goes on.
     assert len(list(tmp_path.glob("events.out.tfevents*"))) == 1
   finally:
@@ -201,6 +232,98 @@ def test_lock_staleness_rules(tmp_path, monkeypatch):
     assert time.time() - path.stat().st_mtime < 5  # The holder's heartbeat refreshed it.
 
 
+def test_an_empty_or_unreadable_lock_is_not_a_live_run(tmp_path):
+  path = tmp_path / workdir_lock.LOCK_NAME
+  for left in ("", '{"host": "h'):  # A full disk; a starter killed mid-write. Fresh mtimes.
+    path.write_text(left)
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists()
+
+
+def test_a_lock_that_cannot_be_written_is_one_error_and_leaves_no_file(tmp_path, monkeypatch):
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(workdir_lock.json, "dump", full_disk)
+  with pytest.raises(workdir_lock.WorkdirUnwritable,
+                     match=r"cannot write the workdir lock .* \(No space left on device\)"):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      pass
+  assert not (tmp_path / workdir_lock.LOCK_NAME).exists()  # No empty lock blocks a re-run.
+
+
+def _racer(workdir, barrier, results, trials):
+  """Takes over the same stale lock as another process, `trials` times."""
+  for _ in range(trials):
+    barrier.wait(timeout=60)
+    try:
+      got = workdir_lock.WorkdirLock(workdir)._acquire() == ""  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-except
+      got = repr(e)
+    results.put((os.getpid(), got))
+    barrier.wait(timeout=60)
+
+
+@pytest.mark.multiprocess
+def test_two_starters_taking_over_one_stale_lock_never_both_get_it(tmp_path):
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  trials = 30
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  ctx = multiprocessing.get_context("spawn")
+  barrier, results = ctx.Barrier(3), ctx.Queue()
+  racers = [ctx.Process(target=_racer, args=(str(tmp_path), barrier, results, trials))
+            for _ in range(2)]
+  for r in racers:
+    r.start()
+  path = tmp_path / workdir_lock.LOCK_NAME
+  winners = []
+  try:
+    for _ in range(trials):
+      path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+      barrier.wait(timeout=120)
+      got = [results.get(timeout=60) for _ in racers]
+      assert all(isinstance(won, bool) for _, won in got), got
+      winners.append([pid for pid, won in got if won])
+      assert len(winners[-1]) == 1 and json.loads(path.read_text())["pid"] == winners[-1][0]
+      path.unlink()
+      barrier.wait(timeout=60)
+  finally:
+    for r in racers:
+      r.join(timeout=10)
+      r.kill()
+  assert [len(w) for w in winners] == [1] * trials
+
+
+def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  with _read_only(tmp_path / "checkpoints"):
+    with pytest.raises(workdir_lock.WorkdirUnwritable,
+                       match=f"cannot write to {tmp_path / 'checkpoints'} "):
+      workdir_lock.check_writable(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints"]  # The probe is gone.
+  workdir_lock.check_writable(str(tmp_path))
+
+
+@contextlib.contextmanager
+def _read_only(folder):
+  """`folder` refuses new files, also to root (immutable attribute; as another user: mode)."""
+  if os.geteuid() == 0:
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+      pytest.skip("running as root on a file system without chattr +i")
+    try:
+      yield
+    finally:
+      subprocess.run(["chattr", "-i", str(folder)], check=True)
+  else:
+    folder.chmod(0o555)
+    try:
+      yield
+    finally:
+      folder.chmod(0o755)
+
+
 # ------------------------------------------------------------------------------------------
 # Data: unreadable records are skipped and counted; 16-bit PNGs; non-image files.
 
@@ -230,6 +353,17 @@ def _gradients():
   ramp = np.linspace(0, 65535, 24 * 32).astype(np.uint16).reshape(24, 32)
   rgb = np.stack([ramp, ramp[::-1], np.full_like(ramp, 30000)], axis=-1)
   return ramp, rgb
+
+
+def test_an_empty_or_non_image_file_is_told_without_the_stream_object():
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
+  from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+  with pytest.raises(decoding.CorruptImageError) as e:
+    pipeline.decode_image(b"")
+  assert str(e.value) == "empty (0 bytes), not an image"
+  with pytest.raises(decoding.CorruptImageError) as e:
+    pipeline.decode_image(b"<html>not found</html>")
+  assert str(e.value) == "UnidentifiedImageError: cannot identify image file (22 bytes)"
 
 
 def test_16bit_pngs_are_scaled_to_8_bits():
@@ -380,7 +514,8 @@ def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, m
   assert message.startswith("saving checkpoint step 2 ") and "No space left on device" in message
   assert "(latest: 1)" in message
   monkeypatch.undo()
-  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved.
+  assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved...
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # ...nor its partial folder kept.
   saver.close()
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bigpretrain import checkpoint
+from bigpretrain.runtime import console
 
 INTEROP_HINT = "pip install -e '.[interop]'"
 PICKLE_SUFFIXES = (".pth", ".pt", ".torch", ".bin")
@@ -326,6 +327,27 @@ def expected_tensors(arch: Arch, model_def) -> dict[str, tuple[str, tuple[int, .
   return out
 
 
+def warn_bad_values(sd: dict[str, np.ndarray]) -> list[str]:
+  """Warns, naming the tensors, about NaN or infinite values and BatchNorm running variances
+  below zero (weights of a diverged run or a damaged file, which the conversion would carry
+  on silently); returns the warnings."""
+
+  def named(keys):
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+  nonfinite = [k for k, v in sd.items() if np.issubdtype(np.asarray(v).dtype, np.inexact)
+               and not np.isfinite(v).all()]
+  negative = [k for k, v in sd.items() if k.endswith("running_var") and (np.asarray(v) < 0).any()]
+  out = []
+  if nonfinite:
+    out.append(f"{len(nonfinite)} tensors hold NaN or infinite values: {named(nonfinite)}.")
+  if negative:
+    out.append(f"{len(negative)} BatchNorm running variances are negative: {named(negative)}.")
+  for text in out:
+    console.warn(f"{text} The weights are converted as they are; check their source.")
+  return out
+
+
 def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = None,
                    image_size: int | None = None, seed: int = 0):
   """Maps a source state dict onto the bigpretrain model of `spec` ('timm:resnet50').
@@ -361,6 +383,7 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
   if extra:
     raise ValueError(f"the state dict does not match {spec}: it has tensors the model lacks, "
                      f"first {extra[0]!r} ({len(extra)} in all)")
+  warn_bad_values({k: sd[k] for k in expected})
 
   if image_size is not None and image_size != cfg.get("image_size", image_size):
     if arch.sized_by != "pos_embed":
@@ -490,6 +513,7 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
     raise ValueError(f"{ckpt} was not converted from a timm / torchvision file: give "
                      "--to=FORMAT:ARCH")
   sd = from_bigpretrain(jax.device_get(loaded.variables), loaded.model_def, spec)
+  warn_bad_values(sd)
   write_state_dict(sd, out)
   return sd
 

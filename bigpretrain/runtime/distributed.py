@@ -4,7 +4,13 @@ Detection order: explicit coordinator (flags, or BIGPRETRAIN_COORDINATOR_ADDRESS
 BIGPRETRAIN_NUM_PROCESSES / BIGPRETRAIN_PROCESS_ID), then a multi-host TPU slice, then a
 multi-task SLURM job (JAX reads SLURM_* itself). A single process needs no initialisation.
 On GPUs, the XLA/CUDA settings of gpu_flags are applied first, before the backend starts.
+
+Before that, `select_platforms` starts JAX only on the platforms the host has: with the compile
+extras installed (libtpu, the CUDA plugin: deviceless compiles for `plan --topology`), JAX
+would otherwise initialise each plugin on every host and print a CUDA-plugin traceback and
+libtpu errors on a machine that has neither device, which reads as a crash.
 """
+import glob
 import os
 
 from absl import flags
@@ -38,9 +44,40 @@ def detect() -> tuple[str, dict]:
   return "single", {}
 
 
+def host_platforms(dev: str = "/dev") -> str:
+  """The JAX platforms of this host's devices, accelerators first: 'tpu' on a TPU VM (its
+  chips are /dev/accel* or /dev/vfio/N), 'cuda' with an NVIDIA driver (/dev/nvidiactl), 'rocm'
+  with an AMD one (/dev/kfd); 'cpu' always."""
+  found = []
+  if glob.glob(os.path.join(dev, "accel*")) or glob.glob(os.path.join(dev, "vfio", "[0-9]*")):
+    found.append("tpu")
+  if os.path.exists(os.path.join(dev, "nvidiactl")):
+    found.append("cuda")
+  if os.path.exists(os.path.join(dev, "kfd")):
+    found.append("rocm")
+  return ",".join(found + ["cpu"])
+
+
+def select_platforms() -> str:
+  """Sets jax_platforms to host_platforms() unless JAX_PLATFORMS (or the config) already
+  says which, or a backend has started; logs the choice in one line; returns it."""
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  chosen = jax.config.jax_platforms
+  if chosen or xla_bridge.backends_are_initialized():
+    logging.info("JAX platforms: %s (as set).", chosen or "already started")
+    return chosen or ""
+  chosen = host_platforms()
+  jax.config.update("jax_platforms", chosen)
+  logging.info("JAX platforms: %s (the devices this host has; JAX_PLATFORMS overrides).",
+               chosen)
+  return chosen
+
+
 def maybe_initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> str:
-  """Initialises jax.distributed when running on several processes; returns what was found."""
+  """Initialises jax.distributed when running on several processes; returns what was found.
+  First picks the platforms this host has (select_platforms)."""
+  select_platforms()
   applied = gpu_flags.apply()
   if applied:
     logging.info("GPU settings added (user-set values kept): %s", applied)

@@ -14,12 +14,18 @@ def _scalar(value):
   return value.item() if value.size == 1 else value.tolist()
 
 
+class MetricWriteError(RuntimeError):
+  """metrics.jsonl could not be written (e.g. a full disk)."""
+
+
 class MetricWriter:
   """Writes one JSON object per logged step to `workdir/metrics.jsonl` and TensorBoard events.
 
   Only process 0 writes. The file is only ever appended to: a run resumed from an earlier
   checkpoint (e.g. after falling back from a corrupt one) logs some steps again after the
-  rows already there; `read_metrics` reads the file as one uninterrupted run.
+  rows already there; `read_metrics` reads the file as one uninterrupted run. A last line torn
+  by a kill mid-write is ended first, so that the appended rows start on a line of their own.
+  A failed write raises MetricWriteError, naming the file and the cause.
   """
 
   def __init__(self, workdir: str, *, enabled: bool = True):
@@ -29,6 +35,7 @@ class MetricWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     self.tb = tensorboardX.SummaryWriter(logdir=workdir, flush_secs=30)
+    self._torn = _ends_mid_line(self.path)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
@@ -39,8 +46,14 @@ class MetricWriter:
       row[k] = v
       if isinstance(v, (int, float)) and math.isfinite(v):
         self.tb.add_scalar(k, v, int(step))
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    try:
+      with open(self.path, "a") as f:
+        f.write(("\n" if self._torn else "") + json.dumps(row) + "\n")
+    except OSError as e:
+      raise MetricWriteError(f"writing {self.path} failed ({type(e).__name__}: {e}). Free "
+                             "space (or fix the file system) and re-run the same command to "
+                             "resume from the last checkpoint.") from e
+    self._torn = False
 
   def close(self) -> None:
     """Flushes and closes the TensorBoard file (again: a no-op). A failing flush (e.g. a
@@ -51,6 +64,19 @@ class MetricWriter:
         self.tb.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("Closing the TensorBoard writer failed: %s: %s", type(e).__name__, e)
+
+
+def _ends_mid_line(path: str) -> bool:
+  """Whether the file exists and its last byte is not a newline."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      if f.tell() == 0:
+        return False
+      f.seek(-1, os.SEEK_END)
+      return f.read(1) != b"\n"
+  except FileNotFoundError:
+    return False
 
 
 def read_metrics(workdir: str) -> list[dict]:

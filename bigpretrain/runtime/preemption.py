@@ -16,8 +16,17 @@ step. A SIGTERM after the last loop is not acted on: the run finishes.
 
 Without the sync manager (the service turned off), the flag is all-gathered at log steps only,
 where the loop waits for the device anyway.
+
+The handler is installed before the run takes its workdir lock, and covers the whole run. While
+the run is being set up (model, data, restore: `setting_up`), one process has nothing to
+save yet: the signal stops the set-up at once (raises Interrupted; the lock is released on the
+way out) and the command exits 0. Ctrl-C (SIGINT) is a SIGTERM the first time (several
+processes: forwarded to the runtime's handler as one), and a second Ctrl-C stops the process at
+once, releasing the lock (`on_abort`) and abandoning the save in flight.
 """
+import os
 import signal
+import sys
 
 from absl import logging
 import jax
@@ -45,28 +54,72 @@ def allgather_any(flag: bool) -> bool:
   return bool(np.max(multihost_utils.process_allgather(np.array(flag, np.int32))))
 
 
+class Interrupted(Exception):
+  """A SIGTERM or Ctrl-C while the run was being set up: nothing new to save; exit 0."""
+
+
+def _say(text: str) -> None:
+  """One line on stderr, from a signal handler (on a line of its own: a progress bar may be
+  mid-line), and in the log."""
+  logging.warning("%s", text)
+  sys.stdout.flush()
+  print(f"\n{text}", file=sys.stderr, flush=True)
+
+
 class Preemption:
-  """Context of a train loop; `agreed(log_step)` after each step: True on every process at the
-  same step once any got SIGTERM (then the loop saves and exits)."""
+  """Context of a run; `agreed(log_step)` after each step of its loop: True on every process at
+  the same step once any got SIGTERM or Ctrl-C (then the loop saves and exits)."""
 
   def __init__(self):
     self.requested = False
-    self._previous = None
+    self.on_abort = None  # Called before a second Ctrl-C ends the process (the lock's release).
+    self._previous = {}
     self._runtime = False
+    self._interruptible = False
+    self._interrupts = 0
 
   def __enter__(self):
     self._runtime = sync_manager_running()
-    if not self._runtime:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    signals = (signal.SIGINT,) if self._runtime else (signal.SIGTERM, signal.SIGINT)
+    for s in signals:
+      self._previous[s] = signal.signal(s, self._handle)
     return self
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning("SIGTERM received: saving a checkpoint and exiting.")
+    if signum == signal.SIGINT:
+      self._interrupts += 1
+      if self._interrupts > 1:
+        _say("Second Ctrl-C: stopping now, without saving.")
+        if self.on_abort is not None:
+          self.on_abort()
+        os._exit(130)  # pylint: disable=protected-access
+      if self._runtime:  # The runtime's handler tells the other processes.
+        _say("Ctrl-C: all processes save a checkpoint and exit (Ctrl-C again stops at once).")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     self.requested = True
+    if self._interruptible and jax.process_count() == 1:
+      self._interruptible = False
+      raise Interrupted(f"{name} received while the run was being set up: nothing new to "
+                        "save; exiting.")
+    _say(f"{name} received: saving a checkpoint and exiting"
+         f"{' (Ctrl-C again stops at once)' if signum == signal.SIGINT else ''}.")
+
+  def setting_up(self, on: bool) -> None:
+    """While on (the run's set-up, one process), a signal raises Interrupted at once; one
+    that came before raises it now."""
+    self._interruptible = on
+    if on and self.requested and jax.process_count() == 1:
+      self._interruptible = False
+      raise Interrupted("SIGTERM or Ctrl-C received while the run was being set up: nothing "
+                        "new to save; exiting.")
 
   def __exit__(self, *exc):
-    if not self._runtime:
-      signal.signal(signal.SIGTERM, self._previous)
+    self._interruptible = False
+    for s, previous in self._previous.items():
+      signal.signal(s, previous)
+    self._previous = {}
 
   def agreed(self, log_step: bool) -> bool:
     """Whether to save and stop after the step just dispatched; call once per step on every

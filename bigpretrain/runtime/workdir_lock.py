@@ -8,9 +8,12 @@ touches the file every HEARTBEAT_S seconds from a daemon thread and removes it w
 ends (normally, on an error or after SIGTERM).
 
 A lock left by a run that is gone does not block: it is taken over at once when its owner
-ran on this host and its pid is dead (a SIGKILL), and after STALE_S without heartbeat when
-the owner ran on another host (whose pids cannot be checked from here; a job restarted
-elsewhere after a hard kill is refused until then, with this explained).
+ran on this host and its pid is dead (a SIGKILL), or when it is empty or unreadable (a starter
+killed mid-write, or a full disk), and after STALE_S without heartbeat when the owner ran on
+another host (whose pids cannot be checked from here; a job restarted elsewhere after a hard
+kill is refused until then, with this explained). The take-over is atomic: the stale file is
+renamed to a name of this starter's own (only one rename of it succeeds), checked to be the
+file judged stale, and removed; then the lock is created as at a fresh start.
 
 Why not fcntl/flock: advisory locks are per host on many network file systems (NFS clients
 without lockd, Lustre without flock), and FUSE mounts of object stores (gcsfuse) do not
@@ -36,6 +39,36 @@ _JOB_ID_VARS = ("SLURM_JOB_ID",)  # Shown in the refusal, to find the other run.
 
 class WorkdirLocked(RuntimeError):
   """Another live run holds the workdir."""
+
+
+class WorkdirUnwritable(RuntimeError):
+  """The workdir (or its checkpoints folder) cannot be written: read-only, or full."""
+
+
+def check_writable(workdir: str) -> None:
+  """Raises WorkdirUnwritable unless a file can be created and written in `workdir` and in its
+  checkpoints/ folder (when there): a read-only mount, missing permission or a full disk is
+  told in one line before the run takes a lock, builds or saves anything."""
+  for folder in (workdir, os.path.join(workdir, "checkpoints")):
+    if folder != workdir and not os.path.isdir(folder):
+      continue
+    probe = os.path.join(folder, f".write_test.{socket.gethostname()}.{os.getpid()}")
+    try:
+      os.makedirs(folder, exist_ok=True)
+      with open(probe, "w") as f:
+        f.write("x" * 4096)
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+      raise WorkdirUnwritable(
+          f"cannot write to {folder} ({e.strerror or e}): the run keeps its checkpoints, "
+          "metrics and lock there. Make it writable (or free space), or pass another "
+          "--workdir.") from e
+    finally:
+      try:
+        os.remove(probe)
+      except OSError:
+        pass
 
 
 def _job_id() -> str:
@@ -75,29 +108,65 @@ class WorkdirLock:
       fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
       return False
-    with os.fdopen(fd, "w") as f:
-      json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
-                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+    try:
+      with os.fdopen(fd, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+    except OSError as e:  # E.g. a full disk: an empty lock would block the next start.
+      os.remove(self.path)
+      raise WorkdirUnwritable(f"cannot write the workdir lock {self.path} ({e.strerror or e})."
+                              " Free space or make the workdir writable.") from e
     return True
+
+  def _read(self, path: str | None = None) -> tuple[dict | None, float, tuple]:
+    """(the owner, or None when the file is empty or unreadable; its age in s; what tells this
+    file from another: its inode, mtime and text, as an inode may be reused at once)."""
+    with open(path or self.path) as f:
+      text = f.read()
+      st = os.fstat(f.fileno())
+    try:
+      owner = json.loads(text)
+    except json.JSONDecodeError:
+      owner = None
+    return (owner if isinstance(owner, dict) and owner.get("host") else None,
+            time.time() - st.st_mtime, (st.st_ino, st.st_mtime_ns, text))
+
+  def _take_over(self, stale: tuple) -> None:
+    """Removes the lock file judged stale (`stale`: _read's identity of it) if it is still
+    there; leaves any other one."""
+    aside = f"{self.path}.stale.{socket.gethostname()}.{os.getpid()}"
+    try:
+      os.rename(self.path, aside)
+    except FileNotFoundError:  # Another starter took it over first.
+      return
+    if self._read(aside)[2] == stale:
+      os.remove(aside)
+      return
+    # A starter that took it over first already holds a fresh lock: give it back.
+    try:
+      os.link(aside, self.path)
+      os.remove(aside)
+    except FileExistsError:
+      os.remove(aside)
+    except OSError:  # File systems without hard links (gcsfuse).
+      os.rename(aside, self.path)
 
   def _acquire(self) -> str:
     """Takes the lock; returns '' or the refusal message."""
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    for _ in range(3):  # Another starter may take over a stale lock at the same time.
+    for _ in range(5):  # Another starter may take over a stale lock at the same time.
       if self._try_create():
         return ""
       try:
-        with open(self.path) as f:
-          text = f.read()
-        age_s = time.time() - os.stat(self.path).st_mtime
+        owner, age_s, identity = self._read()
+        if owner is None:  # A live starter writes it just after creating it: look again.
+          time.sleep(0.2)
+          owner, age_s, again = self._read()
+          if again != identity:
+            continue
       except FileNotFoundError:  # Released meanwhile.
         continue
-      try:
-        owner = json.loads(text)
-      except json.JSONDecodeError:  # Written by a starter killed mid-write.
-        owner = {}
-      reason = _stale_reason(owner, age_s) if owner else (
-          "it is unreadable" if age_s > HEARTBEAT_S else "")
+      reason = _stale_reason(owner, age_s) if owner else "it is empty or unreadable"
       if not reason:
         return (f"workdir {os.path.dirname(self.path)} is in use by another run (host "
                 f"{owner.get('host', '?')}, pid {owner.get('pid', '?')}"
@@ -105,12 +174,10 @@ class WorkdirLock:
                 f"{owner.get('started', '?')}; heartbeat {age_s:.0f} s ago). Use another "
                 f"--workdir, or wait for that run to end. If it is gone, its lock {self.path} "
                 f"is released after {STALE_S:.0f} s without heartbeat, or delete it.")
+      owner = owner or {}
       console.warn(f"taking over the lock {self.path} left by host "
                    f"{owner.get('host', '?')} pid {owner.get('pid', '?')}: {reason}.")
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+      self._take_over(identity)
     return f"could not take the lock {self.path}: other runs keep taking it."
 
   def _heartbeat(self) -> None:
@@ -137,6 +204,10 @@ class WorkdirLock:
     return self
 
   def __exit__(self, *exc):
+    self.release()
+
+  def release(self) -> None:
+    """Removes the lock if this run holds it (again: nothing)."""
     self._stop.set()
     if self._held:
       self._held = False

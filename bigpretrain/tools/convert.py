@@ -13,6 +13,7 @@ from absl import app
 from absl import flags
 
 from bigpretrain.models import convert
+from bigpretrain.runtime import distributed
 from bigpretrain.tools import cli
 
 
@@ -59,6 +60,7 @@ def run(f) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  distributed.select_platforms()
   run(flags.FLAGS)
 
 

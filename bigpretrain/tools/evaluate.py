@@ -15,6 +15,7 @@ from absl import app
 from absl import flags
 
 from bigpretrain.evaluators import evaluate
+from bigpretrain.runtime import distributed
 from bigpretrain.evaluators import mapped
 from bigpretrain.tools import cli
 
@@ -36,6 +37,7 @@ def define_flags() -> None:
 
 def main(argv):
   cli.check_usage(argv)
+  distributed.select_platforms()
   f = flags.FLAGS
   if bool(f.workdir) == bool(f.checkpoint):
     raise app.UsageError("Give exactly one of --workdir and --checkpoint.")

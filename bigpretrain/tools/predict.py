@@ -20,6 +20,7 @@ from absl import flags
 from absl import logging
 
 from bigpretrain import predict
+from bigpretrain.runtime import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
                                 required=True)
@@ -45,6 +46,7 @@ def main(argv):
   # Orbax and JAX log every restore step and platform probe at INFO: not for a user.
   logging.set_verbosity(logging.WARNING)
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+  distributed.select_platforms()
   if len(argv) < 2:
     raise app.UsageError("Give one or more image files or folders holding images.")
   paths = predict.expand_paths(argv[1:])

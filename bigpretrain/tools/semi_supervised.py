@@ -14,6 +14,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from bigpretrain.runtime import distributed
+from bigpretrain.runtime import preemption
 from bigpretrain.semisup import semi_supervised
 from bigpretrain.tools import cli
 
@@ -36,7 +37,7 @@ def main(argv):
   with cli.user_errors(TypeError, FloatingPointError, log_traceback=True):
     try:
       semi_supervised.run(f.config, f.workdir)
-    except semi_supervised.Interrupted as e:
+    except (semi_supervised.Interrupted, preemption.Interrupted) as e:  # Nothing lost.
       print(str(e), flush=True)
       return
   if semi_supervised.is_main():

@@ -1,0 +1,137 @@
+"""Interruptions of a real run: SIGTERM while it is set up, Ctrl-C while it trains; what the
+signal handlers do in-process; a data worker's death. Each is one line, never a traceback,
+and leaves no lock behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bigpretrain.runtime import metric_writers
+from bigpretrain.runtime import preemption
+from bigpretrain import train
+from tests import helpers
+
+
+def _wait_for(condition, proc, what: str, timeout: float = 300):
+  deadline = time.time() + timeout
+  while not condition():
+    assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()}"
+    assert time.time() < deadline, f"no {what} after {timeout} s"
+    time.sleep(0.05)
+
+
+def _start(workdir, **overrides) -> subprocess.Popen:
+  env = helpers.env()
+  del env["JAX_PLATFORMS"]  # As a user runs it, with libtpu and the CUDA plugin installed.
+  return subprocess.Popen([sys.executable, "-m", "bigpretrain.main"]
+                          + helpers.main_args(workdir, **overrides),
+                          env=env, cwd=helpers.ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigterm_while_set_up_and_ctrl_c_while_training(tmp_path):
+  lock = tmp_path / ".lock"
+  # SIGTERM once the lock is taken, while the model, data and restore are set up.
+  run = _start(tmp_path, total_steps=100000)
+  _wait_for(lock.exists, run, "lock")
+  run.send_signal(signal.SIGTERM)
+  out, err = run.communicate(timeout=300)
+  assert run.returncode == 0, err[-3000:]
+  assert err.strip() == ("SIGTERM received while the run was being set up: nothing new to "
+                         "save; exiting."), err[-3000:]
+  assert not lock.exists() and not (tmp_path / "checkpoints" / "1").exists()
+  # Only the platforms this host has were started: no CUDA-plugin or libtpu errors, one line.
+  (log,) = tmp_path.glob("log.*.INFO.*")
+  assert "JAX platforms: cpu (the devices this host has" in log.read_text()
+
+  # The same command: Ctrl-C while it trains saves the step it reached and exits 0.
+  run = _start(tmp_path, total_steps=100000)
+  _wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and any(
+      r["step"] >= 2 for r in metric_writers.read_metrics(str(tmp_path))), run, "step 2")
+  run.send_signal(signal.SIGINT)
+  out, err = run.communicate(timeout=300)
+  assert run.returncode == 0, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  assert "Ctrl-C received: saving a checkpoint and exiting (Ctrl-C again stops at once)." in err
+  saved = int(out.split("Preempted: saved checkpoint at step ")[1].split(";")[0])
+  assert (tmp_path / "checkpoints" / str(saved)).is_dir() and saved >= 2
+  assert not lock.exists()
+
+
+def test_a_second_ctrl_c_stops_at_once_releasing_the_lock(monkeypatch, capsys):
+  released, exits = [], []
+
+  def exit_now(code):
+    exits.append(code)
+    raise SystemExit(code)
+
+  monkeypatch.setattr(os, "_exit", exit_now)
+  before = signal.getsignal(signal.SIGINT)
+  with preemption.Preemption() as p:
+    p.on_abort = lambda: released.append(True)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert p.agreed(log_step=False) and not exits  # The first: save and stop.
+    with pytest.raises(SystemExit):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert exits == [130] and released == [True]
+  assert signal.getsignal(signal.SIGINT) is before
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == "Second Ctrl-C: stopping now, without saving."
+
+
+def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once():
+  with preemption.Preemption() as p:
+    p.setting_up(True)
+    with pytest.raises(preemption.Interrupted, match="SIGTERM received while the run"):
+      os.kill(os.getpid(), signal.SIGTERM)
+    p.setting_up(False)
+  with preemption.Preemption() as p:
+    os.kill(os.getpid(), signal.SIGTERM)  # While the lock is taken: acted on right after.
+    with pytest.raises(preemption.Interrupted):
+      p.setting_up(True)
+
+
+class _Saver:
+  """A checkpointer whose save of step 8 is in flight."""
+
+  def __init__(self):
+    self.waited = False
+
+  def wait(self):
+    self.waited = True
+
+  def latest_step(self):
+    return 8 if self.waited else 4
+
+
+def test_a_killed_data_worker_is_one_line_after_the_save_in_flight():
+  def batches():
+    yield {"image": 0}
+    # What grain raises when a worker process is killed (kill -9, the OOM killer).
+    raise RuntimeError("Worker process was terminated unexpectedly with exit code -9. Search "
+                       "the logs above for the source of the crash.")
+
+  it, saver = batches(), _Saver()
+  assert train._next_batch(it, saver) == {"image": 0}  # pylint: disable=protected-access
+  with pytest.raises(train.DataWorkerDied) as e:
+    train._next_batch(it, saver)  # pylint: disable=protected-access
+  assert saver.waited
+  assert str(e.value) == (
+      "a data worker process died (killed by SIGKILL: most likely the out-of-memory killer; "
+      "see `dmesg`). Lower data.num_workers or data.prefetch, or give the job more memory, "
+      "then re-run the same command to resume from the last checkpoint (step 8).")
+  other = iter(())
+  with pytest.raises(StopIteration):  # Anything else goes through unchanged.
+    train._next_batch(other, saver)  # pylint: disable=protected-access
+
+
+def test_an_error_that_stops_the_run_lets_the_save_in_flight_finish():
+  saver = _Saver()
+  train._settle_saves(saver, None)  # pylint: disable=protected-access
+  assert not saver.waited  # A normal end waits in the loop's own order.
+  train._settle_saves(saver, metric_writers.MetricWriteError)  # pylint: disable=protected-access
+  assert saver.waited and saver.latest_step() == 8

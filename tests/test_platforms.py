@@ -1,0 +1,46 @@
+"""JAX starts only on the platforms the host has (distributed.select_platforms): with libtpu
+and the CUDA plugin installed, a CPU-only machine prints no plugin errors."""
+import subprocess
+import sys
+
+import pytest
+
+from bigpretrain.runtime import distributed
+from tests import helpers
+
+
+@pytest.mark.parametrize("devices, want", [
+    ((), "cpu"),
+    (("nvidiactl", "nvidia0"), "cuda,cpu"),
+    (("accel0", "accel1"), "tpu,cpu"),  # TPU v4 and earlier.
+    (("vfio/0",), "tpu,cpu"),  # TPU v5e and later.
+    (("vfio/vfio",), "cpu"),  # The VFIO control node alone is no TPU.
+    (("kfd",), "rocm,cpu"),
+])
+def test_host_platforms_follow_the_device_nodes(tmp_path, devices, want):
+  for name in devices:
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).touch()
+  assert distributed.host_platforms(str(tmp_path)) == want
+
+
+_PROBE = ("from absl import logging\n"
+          "logging.set_verbosity(logging.INFO)\n"
+          "from bigpretrain.runtime import distributed\n"
+          "print(distributed.select_platforms())\n"
+          "import jax\n"
+          "print(jax.devices()[0].platform)\n")
+
+
+def test_a_cpu_host_starts_jax_without_plugin_errors():
+  env = helpers.env()
+  del env["JAX_PLATFORMS"]
+  r = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=helpers.ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.split() == ["cpu", "cpu"], r.stderr[-3000:]
+  assert r.stderr.strip().splitlines() == [
+      "INFO:absl:JAX platforms: cpu (the devices this host has; JAX_PLATFORMS overrides)."]
+
+
+def test_a_platform_choice_already_made_is_kept():
+  assert distributed.select_platforms() == "cpu"  # conftest's (as JAX_PLATFORMS would).
