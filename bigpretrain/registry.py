@@ -28,6 +28,8 @@ class Registry:
   def __init__(self, kind: str, config_key: str, *, prefixes: bool = False, builtins: str = ""):
     self.kind, self.config_key, self.prefixes = kind, config_key, prefixes
     self._builtins = builtins
+    # The module holding the registry: its own entries register before the built-ins load.
+    self._home = sys._getframe(1).f_globals.get("__name__", "?")  # pylint: disable=protected-access
     self._items: dict[str, Any] = {}
     self._usage: dict[str, str] = {}
     self._lazy: dict[str, str] = {}
@@ -40,6 +42,8 @@ class Registry:
     owner = sys._getframe(1).f_globals.get("__name__", "?")  # pylint: disable=protected-access
 
     def add(o):
+      if owner != self._home and not owner.startswith(self._builtins or "\0"):
+        self._load_builtins()  # A plugin's name is checked against the built-ins' now.
       if name in self._items and self._items[name] is not o:
         raise ValueError(self._clash(name, self._owners[name], owner))
       if self._lazy.get(name, owner) != owner:

@@ -61,8 +61,8 @@ def test_lazy_entries_import_their_module_on_first_use(tmp_path, monkeypatch):
 
 
 def test_a_name_clash_names_both_modules_whichever_registers_first(tmp_path, monkeypatch):
-  """A plugin taking a built-in's name (also one registered only when first used, e.g.
-  'demo_coarse') is refused, never a silent replacement."""
+  """A plugin taking a built-in's name (also a built-in source, whose module is imported on
+  the registry's first use, e.g. 'demo_coarse') is refused, never a silent replacement."""
   from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
   (tmp_path / "takes_demo_coarse.py").write_text(
       "from input_pipeline import datasets\n"
@@ -70,9 +70,9 @@ def test_a_name_clash_names_both_modules_whichever_registers_first(tmp_path, mon
   monkeypatch.syspath_prepend(str(tmp_path))
   with pytest.raises(ValueError) as e:
     registry.import_plugins(["takes_demo_coarse"])
-  assert ("dataset 'demo_coarse' is already registered by module input_pipeline.sources.demo_coarse "
-          "(imported on first use); module takes_demo_coarse registers another dataset"
-          in str(e.value)), e.value
+  assert ("dataset 'demo_coarse' is already registered by module "
+          "input_pipeline.sources.demo_coarse; module takes_demo_coarse registers another "
+          "dataset" in str(e.value)), e.value
   assert datasets.SOURCES.get("demo_coarse").__module__ == "input_pipeline.sources.demo_coarse"
   # The other order: a name taken, then declared by a lazily imported module.
   reg = registry.Registry("widget", "config.widget")
