@@ -28,12 +28,39 @@ def make_divisible(value: float, divisor: int = 8) -> int:
   return out + divisor if out < 0.9 * value else out
 
 
+# config.model.attention_impl: jax.nn.dot_product_attention's implementation in attention
+# layers. 'xla' (the default) is XLA's own softmax(q k^T) v on every backend; 'cudnn' is
+# cuDNN's fused flash attention on NVIDIA GPUs (one custom call forward, one backward, no
+# [B, heads, N, N] scores in memory).
+ATTENTION_IMPLS = ("xla", "cudnn")
+# config.model.head_dtype: what the classifier's matmul reads. 'float32' (the default): the
+# features and the kernel in float32. 'bfloat16': both rounded to bfloat16, products summed in
+# float32 (preferred_element_type), float32 bias and logits: the bf16 Tensor Core / MXU rate
+# for a head of 11k-27k classes, whose share of the step grows with the class count.
+HEAD_DTYPES = ("float32", "bfloat16")
+
+
+class ClassifierHead(nnx.Linear):
+  """nnx.Linear with float32 logits whatever `head_dtype` (HEAD_DTYPES) its matmul reads."""
+
+  head_dtype = "float32"
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if self.head_dtype == "float32":
+      return super().__call__(inputs)
+    dtype = jnp.dtype(self.head_dtype)
+    y = jnp.dot(inputs.astype(dtype), self.kernel[...].astype(dtype),
+                preferred_element_type=jnp.float32)
+    return y + self.bias[...].astype(jnp.float32)
+
+
 def classifier_head(in_features: int, num_classes: int, *, param_dtype, rngs,
                     kernel_init=nnx.initializers.zeros) -> nnx.Linear:
-  """The float32 linear classifier every model ends with (zero-initialised by default)."""
-  return nnx.Linear(in_features, num_classes,
-                    kernel_init=partitioned(kernel_init, ("embed", "classes")),
-                    dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+  """The linear classifier every model ends with (zero-initialised by default): float32
+  logits, a float32 matmul unless models.get_model sets its head_dtype."""
+  return ClassifierHead(in_features, num_classes,
+                        kernel_init=partitioned(kernel_init, ("embed", "classes")),
+                        dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
 
 
 def drop_path_rates(rate: float, depth: int, schedule: str = "linear") -> list[float]:
