@@ -101,9 +101,10 @@ QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "hea
                  "batch_vit_b16", "xla_flags")
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
-# The per-device batch search: doublings of the papers' 64 (the dry run: of 2) it tries at
-# most, and the remat policies it tries at the first size that does not fit.
-BATCH_DOUBLINGS = 4
+# The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
+# at most per model (64 -> 512 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
+# policies it tries, in turn until one fits, at the first size that does not fit.
+BATCH_DOUBLINGS = {"vit_b16": 3, "regnety_16gf": 2}
 BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
@@ -424,7 +425,7 @@ class Suite:
 
     per_device = self.per_device
     attempt(per_device, runner=self.runners.pop(trained, None))
-    for _ in range(1 if self.dry_run else BATCH_DOUBLINGS):
+    for _ in range(1 if self.dry_run else BATCH_DOUBLINGS[config.model.name]):
       if not attempt(per_device * 2):
         per_device *= 2
         break

@@ -73,11 +73,11 @@ def kernel_counts(hlo_text: str) -> dict:
   }
 
 
-def compile_counts(config, topology: str = "gpu:h100:1x1", num_classes=None) -> dict:
-  """kernel_counts of `config`'s train step compiled for `topology` with no device."""
+def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> str:
+  """The optimized HLO of `config`'s train step compiled for `topology` with no device."""
   _, _, compiled, _ = aot_plan.compile_step(
       config, num_classes, devices=accelerators.topology_devices(topology))
-  return kernel_counts(compiled.as_text())
+  return compiled.as_text()
 
 
 def main(argv):
@@ -88,9 +88,12 @@ def main(argv):
   out = {"model": config.model.name, "topology": f.topology, "batch_size": config.batch_size,
          "image_size": config.data.image_size, "compute_dtype": config.compute_dtype,
          "attention_impl": config.model.get("attention_impl", "xla"),
-         "head_dtype": config.model.get("head_dtype", "float32"),
-         **compile_counts(config, f.topology, f.num_classes)}
-  print(json.dumps(out), flush=True)
+         "head_dtype": config.model.get("head_dtype", "float32")}
+  hlo = compile_hlo(config, f.topology, f.num_classes)
+  if f.hlo_out:
+    with open(f.hlo_out, "w") as out_file:
+      out_file.write(hlo)
+  print(json.dumps({**out, **kernel_counts(hlo)}), flush=True)
 
 
 if __name__ == "__main__":
@@ -98,4 +101,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("topology", "gpu:h100:1x1", "A GPU topology (bigpretrain.accelerators).")
   flags.DEFINE_integer("num_classes", None, "Classes of a dataset without a class list "
                        "(e.g. 27000 for SWAG's hashtags).")
+  flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text to this file.")
   sys.exit(app.run(main))
