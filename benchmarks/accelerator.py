@@ -200,6 +200,7 @@ class Suite:
     self.profiles = {}  # Model -> profile_ops.top_ops of its step.
     self.flag_lines = None  # The xla_flags figure's child lines (run before this process's
     # backend starts: see main).
+    self.flag_set = "none"  # The gpu_flags.FLAG_SETS entry this process runs with.
 
   def emit(self, figure: str, value, unit: str, **details):
     dev = jax.devices()[0]
@@ -237,7 +238,7 @@ class Suite:
     row = {"model": config.model.name, "figure": figure, **settings(config),
            "batch_per_device": config.batch_size // jax.device_count(),
            "step_time_ms": 1e3 * step_s, "images_per_sec": config.batch_size / step_s,
-           "mfu": perf.get("perf/mfu")}
+           "mfu": perf.get("perf/mfu"), "xla_flags": self.flag_set}
     self.measured.append(row)
     return row
 
@@ -358,7 +359,8 @@ class Suite:
   def attention_loss(self):
     """vit_demo trained LOSS_STEPS steps on one fixed batch from one seed with each attention
     implementation: the largest relative difference of the per-step losses."""
-    config = self.sized(semantic_softmax.get_config("dataset=demo,model=vit_demo"), "vit_demo")
+    config = self.sized(semantic_softmax.get_config(f"{self.ss_data},model=vit_demo"),
+                        "vit_demo")
     steps = 3 if self.dry_run else LOSS_STEPS
     config.total_steps = steps + 1  # The schedule spans the run (one warm-up step first).
     config.batch_size = 16 * jax.device_count()
@@ -558,7 +560,7 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
              "| model | batch/device | attention | head | remat | XLA flags | images/s | "
              "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['remat']} | {r.get('xla_flags', 'bigpretrain')} | {fmt(r['images_per_sec'])} | "
+             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
@@ -618,13 +620,15 @@ def main(argv):
     every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
     flag_lines = run_flag_sets(FLAG_SETS if every else FLAG_SETS[:2], _STEPS.value)
   gpu_flags.apply()  # The settings training runs with (bigpretrain.distributed applies them).
+  flag_set = ("bigpretrain" if gpu_flags.target_platform() == "gpu"
+              and os.environ.get(gpu_flags.OFF_VARIABLE, "").lower() != "off" else "none")
   dry_run = _DRY_RUN.value
   if dry_run is None:
     dry_run = jax.default_backend() == "cpu"
   steps = _STEPS.value or (1 if dry_run else 10)
   rounds = _ROUNDS.value or (1 if dry_run else 3)
   suite = Suite(dry_run, steps, rounds)
-  suite.flag_lines = flag_lines
+  suite.flag_lines, suite.flag_set = flag_lines, flag_set
   run = {"vit_b16_train": suite.vit_b16, "regnety_16gf_train": suite.regnety_16gf,
          "tresnet_m_vs_resnet50": suite.tresnet_vs_resnet, "esd_memory_ratio": suite.esd_memory,
          "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured,

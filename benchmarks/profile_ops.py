@@ -4,9 +4,10 @@
 `top_ops(log_dir)` reads the trace's Chrome-format `<host>.trace.json.gz` back and ranks
 the XLA ops (the `hlo_op` of each event) by their total time. On a GPU or TPU those are the
 events of the device's own timelines (`/device:...`: kernels, cuBLAS and cuDNN calls, copies,
-each tagged with the HLO op it runs); on the CPU, where every op runs on the host, the XLA
-runtime's events of the traced module. Several kernels of one op (a cuDNN convolution's
-launches) add up under the op's name; `kernels` keeps the first kernel name seen.
+each tagged with the HLO op it runs: a GPU's "Stream" lines, a TPU's "XLA Ops" line, not the
+summary lines that would count the time twice); on the CPU, where every op runs on the host,
+the XLA runtime's events that name an HLO op. Several kernels of one op (a cuDNN convolution's
+launches) add up under the op's name; `kernel` is the first kernel name seen.
 """
 import collections
 import gzip
@@ -38,9 +39,17 @@ def top_ops(log_dir, n: int = 10) -> dict:
   events = data["traceEvents"] if isinstance(data, dict) else data
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
-  devices = {pid for pid, name in names.items() if name.startswith("/device:")}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
   spans = [e for e in events if e.get("ph") == "X"]
-  on_device = [e for e in spans if e["pid"] in devices]
+  on_device = [e for e in spans if names.get(e["pid"], "").startswith("/device:")]
+  # A device's timelines hold its kernels (GPU: the "Stream #..." lines) or its XLA ops (TPU:
+  # "XLA Ops"), and summaries of them ("XLA Modules", "Steps") that would count time twice.
+  for line in ("Stream", "XLA Ops"):
+    kept = [e for e in on_device if threads.get((e["pid"], e.get("tid")), "").startswith(line)]
+    if kept:
+      on_device = kept
+      break
   if on_device:
     ops, source = on_device, "device"
   else:

@@ -1,6 +1,7 @@
 """benchmarks/accelerator.py's dry run on the CPU: one JSON line per figure with the documented
 keys, then the markdown table of the same figures; every lever's A/B runs, the profile is read
 back from its trace, and --out_dir gets the lines and the tables."""
+import gzip
 import json
 import subprocess
 import sys
@@ -8,11 +9,11 @@ import sys
 import pytest
 
 from benchmarks import accelerator
+from benchmarks import profile_ops
 from tests import helpers
 
-pytestmark = pytest.mark.slow  # Seven small compiles in a subprocess.
 
-
+@pytest.mark.slow  # The demo models' compiles for every figure and arm, in subprocesses.
 def test_dry_run_prints_every_figure_and_the_table(tmp_path):
   env = helpers.env(num_devices=1)
   r = subprocess.run([sys.executable, "benchmarks/accelerator.py", f"--out_dir={tmp_path}"],
@@ -89,3 +90,34 @@ def _check_levers(by):
   assert set(prof["traced_ms_per_step"]) == {
       "vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50:vit_demo",
       "tresnet_m_vs_resnet50:regnety_demo"}
+
+
+def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
+  """A GPU trace: kernels on the device's stream lines, summed per HLO op (a cuDNN call's two
+  kernels as one op); the device's summary line and the host's events left out."""
+  run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+  run.mkdir(parents=True)
+  meta = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind,
+                                       "args": {"name": name}}
+  span = lambda pid, tid, name, dur, op=None: {
+      "ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur,
+      "args": {"hlo_op": op, "hlo_module": "jit_train_step"} if op else {}}
+  events = [meta(1, None, "process_name", "/device:GPU:0"),
+            meta(1, 7, "thread_name", "Stream #7(Compute)"),
+            meta(1, 9, "thread_name", "XLA Modules"),
+            meta(2, None, "process_name", "/host:CPU"),
+            span(1, 7, "sm90_xmma_gemm_bf16", 300.0, "cublas-gemm.1"),
+            span(1, 7, "cudnn_conv_kernel_a", 100.0, "cudnn-conv.2"),
+            span(1, 7, "cudnn_conv_kernel_b", 150.0, "cudnn-conv.2"),
+            span(1, 7, "loop_add_fusion", 50.0, "loop_add_fusion"),
+            span(1, 9, "jit_train_step", 600.0),
+            span(2, 3, "ExecuteHelper", 900.0, "cublas-gemm.1")]
+  (run / "host.trace.json.gz").write_bytes(gzip.compress(json.dumps(
+      {"traceEvents": events}).encode()))
+  top = profile_ops.top_ops(tmp_path, n=2)
+  assert top["source"] == "device" and top["total_ms"] == 0.6
+  assert top["ops"] == [
+      {"op": "cublas-gemm.1", "ms": 0.3, "share": 0.5, "count": 1,
+       "kernel": "sm90_xmma_gemm_bf16"},
+      {"op": "cudnn-conv.2", "ms": 0.25, "share": 0.25 / 0.6, "count": 2,
+       "kernel": "cudnn_conv_kernel_a"}]
