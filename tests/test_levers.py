@@ -60,6 +60,13 @@ def test_bf16_head_rounds_its_inputs_and_sums_in_float32():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
   # Not the float32 head: bf16's 8-bit significand shows in the logits.
   assert 1e-4 < np.abs(got - f32).max() < 0.1 * np.abs(f32).max()
+  # The gradients: the logits' cotangent rounded too, float32 sums.
+  g = jax.random.normal(jax.random.key(4), (4, 11))
+  dx, dw = jax.grad(lambda x, w: jnp.sum(g * layers.bf16_matmul(x, w)), (0, 1))(
+      x, head.kernel[...])
+  assert dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(dx, bf16(g) @ bf16(kernel).T, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(dw, bf16(x).T @ bf16(g), rtol=1e-5, atol=1e-4)
 
 
 def test_levers_are_config_values_that_pick_kernels_only():

@@ -33,11 +33,44 @@ def make_divisible(value: float, divisor: int = 8) -> int:
 # cuDNN's fused flash attention on NVIDIA GPUs (one custom call forward, one backward, no
 # [B, heads, N, N] scores in memory).
 ATTENTION_IMPLS = ("xla", "cudnn")
-# config.model.head_dtype: what the classifier's matmul reads. 'float32' (the default): the
-# features and the kernel in float32. 'bfloat16': both rounded to bfloat16, products summed in
-# float32 (preferred_element_type), float32 bias and logits: the bf16 Tensor Core / MXU rate
-# for a head of 11k-27k classes, whose share of the step grows with the class count.
+# config.model.head_dtype: what the classifier's matmuls read. 'float32' (the default): the
+# features and the kernel in float32. 'bfloat16': both, and the gradient of the logits, rounded
+# to bfloat16, products summed in float32, float32 bias and logits (bf16_matmul): the bf16
+# Tensor Core / MXU rate for a head of 11k-27k classes, whose share of the step grows with the
+# class count.
 HEAD_DTYPES = ("float32", "bfloat16")
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w with both rounded to bfloat16 and the products summed in float32 (float32
+  result); its gradients alike: the float32 cotangent is rounded to bfloat16 too, so all
+  three GEMMs (forward, features' and kernel's gradients) run at the bfloat16 rate. Without
+  this, JAX differentiates a mixed float32 x bfloat16 product into float32 GEMMs."""
+  return _bf16_matmul(x, w, x.dtype, w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _bf16_matmul(x, w, x_dtype, w_dtype):
+  del x_dtype, w_dtype  # The gradients' dtypes.
+  return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32)
+
+
+def _bf16_matmul_fwd(x, w, x_dtype, w_dtype):
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  return _bf16_matmul(xb, wb, x_dtype, w_dtype), (xb, wb)
+
+
+def _bf16_matmul_bwd(x_dtype, w_dtype, res, g):
+  xb, wb = res
+  gb = g.astype(jnp.bfloat16)
+  dx = jnp.dot(gb, wb.T, preferred_element_type=jnp.float32).astype(x_dtype)
+  dw = jnp.dot(xb.reshape(-1, xb.shape[-1]).T, gb.reshape(-1, gb.shape[-1]),
+               preferred_element_type=jnp.float32).astype(w_dtype)
+  return dx, dw
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
 
 class ClassifierHead(nnx.Linear):
@@ -48,10 +81,7 @@ class ClassifierHead(nnx.Linear):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if self.head_dtype == "float32":
       return super().__call__(inputs)
-    dtype = jnp.dtype(self.head_dtype)
-    y = jnp.dot(inputs.astype(dtype), self.kernel[...].astype(dtype),
-                preferred_element_type=jnp.float32)
-    return y + self.bias[...].astype(jnp.float32)
+    return bf16_matmul(inputs, self.kernel[...]) + self.bias[...].astype(jnp.float32)
 
 
 def classifier_head(in_features: int, num_classes: int, *, param_dtype, rngs,
