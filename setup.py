@@ -63,8 +63,11 @@ setuptools.setup(
         # cuda: the CUDA PJRT plugin at the installed jax's version (jax's 'cuda13-local'
         # extra) and only the CUDA wheels a deviceless compile uses: nvidia-cuda-nvcc (ptxas
         # and nvlink; it brings nvidia-cuda-runtime's libcudart and nvidia-nvvm's libdevice).
-        # cuDNN, cuBLAS, NCCL and the rest are for running on a GPU: jax[cuda13] there.
+        # cuDNN too, at the plugin's own range: JAX traces model.attention_impl='cudnn' against
+        # the installed cuDNN's version. cuBLAS, NCCL and the rest are for running on a GPU:
+        # jax[cuda13] there.
         "cuda": ["jax[cuda13-local]>=0.10", "nvidia-cuda-nvcc>=13.0.48,<14",
-                 "nvidia-cuda-runtime>=13.0.48,<14", "nvidia-nvvm>=13.0.48,<14"],
+                 "nvidia-cuda-runtime>=13.0.48,<14", "nvidia-nvvm>=13.0.48,<14",
+                 "nvidia-cudnn-cu13>=9.12.0.46,<10"],
     },
 )

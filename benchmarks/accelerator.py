@@ -22,20 +22,45 @@ Figures (each line's `figure`):
   plan_vs_measured       the plan's prediction for the ViT-B/16 step, compiled for these
                          devices (memory; step time at peak FLOP/s, and the compiler's own
                          estimate where the plan gives one) over what the device measured
+The levers, each an A/B of config values in alternated rounds (value: the best arm's
+speed-up over the first, the recipes' default; every arm's step time and MFU in `arms`):
+  attention              ViT-B/16, model.attention_impl 'xla' vs 'cudnn' (cuDNN flash attention)
+  attention_loss         vit_demo trained a few dozen steps from one seed with each attention
+                         implementation: the largest relative loss difference (bf16 noise)
+  head_vit_b16,          model.head_dtype 'float32' vs 'bfloat16' (float32 accumulation) for
+  head_regnety_16gf      11,221 / 27,000 classes, with the head's share of the step's FLOPs
+                         counted on the jaxpr (`head_flops_share`)
+  batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
+  batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
+  xla_flags              ViT-B/16 under each gpu_flags.FLAG_SETS entry, each in a fresh
+                         process (XLA reads XLA_FLAGS once)
+  profile                per trained figure, the top 10 device ops of a jax.profiler trace of
+                         a few steps, read back from the trace (benchmarks/profile_ops.py)
+--quick runs vit_b16_train and ViT-B/16's levers only. The table ends with the best measured
+configuration of each model, and names the device, jax, jaxlib, CUDA and cuDNN versions and
+the XLA_FLAGS in force; --out_dir also writes the lines (accelerator.jsonl) and the tables
+(accelerator.md) there.
 `process_peak_bytes` is the device's peak memory since the process started (the runtime
 keeps no per-step peak): it is the step's own for the first figure only.
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
 device cannot give it, e.g. memory on a CPU), the rest are the figure's details.
 The dry run swaps in the demo models (vit_demo, regnety_demo; ViT vs RegNetY for the
 TResNet-M/ResNet-50 pair) at 32 px, 2 images per device (16 for ESD, which drops whole rows),
-one step, the demo's classes and 100 hashtags: it checks the command, not the speed.
+one step, the demo's classes and 100 hashtags: it checks the command, not the speed. cuDNN
+attention needs a GPU: off one, its arms run 'xla' (`ran_as` says so).
 """
 import os
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import gc  # pylint: disable=g-import-not-at-top
+import importlib.metadata
 import json
+import math
+import pathlib
+import statistics
+import subprocess
+import tempfile
 import time
 
 from absl import app
@@ -46,11 +71,15 @@ import jax
 from benchmarks import common
 from benchmarks import cosub
 from benchmarks import keep_up
+from benchmarks import profile_ops
 from benchmarks import train_step
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
+from bigpretrain.plan import gpu_flags
 from bigpretrain.runtime import goodput
 from bigpretrain import objectives
+from bigpretrain import sharding
+from bigpretrain.models import layers
 from configs import semantic_softmax
 from configs import swag_regnety
 
@@ -61,16 +90,57 @@ _ROUNDS = flags.DEFINE_integer("rounds", None, "Alternated rounds of the model c
                                "(default 3; dry run 1).")
 _FIGURES = flags.DEFINE_list("figures", [], "Only these figures, in this order (default: "
                               "all).")
+_QUICK = flags.DEFINE_bool("quick", False, "Only QUICK_FIGURES (ViT-B/16 and its levers).")
+_OUT_DIR = flags.DEFINE_string("out_dir", "", "Also write accelerator.jsonl and accelerator.md "
+                               "here.")
 
 _KEEP_UP_DATA_DIR = flags.DEFINE_string(
     "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
     "(224-px JPEGs; e.g. benchmarks/photo_set.py's crops) instead of the demo's PNGs.")
 
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
-FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "esd_memory_ratio",
-           "keep_up", "plan_vs_measured")
+FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
+           "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
+           "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
+           "xla_flags")
+QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
+                 "batch_vit_b16", "xla_flags")
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
+# The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
+# at most per model (64 -> 512 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
+# policies it tries, in turn until one fits, at the first size that does not fit.
+BATCH_DOUBLINGS = {"vit_b16": 3, "regnety_16gf": 2}
+BATCH_REMATS = ("dots_saveable", "nothing_saveable")
+LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
+PROFILE_STEPS = 3  # Steps per profile trace.
+# The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
+FLAG_SETS = ("xla_defaults", "bigpretrain", "command_buffers", "triton_gemm")
+
+
+def out_of_memory(error: Exception) -> bool:
+  """Whether `error` is the runtime's out-of-memory (a batch that does not fit)."""
+  return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
+def head_flops(jaxpr, num_classes: int) -> float:
+  """FLOPs (2 x multiply-adds) of the matrix products with a `num_classes` dimension in an
+  operand or result, in a step's jaxpr and its sub-programs: the classifier head's forward
+  ([B, D] x [D, C]) and backward (the kernel's and the features' gradients), and any product
+  of the loss over the classes."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+      if any(num_classes in v.aval.shape for v in (*eqn.invars[:2], *eqn.outvars)):
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        total += 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      total += head_flops(sub, num_classes)
+  return total
+
+
 def plan_prediction(config, num_classes=None) -> dict:
   """The plan's figures (bigpretrain/plan/aot_plan.py) for `config`'s train step compiled for this
   process's devices."""
@@ -94,6 +164,29 @@ def accelerator(device, compute_dtype: str) -> dict:
           "bytes_limit": stats.get("bytes_limit")}
 
 
+def settings(config) -> dict:
+  """The lever values of `config` a figure's arm is known by."""
+  return {"attention_impl": config.model.get("attention_impl", "xla"),
+          "head_dtype": config.model.get("head_dtype", "float32"),
+          "remat": config.model.get("remat", "") or "none"}
+
+
+def with_model_options(config, **options):
+  """A copy of `config` with `options` set in config.model."""
+  out = config.copy_and_resolve_references()
+  with out.unlocked():
+    for key, value in options.items():
+      out.model[key] = value
+  return out
+
+
+def with_batch(config, batch_size: int, remat: str = ""):
+  """A copy of `config` with the global `batch_size` and model.remat `remat`."""
+  out = with_model_options(config, remat=remat)
+  out.batch_size = batch_size
+  return out
+
+
 class Suite:
   """Sizes by mode, the figures measured so far, and the lines printed."""
 
@@ -106,6 +199,14 @@ class Suite:
     self.swag_classes = 100 if dry_run else SWAG_CLASSES
     self.lines = []
     self.vit = None  # The ViT-B/16 step's measurements, for keep_up and plan_vs_measured.
+    # The trained figures' runners by model (the levers' first arms, the profile's steps),
+    # and every configuration timed, for the best-configuration table.
+    self.runners = {}
+    self.measured = []
+    self.profiles = {}  # Model -> profile_ops.top_ops of its step.
+    self.flag_lines = None  # The xla_flags figure's child lines (run before this process's
+    # backend starts: see main).
+    self.flag_set = "none"  # The gpu_flags.FLAG_SETS entry this process runs with.
 
   def emit(self, figure: str, value, unit: str, **details):
     dev = jax.devices()[0]
@@ -126,6 +227,59 @@ class Suite:
     config.compute_dtype = "bfloat16"
     return config
 
+  def runnable(self, config):
+    """`config` as this backend can run it: cuDNN attention only on GPUs (elsewhere 'xla',
+    which the figure's `ran_as` reports)."""
+    if jax.default_backend() != "gpu" and config.model.get("attention_impl") == "cudnn":
+      return with_model_options(config, attention_impl="xla")
+    return config
+
+  def measure(self, figure: str, runner, step_s: float) -> dict:
+    """One timed configuration: its step time, images/s, MFU (recorded for the best-config
+    table)."""
+    config = runner.config
+    peak = accelerator(jax.devices()[0], config.compute_dtype)["peak_flops"]
+    perf = goodput.interval_metrics(wall_s=step_s, data_wait_s=0.0, steps=1,
+                                    flops=runner.flops, peak=peak)
+    row = {"model": config.model.name, "figure": figure, **settings(config),
+           "batch_per_device": config.batch_size // jax.device_count(),
+           "step_time_ms": 1e3 * step_s, "images_per_sec": config.batch_size / step_s,
+           "mfu": perf.get("perf/mfu"), "xla_flags": self.flag_set}
+    self.measured.append(row)
+    return row
+
+  def alternate(self, runners: dict) -> dict:
+    """{name: [seconds per step, one per round]}, the runners timed in turn each round."""
+    times = {name: [] for name in runners}
+    for _ in range(self.rounds):
+      for name, runner in runners.items():
+        times[name].append(runner.run(self.steps))
+    return times
+
+  def ab(self, figure: str, arms: dict, num_classes=None, built=None, **details) -> dict:
+    """Times the configs `arms` ({name: config}, the recipes' default first) in alternated
+    rounds (runners in `built` are reused) and emits the best arm's speed-up over the first
+    (images/s; the median over rounds)."""
+    built = built or {}
+    runners = {name: built.get(name) or common.Runner(
+        self.runnable(config), standin_dataset(config, num_classes))
+               for name, config in arms.items()}
+    times = self.alternate(runners)
+    rows = {name: self.measure(figure, runners[name], statistics.median(times[name]))
+            for name in arms}
+    first = next(iter(arms))
+    best = max(rows, key=lambda name: rows[name]["images_per_sec"])
+    rate = lambda name, i: runners[name].config.batch_size / times[name][i]
+    speedup = statistics.median(rate(best, i) / rate(first, i) for i in range(self.rounds))
+    ran_as = {name: settings(runners[name].config) for name in arms
+              if settings(runners[name].config) != settings(arms[name])}
+    self.emit(figure, speedup, f"speed-up of {best} over {first}", model=arms[first].model.name,
+              arms=rows, best=best, rounds=self.rounds, steps=self.steps,
+              **({"ran_as": ran_as} if ran_as else {}), **details)
+    del runners
+    gc.collect()
+    return rows
+
   def train_figure(self, figure: str, config, num_classes=None) -> dict:
     dataset = standin_dataset(config, num_classes)
     runner = common.Runner(config, dataset)
@@ -144,30 +298,183 @@ class Suite:
            "mfu": perf.get("perf/mfu"), "peak_flops": acc["peak_flops"],
            "process_peak_bytes": stats.get("peak_bytes_in_use"), "steps": self.steps}
     self.emit(figure, rep["images_per_sec"], "images/s", **out)
-    del runner
-    gc.collect()
+    self.measure(figure, runner, step_s)
+    self.runners[figure] = runner  # The levers' first arm, the profile's step.
     return out
 
-  def vit_b16(self):
+  def vit_config(self):
     config = semantic_softmax.get_config(f"{self.ss_data},model=vit_b16")
-    config = self.sized(config, "vit_demo" if self.dry_run else "vit_b16")
+    return self.sized(config, "vit_demo" if self.dry_run else "vit_b16")
+
+  def regnety_config(self):
+    config = swag_regnety.get_config("dataset=hashtags:ig,model=regnety_16gf")
+    return self.sized(config, "regnety_demo" if self.dry_run else "regnety_16gf")
+
+  def vit_b16(self):
+    config = self.vit_config()
     self.vit = {"config": config, **self.train_figure("vit_b16_train", config)}
 
   def regnety_16gf(self):
-    config = swag_regnety.get_config("dataset=hashtags:ig,model=regnety_16gf")
-    config = self.sized(config, "regnety_demo" if self.dry_run else "regnety_16gf")
-    self.train_figure("regnety_16gf_train", config, self.swag_classes)
+    self.train_figure("regnety_16gf_train", self.regnety_config(), self.swag_classes)
 
   def tresnet_vs_resnet(self):
     names = ["vit_demo", "regnety_demo"] if self.dry_run else ["resnet50", "tresnet_m"]
     config = self.sized(semantic_softmax.get_config(self.ss_data), names[0])
-    out = train_step.compare(config, names, self.steps, self.rounds, standin_dataset(config))
-    ratio = out["models"][names[1]][f"time_ratio_to_{names[0]}"]
+    dataset = standin_dataset(config)
+    runners = {n: common.Runner(train_step.with_model(config, n), dataset) for n in names}
+    times = self.alternate(runners)
+    step_ms = {n: 1e3 * statistics.median(times[n]) for n in names}
+    ratio = statistics.median(t / r for t, r in zip(times[names[1]], times[names[0]]))
+    for n in names:
+      self.measure("tresnet_m_vs_resnet50", runners[n], statistics.median(times[n]))
+      self.runners[f"tresnet_m_vs_resnet50:{n}"] = runners[n]
     self.emit("tresnet_m_vs_resnet50", ratio, f"{names[1]}/{names[0]} step time",
               models=names, batch_size=config.batch_size, image_size=config.data.image_size,
               compute_dtype=config.compute_dtype, rounds=self.rounds, steps=self.steps,
-              step_time_ms={n: m["step_time_ms"] for n, m in out["models"].items()})
+              step_time_ms=step_ms)
+
+  def profile(self):
+    """The top device ops of each trained figure's step (ViT-B/16's at least), per step."""
+    if not self.runners:
+      self.vit_b16()
+    per_step = {}
+    for key, runner in self.runners.items():
+      with tempfile.TemporaryDirectory() as log_dir:
+        profile_ops.trace(lambda runner=runner: runner.run(PROFILE_STEPS), log_dir)
+        top = profile_ops.top_ops(log_dir)
+      for op in top["ops"]:
+        op["ms"] /= PROFILE_STEPS
+      self.profiles[f"{key} ({runner.config.model.name})"] = top
+      per_step[key] = top["total_ms"] / PROFILE_STEPS
+    self.emit("profile", per_step.get("vit_b16_train"), "ViT-B/16 traced op ms per step",
+              traced_ms_per_step=per_step, steps=PROFILE_STEPS,
+              source={k: p["source"] for k, p in self.profiles.items()},
+              top_ops={k: p["ops"] for k, p in self.profiles.items()})
+    # The levers' first arms stay; the TResNet-M / ResNet-50 pair is done.
+    for key in list(self.runners):
+      if key.startswith("tresnet_m_vs_resnet50"):
+        del self.runners[key]
     gc.collect()
+
+  def attention(self):
+    config = self.vit_config()
+    self.ab("attention", {"xla": config,
+                          "cudnn": with_model_options(config, attention_impl="cudnn")},
+            built={"xla": self.runners.get("vit_b16_train")})
+
+  def attention_loss(self):
+    """vit_demo trained LOSS_STEPS steps on one fixed batch from one seed with each attention
+    implementation: the largest relative difference of the per-step losses."""
+    config = self.sized(semantic_softmax.get_config(f"{self.ss_data},model=vit_demo"),
+                        "vit_demo")
+    steps = 3 if self.dry_run else LOSS_STEPS
+    config.total_steps = steps + 1  # The schedule spans the run (one warm-up step first).
+    config.batch_size = 16 * jax.device_count()
+    losses, ran_as = {}, {}
+    for impl in layers.ATTENTION_IMPLS:
+      runner = common.Runner(self.runnable(with_model_options(config, attention_impl=impl)),
+                             standin_dataset(config))
+      losses[impl] = []
+      for _ in range(steps):
+        runner.state, metrics = runner.step(runner.state, runner.batch, runner.exp.frozen)
+        losses[impl].append(float(metrics["train/loss"]))
+      ran_as[impl] = runner.config.model.attention_impl
+      del runner
+    ref, other = layers.ATTENTION_IMPLS
+    worst = max(abs(a - b) / abs(a) for a, b in zip(losses[ref], losses[other]))
+    self.emit("attention_loss", worst, f"max |loss {other} - loss {ref}| / loss {ref}",
+              model=config.model.name, batch_size=config.batch_size,
+              compute_dtype=config.compute_dtype, steps=steps, losses=losses, ran_as=ran_as)
+    gc.collect()
+
+  def head(self, figure: str, trained: str, config, num_classes=None):
+    """model.head_dtype float32 vs bfloat16, and the head's share of the step's FLOPs
+    (`trained`: the figure whose runner is the float32 arm, if it ran)."""
+    first = (self.runners.get(trained)
+             or common.Runner(config, standin_dataset(config, num_classes)))
+    classes = first.exp.dataset.info.num_classes
+    with jax.set_mesh(first.exp.mesh):
+      traced = first.exp.train_step().trace(first.state, first.batch, first.exp.frozen)
+    share = head_flops(traced.jaxpr, classes) / (first.flops * first.exp.mesh.size)
+    self.ab(figure, {"float32": config,
+                     "bfloat16": with_model_options(config, head_dtype="bfloat16")},
+            num_classes, built={"float32": first}, classes=classes, head_flops_share=share)
+
+  def head_vit_b16(self):
+    self.head("head_vit_b16", "vit_b16_train", self.vit_config())
+
+  def head_regnety_16gf(self):
+    self.head("head_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
+              self.swag_classes)
+
+  def batch(self, figure: str, trained: str, config, num_classes=None):
+    """Images/s at the papers' per-device batch, then doubled while it fits; at the first
+    size that does not fit (or the largest tried), the remat policies until one fits. One
+    size at a time (no alternation: two sizes near the memory limit do not fit together);
+    the `trained` figure's runner, if it ran, is the first size's, then freed."""
+    devices = jax.device_count()
+    rows, failed = {}, {}
+
+    def attempt(per_device: int, remat: str = "", runner=None) -> bool:
+      name = f"{per_device}" + (f"+{remat}" if remat else "")
+      try:
+        runner = runner or common.Runner(with_batch(config, per_device * devices, remat),
+                                         standin_dataset(config, num_classes))
+        times = [runner.run(self.steps) for _ in range(self.rounds)]
+        rows[name] = self.measure(figure, runner, statistics.median(times))
+        return True
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if not out_of_memory(e):
+          raise
+        failed[name] = str(e).splitlines()[0][:200]
+        return False
+      finally:
+        gc.collect()
+
+    per_device = self.per_device
+    attempt(per_device, runner=self.runners.pop(trained, None))
+    for _ in range(1 if self.dry_run else BATCH_DOUBLINGS[config.model.name]):
+      if not attempt(per_device * 2):
+        per_device *= 2
+        break
+      per_device *= 2
+    for remat in BATCH_REMATS:
+      if attempt(per_device, remat):
+        break
+    first = str(self.per_device)
+    best = max(rows, key=lambda name: rows[name]["images_per_sec"])
+    self.emit(figure, rows[best]["images_per_sec"] / rows[first]["images_per_sec"],
+              f"speed-up of {best} over {first} per device", model=config.model.name,
+              arms=rows, best=best, did_not_fit=failed, rounds=self.rounds, steps=self.steps)
+
+  def batch_vit_b16(self):
+    self.batch("batch_vit_b16", "vit_b16_train", self.vit_config())
+
+  def batch_regnety_16gf(self):
+    self.batch("batch_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
+               self.swag_classes)
+
+  def xla_flags(self):
+    """The ViT-B/16 figure under each flag set, measured in child processes by main()."""
+    if self.flag_lines is None:
+      raise RuntimeError("xla_flags runs its children before this process's backend starts: "
+                         "main() runs them.")
+    rows, failed = {}, {}
+    for name, line in self.flag_lines.items():
+      if "error" in line:
+        failed[name] = line["error"]
+        continue
+      rows[name] = {k: line[k] for k in ("step_time_ms", "mfu", "batch_per_device")}
+      rows[name]["images_per_sec"] = line["value"]
+      self.measured.append({"model": line["model"], "figure": "xla_flags",
+                            **settings(self.vit_config()), "xla_flags": name, **rows[name]})
+    first = next(iter(self.flag_lines))
+    best = max(rows, key=lambda name: rows[name]["images_per_sec"]) if rows else None
+    value = (rows[best]["images_per_sec"] / rows[first]["images_per_sec"]
+             if first in rows else None)
+    self.emit("xla_flags", value, f"speed-up of {best} over {first}",
+              model=self.vit_config().model.name, arms=rows, best=best, failed=failed,
+              flags={n: gpu_flags.flags_string(gpu_flags.FLAG_SETS[n]) for n in self.flag_lines})
 
   def esd_memory(self):
     model = "vit_demo" if self.dry_run else "vit_b16"
@@ -230,8 +537,20 @@ class Suite:
               plan_compile_s=plan_s)
 
 
-def table(lines: list[dict]) -> str:
-  """The figures as a markdown table."""
+def versions() -> dict:
+  """The software the figures ran on: jax, jaxlib and, on GPUs, CUDA and cuDNN."""
+  out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
+         "cuda": None, "cudnn": None}
+  if jax.default_backend() == "gpu":
+    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
+    out["cuda"] = cuda_versions.cuda_runtime_get_version()
+    out["cudnn"] = cuda_versions.cudnn_get_version()
+  return out
+
+
+def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> str:
+  """The figures as a markdown table, the best measured configuration of each model (most
+  images/s), and a last line naming the devices, the software and the XLA flags."""
   def fmt(v):
     text = "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
     return text.replace("|", "\\|")  # A cell's own bars (e.g. an augment chain) escaped.
@@ -242,33 +561,96 @@ def table(lines: list[dict]) -> str:
     details = ", ".join(f"{k}={fmt(v)}" for k, v in line.items()
                         if k not in skip and not isinstance(v, (dict, list)))
     rows.append(f"| {line['figure']} | {fmt(line['value'])} | {line['unit']} | {details} |")
+  best = {}
+  for row in measured:
+    if row["images_per_sec"] > best.get(row["model"], {"images_per_sec": 0})["images_per_sec"]:
+      best[row["model"]] = row
+  if best:
+    rows += ["", "Best configuration per model:", "",
+             "| model | batch/device | attention | head | remat | XLA flags | images/s | "
+             "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
+             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
+             f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
+             for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
+  env = env or {}
+  software = ", ".join(f"{k} {fmt(v)}" for k, v in env.items() if k != "xla_flags")
   rows.append(f"\n{dev['devices']} x {dev['device_kind']}"
               + (" (dry run: small sizes, not a measurement)" if lines and lines[0]["dry_run"]
-                 else ""))
+                 else "")
+              + (f"; {software}; XLA_FLAGS: {env.get('xla_flags') or 'none'}" if env else ""))
   return "\n".join(rows)
+
+
+def profile_tables(profiles: dict) -> str:
+  """Each profiled step's top device ops as a markdown table."""
+  out = []
+  for name, top in profiles.items():
+    out += [f"\nTop device ops of {name} ({top['source']} trace, per step):", "",
+            "| op | ms | share | calls | first kernel |", "|---|---|---|---|---|"]
+    out += [f"| {o['op']} | {o['ms']:.3f} | {o['share']:.1%} | {o['count']} | "
+            f"{o['kernel'][:60].replace('|', '/')} |" for o in top["ops"]]
+  return "\n".join(out)
+
+
+def run_flag_sets(names, steps: int | None) -> dict:
+  """The vit_b16_train line of a child process per gpu_flags.FLAG_SETS entry in `names`
+  (XLA reads XLA_FLAGS once per process), or {'error': ...} for a child that failed. Runs
+  before this process's backend starts: a GPU's memory is the child's while it runs."""
+  ours = set(name for name, _ in gpu_flags.XLA_FLAGS)
+  base = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in ours]
+  out = {}
+  for name in names:
+    env = {**os.environ, gpu_flags.OFF_VARIABLE: "off",
+           "XLA_FLAGS": " ".join(base + [gpu_flags.flags_string(gpu_flags.FLAG_SETS[name])])}
+    args = [sys.executable, os.path.abspath(__file__), "--figures=vit_b16_train"]
+    args += [f"--steps={steps}"] if steps else []
+    args += [] if _DRY_RUN.value is None else [f"--dry_run={_DRY_RUN.value}"]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    found = [json.loads(l) for l in r.stdout.splitlines()
+             if l.startswith('{"figure": "vit_b16_train"')]
+    if r.returncode or not found:
+      out[name] = {"error": f"exit {r.returncode}: {r.stderr.strip()[-300:]}"}
+      logging.error("Flag set %s failed: %s", name, r.stderr[-3000:])
+    else:
+      out[name] = found[0]
+  return out
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
-  unknown = set(_FIGURES.value) - set(FIGURES)
+  figures = _FIGURES.value or (QUICK_FIGURES if _QUICK.value else FIGURES)
+  unknown = set(figures) - set(FIGURES)
   if unknown:
     raise app.UsageError(f"--figures: unknown {sorted(unknown)}; known: {FIGURES}.")
+  flag_lines = None
+  if "xla_flags" in figures:  # Before this process's backend starts (run_flag_sets).
+    every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
+    flag_lines = run_flag_sets(FLAG_SETS if every else FLAG_SETS[:2], _STEPS.value)
+  gpu_flags.apply()  # The settings training runs with (bigpretrain.runtime.distributed applies them).
+  flag_set = ("bigpretrain" if gpu_flags.target_platform() == "gpu"
+              and os.environ.get(gpu_flags.OFF_VARIABLE, "").lower() != "off" else "none")
   dry_run = _DRY_RUN.value
   if dry_run is None:
     dry_run = jax.default_backend() == "cpu"
   steps = _STEPS.value or (1 if dry_run else 10)
   rounds = _ROUNDS.value or (1 if dry_run else 3)
   suite = Suite(dry_run, steps, rounds)
+  suite.flag_lines, suite.flag_set = flag_lines, flag_set
   run = {"vit_b16_train": suite.vit_b16, "regnety_16gf_train": suite.regnety_16gf,
          "tresnet_m_vs_resnet50": suite.tresnet_vs_resnet, "esd_memory_ratio": suite.esd_memory,
-         "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured}
+         "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured,
+         "profile": suite.profile, "attention": suite.attention,
+         "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
+         "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
+         "batch_regnety_16gf": suite.batch_regnety_16gf, "xla_flags": suite.xla_flags}
   failed = {}
   # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's
   # to compare). A figure that fails is reported and the others still run: one device
   # session should not lose every figure to one.
-  for figure in _FIGURES.value or FIGURES:
+  for figure in figures:
     if figure == "vit_b16_train" and suite.vit is not None:
       continue
     try:
@@ -277,7 +659,14 @@ def main(argv):
       logging.exception("Figure %s failed.", figure)
       failed[figure] = f"{type(e).__name__}: {e}"
       print(json.dumps({"figure": figure, "error": failed[figure]}), flush=True)
-  print(table(suite.lines), flush=True)
+  env = {**versions(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  text = table(suite.lines, suite.measured, env)
+  print(text, flush=True)
+  if _OUT_DIR.value:
+    out = pathlib.Path(_OUT_DIR.value)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accelerator.jsonl").write_text("".join(json.dumps(l) + "\n" for l in suite.lines))
+    (out / "accelerator.md").write_text(text + "\n" + profile_tables(suite.profiles) + "\n")
   if failed:
     raise SystemExit(f"Failed figures: {sorted(failed)}.")
 

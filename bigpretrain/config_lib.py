@@ -32,7 +32,7 @@ _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema', 'divergence')
 # (config.evals entries are checked by the evaluators they name.)
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
 # Base keys of open sections that may be left out (their default applies).
-_OPTIONAL_KEYS = ('model.remat',)
+_OPTIONAL_KEYS = ('model.remat', 'model.attention_impl', 'model.head_dtype')
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
 
 
@@ -89,7 +89,13 @@ def base_config() -> ml_collections.ConfigDict:
   # bigpretrain.tools.plan --topology: XLA:CPU plans show the recompute, not the saving; see
   # docs/scaling.md). Recipes replacing the section keep it (model_section); a section
   # without it is off.
-  c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat=''))
+  # model.attention_impl: the attention kernel ('xla', or 'cudnn' for cuDNN's fused flash
+  # attention on NVIDIA GPUs); model.head_dtype: what the classifier's matmul reads ('float32',
+  # or 'bfloat16' with float32 accumulation). Both pick kernels, not weights
+  # (bigpretrain.models.layers.ATTENTION_IMPLS / HEAD_DTYPES; their A/B figures:
+  # benchmarks/accelerator.py).
+  c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='xla',
+                                           head_dtype='float32'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
@@ -292,6 +298,11 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.model.remat={remat!r} must be one of {model_base.REMAT_POLICIES} '
                      "(the jax.checkpoint_policies policy each residual block is "
                      "rematerialised with), or '' / 'none' for off.")
+  for key, allowed in (('attention_impl', layers.ATTENTION_IMPLS),
+                       ('head_dtype', layers.HEAD_DTYPES)):
+    value = config.model.get(key, allowed[0])
+    if value not in allowed:
+      raise ValueError(f'config.model.{key}={value!r} must be one of {allowed}.')
   if not isinstance(config.data.dir, str):
     raise ValueError(f'config.data.dir={config.data.dir!r} must be a str.')
   # The data settings, with the other keys: before any dataset is opened or model compiled.

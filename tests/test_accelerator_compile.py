@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from benchmarks import gpu_hlo
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
 from bigpretrain.plan import hlo_collectives
@@ -90,3 +91,22 @@ def test_cli_plans_a_gpu_cluster_with_its_compiler():
   p = json.loads(out.stdout.strip().splitlines()[-1])
   assert p["compiler"].startswith("XLA:GPU") and p["device_kind"] == "NVIDIA H100 80GB HBM3"
   assert p["devices"] == 2 and p["accelerator"] == "h100" and p["fits"]
+
+
+def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
+  """model.attention_impl='cudnn' on an H100: each block's attention is one cuDNN flash
+  attention call forward and one backward (vit_demo, 4 blocks; 5 tokens at 16 px, padded to
+  an even 6), not GEMMs and a softmax."""
+  devices = _devices("gpu:h100:1x1")
+  from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
+  try:
+    cuda_versions.cudnn_get_version()
+  except RuntimeError as e:  # JAX checks the installed cuDNN when it traces the call.
+    pytest.skip(f"{e}: pip install 'nvidia-cudnn-cu13>=9.12.0.46,<10' (bigpretrain[cuda]).")
+  config = demo_config.copy_and_resolve_references()
+  config.model.attention_impl = "cudnn"
+  config.compute_dtype = "bfloat16"
+  _, _, compiled, _ = aot_plan.compile_step(config, devices=devices)
+  counts = gpu_hlo.kernel_counts(compiled.as_text())
+  assert counts["custom_calls"]["__cudnn$fmhaSoftmax"] == 4, counts
+  assert counts["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] == 4, counts

@@ -1,5 +1,7 @@
 """benchmarks/accelerator.py's dry run on the CPU: one JSON line per figure with the documented
-keys, then the markdown table of the same figures."""
+keys, then the markdown table of the same figures; every lever's A/B runs, the profile is read
+back from its trace, and --out_dir gets the lines and the tables."""
+import gzip
 import json
 import subprocess
 import sys
@@ -7,15 +9,16 @@ import sys
 import pytest
 
 from benchmarks import accelerator
+from benchmarks import profile_ops
 from tests import helpers
 
-pytestmark = pytest.mark.slow  # Seven small compiles in a subprocess.
 
-
-def test_dry_run_prints_every_figure_and_the_table():
+@pytest.mark.slow  # The demo models' compiles for every figure and arm, in subprocesses.
+def test_dry_run_prints_every_figure_and_the_table(tmp_path):
   env = helpers.env(num_devices=1)
-  r = subprocess.run([sys.executable, "benchmarks/accelerator.py"], env=env, cwd=helpers.ROOT,
-                     capture_output=True, text=True, timeout=900)  # A loaded machine; the dry run itself is short.
+  r = subprocess.run([sys.executable, "benchmarks/accelerator.py", f"--out_dir={tmp_path}"],
+                     env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                     timeout=1500)  # A loaded machine; the dry run itself is short.
   assert r.returncode == 0, r.stderr[-3000:]
   lines = r.stdout.splitlines()
   rows = [json.loads(l) for l in lines if l.startswith("{")]  # Each must parse.
@@ -47,3 +50,78 @@ def test_dry_run_prints_every_figure_and_the_table():
   table = lines[start + 2:start + 2 + len(rows)]
   assert [t.split("|")[1].strip() for t in table] == list(accelerator.FIGURES)
   assert lines[-1].startswith("1 x cpu (dry run")
+  assert "jax 0.10.2" in lines[-1] and "XLA_FLAGS: --xla_force_host_platform" in lines[-1]
+  _check_levers(by)
+  # Beside the figures' table, the best measured configuration of each model.
+  best = lines[lines.index("Best configuration per model:") + 4:]
+  assert {b.split("|")[1].strip() for b in best if b.startswith("| ")} == {
+      "vit_demo", "regnety_demo"}
+  written = (tmp_path / "accelerator.jsonl").read_text().splitlines()
+  assert [json.loads(l) for l in written] == rows
+  md = (tmp_path / "accelerator.md").read_text()
+  assert "| figure | value | unit | details |" in md
+  assert "Top device ops of vit_b16_train (vit_demo) (host trace, per step):" in md
+
+
+def _check_levers(by):
+  """Each lever's A/B ran both arms (cuDNN attention as 'xla' off a GPU, and says so)."""
+  att = by["attention"]
+  assert set(att["arms"]) == {"xla", "cudnn"} and att["value"] > 0
+  assert att["ran_as"]["cudnn"]["attention_impl"] == "xla"
+  loss = by["attention_loss"]  # The same program twice on the CPU: the same losses.
+  assert loss["losses"]["xla"] == loss["losses"]["cudnn"] and len(loss["losses"]["xla"]) == 3
+  assert loss["value"] == 0.0 and loss["ran_as"] == {"xla": "xla", "cudnn": "xla"}
+  for figure, model in (("head_vit_b16", "vit_demo"), ("head_regnety_16gf", "regnety_demo")):
+    head = by[figure]
+    assert head["model"] == model and set(head["arms"]) == {"float32", "bfloat16"}
+    assert head["arms"]["bfloat16"]["head_dtype"] == "bfloat16"
+    assert 0 < head["head_flops_share"] < 1
+  assert by["head_regnety_16gf"]["classes"] == 100
+  for figure in ("batch_vit_b16", "batch_regnety_16gf"):
+    batch = by[figure]  # 2 per device, doubled once, then remat at the largest.
+    assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]
+    assert batch["arms"]["4+dots_saveable"]["remat"] == "dots_saveable"
+    assert batch["did_not_fit"] == {} and batch["best"] in batch["arms"]
+  flags = by["xla_flags"]  # Two sets in child processes on a CPU.
+  assert list(flags["arms"]) == ["xla_defaults", "bigpretrain"] and flags["failed"] == {}
+  assert flags["flags"]["xla_defaults"] == ""
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags["flags"]["bigpretrain"]
+  prof = by["profile"]
+  for key, ops in prof["top_ops"].items():
+    ms = [o["ms"] for o in ops]
+    assert 0 < len(ops) <= 10 and ms == sorted(ms, reverse=True), key
+    assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9, key
+  assert set(prof["traced_ms_per_step"]) == {
+      "vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50:vit_demo",
+      "tresnet_m_vs_resnet50:regnety_demo"}
+
+
+def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
+  """A GPU trace: kernels on the device's stream lines, summed per HLO op (a cuDNN call's two
+  kernels as one op); the device's summary line and the host's events left out."""
+  run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+  run.mkdir(parents=True)
+  meta = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind,
+                                       "args": {"name": name}}
+  span = lambda pid, tid, name, dur, op=None: {
+      "ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur,
+      "args": {"hlo_op": op, "hlo_module": "jit_train_step"} if op else {}}
+  events = [meta(1, None, "process_name", "/device:GPU:0"),
+            meta(1, 7, "thread_name", "Stream #7(Compute)"),
+            meta(1, 9, "thread_name", "XLA Modules"),
+            meta(2, None, "process_name", "/host:CPU"),
+            span(1, 7, "sm90_xmma_gemm_bf16", 300.0, "cublas-gemm.1"),
+            span(1, 7, "cudnn_conv_kernel_a", 100.0, "cudnn-conv.2"),
+            span(1, 7, "cudnn_conv_kernel_b", 150.0, "cudnn-conv.2"),
+            span(1, 7, "loop_add_fusion", 50.0, "loop_add_fusion"),
+            span(1, 9, "jit_train_step", 600.0),
+            span(2, 3, "ExecuteHelper", 900.0, "cublas-gemm.1")]
+  (run / "host.trace.json.gz").write_bytes(gzip.compress(json.dumps(
+      {"traceEvents": events}).encode()))
+  top = profile_ops.top_ops(tmp_path, n=2)
+  assert top["source"] == "device" and top["total_ms"] == 0.6
+  assert top["ops"] == [
+      {"op": "cublas-gemm.1", "ms": 0.3, "share": 0.5, "count": 1,
+       "kernel": "sm90_xmma_gemm_bf16"},
+      {"op": "cudnn-conv.2", "ms": 0.25, "share": 0.25 / 0.6, "count": 2,
+       "kernel": "cudnn_conv_kernel_a"}]

@@ -86,3 +86,23 @@ def test_maybe_initialize_applies_them_first(monkeypatch):
   assert distributed.maybe_initialize() == "single"
   assert os.environ["XLA_FLAGS"].split(" ") == EXPECTED_XLA
   assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_off_sets_nothing_even_on_gpu():
+  env = {"BIGPRETRAIN_GPU_FLAGS": "off", "JAX_PLATFORMS": "cuda"}
+  assert gpu_flags.apply(env) == {} and set(env) == {"BIGPRETRAIN_GPU_FLAGS", "JAX_PLATFORMS"}
+
+
+def test_flag_sets_undo_one_choice_each():
+  """The A/B's sets: XLA's defaults, the documented flags, and the flags less exactly one."""
+  sets = {name: gpu_flags.flags_string(s).split() for name, s in gpu_flags.FLAG_SETS.items()}
+  assert sets["xla_defaults"] == [] and sets["bigpretrain"] == EXPECTED_XLA
+  for name, dropped in [("command_buffers", "--xla_gpu_enable_command_buffer="),
+                        ("triton_gemm", "--xla_gpu_enable_triton_gemm=false"),
+                        ("no_latency_hiding",
+                         "--xla_gpu_enable_latency_hiding_scheduler=true")]:
+    assert sets[name] == [f for f in EXPECTED_XLA if f != dropped], name
+  # On one GPU only the scheduler, Triton GEMMs and command buffers act.
+  every = sorted(n for n, scope in gpu_flags.SCOPES.items() if scope == "every_device")
+  assert every == ["--xla_gpu_enable_command_buffer",
+                   "--xla_gpu_enable_latency_hiding_scheduler", "--xla_gpu_enable_triton_gemm"]

@@ -47,13 +47,14 @@ def accepts(name: str, option: str) -> bool:
 
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
-              **kw) -> nnx.Module:
+              attention_impl: str = "xla", head_dtype: str = "float32", **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
-  rematerialised with (base.remat_blocks); '' or 'none' = off. Raises ValueError for an
-  unknown name (listing the registered ones) and TypeError for an option the model does not
-  take or one fixed by its architecture.
+  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
+  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels). Raises
+  ValueError for an unknown name (listing the registered ones) and TypeError for an option the
+  model does not take or one fixed by its architecture.
   """
   factory = base.MODELS.get(name)
   accepted, fixed = _accepted_kwargs(factory)
@@ -65,7 +66,9 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
     if unknown:
       raise TypeError(f"model {name!r} got unknown option(s) {unknown}; "
                       f"accepted: {sorted(accepted)}")
-  return base.remat_blocks(factory(num_classes=num_classes, rngs=rngs, **kw), remat)
+  model = base.set_kernels(factory(num_classes=num_classes, rngs=rngs, **kw), attention_impl,
+                           head_dtype)
+  return base.remat_blocks(model, remat)
 
 
 @dataclasses.dataclass
@@ -107,9 +110,10 @@ class ModelDef:
 
   def config(self) -> dict:
     """The `config.model` mapping that rebuilds this model (a checkpoint's meta). Without
-    `remat`: how a run trades compute for memory is not part of its weights."""
-    return {"name": self.name, **{k: v for k, v in self.kwargs.items()
-                                  if k not in ("dtype", "num_classes", "remat")}}
+    the run's compute settings (`remat`, `attention_impl`, `head_dtype`): how a run trades
+    compute for memory or picks kernels is not part of its weights."""
+    runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype")
+    return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
   def abstract_module(self) -> nnx.Module:
     """The model with shapes in place of arrays: its hooks (layer order, parameter

@@ -102,3 +102,28 @@ def remat_blocks(model: nnx.Module, policy: str) -> nnx.Module:
     for block in stage:
       block.__class__ = layers.remat_class(type(block), policy)
   return model
+
+
+def set_kernels(model: nnx.Module, attention_impl: str = "xla",
+                head_dtype: str = "float32") -> nnx.Module:
+  """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
+  layers.ATTENTION_IMPLS) and the classifier head's matmul dtype (`head_dtype`,
+  layers.HEAD_DTYPES). Parameters are unchanged, so checkpoints load either way. Raises
+  ValueError for an unknown value or an attention kernel for a model without attention."""
+  if attention_impl not in layers.ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl={attention_impl!r} must be one of "
+                     f"{layers.ATTENTION_IMPLS}.")
+  if head_dtype not in layers.HEAD_DTYPES:
+    raise ValueError(f"head_dtype={head_dtype!r} must be one of {layers.HEAD_DTYPES}.")
+  modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+  # Attention layers (vit.Attention; not imported here, vit imports base) carry the attribute.
+  attention = [m for m in modules if hasattr(type(m), "attention_impl")]
+  if attention_impl != "xla" and not attention:
+    raise ValueError(f"attention_impl={attention_impl!r}: {type(model).__name__} has no "
+                     "attention layers.")
+  for m in attention:
+    m.attention_impl = attention_impl
+  for m in modules:
+    if isinstance(m, layers.ClassifierHead):
+      m.head_dtype = head_dtype
+  return model

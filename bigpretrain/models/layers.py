@@ -33,12 +33,69 @@ def make_divisible(value: float, divisor: int = 8) -> int:
   return out + divisor if out < 0.9 * value else out
 
 
+# config.model.attention_impl: jax.nn.dot_product_attention's implementation in attention
+# layers. 'xla' (the default) is XLA's own softmax(q k^T) v on every backend; 'cudnn' is
+# cuDNN's fused flash attention on NVIDIA GPUs (one custom call forward, one backward, no
+# [B, heads, N, N] scores in memory).
+ATTENTION_IMPLS = ("xla", "cudnn")
+# config.model.head_dtype: what the classifier's matmuls read. 'float32' (the default): the
+# features and the kernel in float32. 'bfloat16': both, and the gradient of the logits, rounded
+# to bfloat16, products summed in float32, float32 bias and logits (bf16_matmul): the bf16
+# Tensor Core / MXU rate for a head of 11k-27k classes, whose share of the step grows with the
+# class count.
+HEAD_DTYPES = ("float32", "bfloat16")
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w with both rounded to bfloat16 and the products summed in float32 (float32
+  result); its gradients alike: the float32 cotangent is rounded to bfloat16 too, so all
+  three GEMMs (forward, features' and kernel's gradients) run at the bfloat16 rate. Without
+  this, JAX differentiates a mixed float32 x bfloat16 product into float32 GEMMs."""
+  return _bf16_matmul(x, w, x.dtype, w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _bf16_matmul(x, w, x_dtype, w_dtype):
+  del x_dtype, w_dtype  # The gradients' dtypes.
+  return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32)
+
+
+def _bf16_matmul_fwd(x, w, x_dtype, w_dtype):
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  return _bf16_matmul(xb, wb, x_dtype, w_dtype), (xb, wb)
+
+
+def _bf16_matmul_bwd(x_dtype, w_dtype, res, g):
+  xb, wb = res
+  gb = g.astype(jnp.bfloat16)
+  dx = jnp.dot(gb, wb.T, preferred_element_type=jnp.float32).astype(x_dtype)
+  dw = jnp.dot(xb.reshape(-1, xb.shape[-1]).T, gb.reshape(-1, gb.shape[-1]),
+               preferred_element_type=jnp.float32).astype(w_dtype)
+  return dx, dw
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+
+
+class ClassifierHead(nnx.Linear):
+  """nnx.Linear with float32 logits whatever `head_dtype` (HEAD_DTYPES) its matmul reads."""
+
+  head_dtype = "float32"
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if self.head_dtype == "float32":
+      return super().__call__(inputs)
+    return bf16_matmul(inputs, self.kernel[...]) + self.bias[...].astype(jnp.float32)
+
+
 def classifier_head(in_features: int, num_classes: int, *, param_dtype, rngs,
                     kernel_init=nnx.initializers.zeros) -> nnx.Linear:
-  """The float32 linear classifier every model ends with (zero-initialised by default)."""
-  return nnx.Linear(in_features, num_classes,
-                    kernel_init=partitioned(kernel_init, ("embed", "classes")),
-                    dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
+  """The linear classifier every model ends with (zero-initialised by default): float32
+  logits, a float32 matmul unless models.get_model sets its head_dtype."""
+  return ClassifierHead(in_features, num_classes,
+                        kernel_init=partitioned(kernel_init, ("embed", "classes")),
+                        dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
 
 
 def drop_path_rates(rate: float, depth: int, schedule: str = "linear") -> list[float]:

@@ -52,8 +52,34 @@ def _pair(x) -> tuple[int, int]:
   return (int(h), int(w))
 
 
+def attention(q, k, v, implementation: str = "xla", pad_to: int = 1) -> jax.Array:
+  """softmax(q k^T / sqrt(head_dim)) v over [B, N, heads, head_dim] (jax.nn's layout).
+
+  pad_to > 1 pads the sequence with zero tokens to a multiple of `pad_to` and masks them out
+  as keys (key_value_seq_lengths; the padded queries' rows are dropped): the same result as
+  unpadded. cuDNN needs it for ViTs' odd token counts (197 at 224 px, patch 16): in training,
+  JAX's cuDNN rule checks its bias-only "even sequence length" condition with a zero-size
+  placeholder bias that counts as present, so every odd length is refused ("Unsupported
+  sequence length Q 197, KV 197"), bias or not.
+  """
+  n = q.shape[1]
+  extra = -n % pad_to
+  if not extra:
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+  pad = ((0, 0), (0, extra), (0, 0), (0, 0))
+  q, k, v = (jnp.pad(t, pad) for t in (q, k, v))
+  lengths = jnp.full((q.shape[0],), n, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  return out[:, :n]
+
+
 class Attention(nnx.Module):
-  """Multi-head self-attention with a fused qkv projection laid out [q | k | v] x heads."""
+  """Multi-head self-attention with a fused qkv projection laid out [q | k | v] x heads.
+  `attention_impl` (layers.ATTENTION_IMPLS) picks the kernel; models.get_model sets it."""
+
+  attention_impl = "xla"
 
   def __init__(self, dim: int, num_heads: int, *, qkv_bias: bool, dtype, param_dtype,
                rngs: nnx.Rngs):
@@ -70,7 +96,8 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, n, d = x.shape
     qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, d // self.num_heads)
-    out = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    pad_to = 2 if self.attention_impl == "cudnn" else 1  # See attention().
+    out = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.attention_impl, pad_to)
     return self.proj(out.reshape(b, n, d))
 
 

@@ -3,7 +3,14 @@
 The one place for the flags the field uses on H100 clusters: JAX's GPU performance tips,
 NVIDIA's JAX-Toolbox, MaxText's H100 (A3) runs. `distributed.maybe_initialize` calls `apply()`
 before the backend starts, so every entry point and launcher gets them. A flag already in
-XLA_FLAGS or a variable already in the environment is the user's choice and wins.
+XLA_FLAGS or a variable already in the environment is the user's choice and wins;
+BIGPRETRAIN_GPU_FLAGS=off sets nothing (XLA's own defaults, e.g. for an A/B of flag sets).
+
+Where they act: the latency-hiding scheduler orders every asynchronous op (on one GPU: cuDNN
+and cuBLAS calls, host transfers; on 8: the collectives too), Triton GEMMs and command
+buffers act on one GPU as on many; the collective settings (stream priority, combine
+thresholds) do nothing without collectives, i.e. on one GPU. SCOPES says which is which, and
+FLAG_SETS names the sets benchmarks/accelerator.py compares (its `xla_flags` figure).
 
 Not set here, on purpose:
 - NCCL network settings (NCCL_SOCKET_IFNAME, NCCL_IB_*, the GPUDirect-TCPX/TCPXO or EFA plugin
@@ -52,6 +59,41 @@ ENV = (
     ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
 )
 
+# Flags that act only where devices exchange data (collectives): a no-op on one GPU.
+MULTI_DEVICE_ONLY = (
+    "--xla_gpu_enable_highest_priority_async_stream",
+    "--xla_gpu_all_reduce_combine_threshold_bytes",
+    "--xla_gpu_all_gather_combine_threshold_bytes",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "--xla_gpu_enable_all_gather_combine_by_dim",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim",
+)
+SCOPES = {name: "multi_device" if name in MULTI_DEVICE_ONLY else "every_device"
+          for name, _ in XLA_FLAGS}
+
+
+def _without(name: str) -> tuple:
+  """XLA_FLAGS less `name` (which then takes XLA's default)."""
+  return tuple((n, v) for n, v in XLA_FLAGS if n != name)
+
+
+# The sets the `xla_flags` A/B compares: XLA's defaults, these settings, and these settings
+# with one of MaxText's choices undone (back to XLA's default).
+FLAG_SETS = {
+    "xla_defaults": (),
+    "bigpretrain": XLA_FLAGS,
+    "command_buffers": _without("--xla_gpu_enable_command_buffer"),
+    "triton_gemm": _without("--xla_gpu_enable_triton_gemm"),
+    "no_latency_hiding": _without("--xla_gpu_enable_latency_hiding_scheduler"),
+}
+OFF_VARIABLE = "BIGPRETRAIN_GPU_FLAGS"
+
+
+def flags_string(flag_set: tuple) -> str:
+  """A FLAG_SETS entry as XLA_FLAGS text."""
+  return " ".join(f"{name}={value}" for name, value in flag_set)
+
+
 _CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 
 
@@ -75,9 +117,12 @@ def _flag_names(xla_flags: str) -> set[str]:
 def apply(environ: MutableMapping[str, str] | None = None, platform: str | None = None) -> dict:
   """Adds the GPU settings the environment lacks; returns {name: value} of what it set.
 
-  A no-op unless the platform (given, or `target_platform`) is 'gpu'. Must run before JAX
-  starts its backend: XLA reads XLA_FLAGS once, when the first client is created."""
+  A no-op unless the platform (given, or `target_platform`) is 'gpu', and with
+  BIGPRETRAIN_GPU_FLAGS=off. Must run before JAX starts its backend: XLA reads XLA_FLAGS once,
+  when the first client is created."""
   environ = os.environ if environ is None else environ
+  if environ.get(OFF_VARIABLE, "").lower() == "off":
+    return {}
   platform = target_platform(environ) if platform is None else platform
   if platform != "gpu":
     return {}

@@ -1,0 +1,105 @@
+"""Which kernels XLA:GPU picks for a train step, from a deviceless compile (no GPU needed):
+one JSON line of counts read off the optimized HLO.
+
+  python benchmarks/gpu_hlo.py \
+      --config=configs/semantic_softmax.py:dataset=imagenet21k_p,model=vit_b16 \
+      --config.batch_size=64 --config.data.image_size=224 --config.compute_dtype=bfloat16 \
+      --config.model.attention_impl=cudnn
+
+Counts: custom calls by target (cuBLAS GEMMs `__cublas$...`, cuDNN convolutions
+`__cudnn$conv...` and fused attention `__cudnn$fmha...`), fusions by kind (Triton GEMMs are
+kCustom fusions), convolutions XLA left as plain `convolution` ops, the cuDNN convolutions'
+layouts (dim_labels) and group counts, and the transposes, copies and gathers anywhere in the
+program (inside fusions too: a layout change between kernels shows up there). The compile
+is XLA:GPU's with no GPU to autotune on (bigpretrain.plan.aot_plan.GPU_COMPILE_ONLY_OPTIONS):
+on a device, autotuning may pick other GEMM backends, not other convolution layouts.
+"""
+import os
+import sys
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import collections  # pylint: disable=g-import-not-at-top
+import json
+import re
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from bigpretrain.plan import accelerators
+from bigpretrain.plan import aot_plan
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r"\bfusion\(.*?kind=(k\w+)")
+_OP = re.compile(r"=\s*\S+\s+([a-z][\w-]*)\(")  # '%x = f32[2]{0} op(' -> op.
+_DIM_LABELS = re.compile(r"dim_labels=(\S+?)[,}\s]")
+_GROUPS = re.compile(r"feature_group_count=(\d+)")
+
+
+def kernel_counts(hlo_text: str) -> dict:
+  """Counts of what an optimized XLA:GPU HLO module runs (see the module docstring)."""
+  custom = collections.Counter()
+  fusions = collections.Counter()
+  ops = collections.Counter()
+  conv_layouts = collections.Counter()
+  conv_groups = collections.Counter()
+  for line in hlo_text.splitlines():
+    target = _CUSTOM_CALL.search(line)
+    if target:
+      custom[target.group(1)] += 1
+      if target.group(1).startswith("__cudnn$conv"):
+        labels = _DIM_LABELS.search(line)
+        groups = _GROUPS.search(line)
+        conv_layouts[labels.group(1) if labels else "?"] += 1
+        conv_groups[int(groups.group(1)) if groups else 1] += 1
+    kind = _FUSION_KIND.search(line)
+    if kind:
+      fusions[kind.group(1)] += 1
+    op = _OP.search(line)
+    if op:
+      ops[op.group(1)] += 1
+  return {
+      "custom_calls": dict(sorted(custom.items())),
+      "gemm_custom_calls": sum(n for t, n in custom.items() if "cublas" in t),
+      "cudnn_conv_calls": sum(n for t, n in custom.items() if t.startswith("__cudnn$conv")),
+      "cudnn_fmha_calls": sum(n for t, n in custom.items() if "fmha" in t),
+      "fusions": dict(sorted(fusions.items())),
+      "triton_gemm_fusions": hlo_text.count('"kind":"__triton_gemm"'),
+      "plain_convolutions": ops["convolution"],
+      "cudnn_conv_layouts": dict(sorted(conv_layouts.items())),
+      "cudnn_conv_groups": {str(g): n for g, n in sorted(conv_groups.items())},
+      "transposes": ops["transpose"], "copies": ops["copy"], "gathers": ops["gather"],
+  }
+
+
+def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> str:
+  """The optimized HLO of `config`'s train step compiled for `topology` with no device."""
+  _, _, compiled, _ = aot_plan.compile_step(
+      config, num_classes, devices=accelerators.topology_devices(topology))
+  return compiled.as_text()
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
+  f = flags.FLAGS
+  config = f.config
+  out = {"model": config.model.name, "topology": f.topology, "batch_size": config.batch_size,
+         "image_size": config.data.image_size, "compute_dtype": config.compute_dtype,
+         "attention_impl": config.model.get("attention_impl", "xla"),
+         "head_dtype": config.model.get("head_dtype", "float32")}
+  hlo = compile_hlo(config, f.topology, f.num_classes)
+  if f.hlo_out:
+    with open(f.hlo_out, "w") as out_file:
+      out_file.write(hlo)
+  print(json.dumps({**out, **kernel_counts(hlo)}), flush=True)
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Recipe config.", lock_config=True)
+  flags.DEFINE_string("topology", "gpu:h100:1x1", "A GPU topology (bigpretrain.plan.accelerators).")
+  flags.DEFINE_integer("num_classes", None, "Classes of a dataset without a class list "
+                       "(e.g. 27000 for SWAG's hashtags).")
+  flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text to this file.")
+  sys.exit(app.run(main))

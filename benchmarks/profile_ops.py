@@ -1,0 +1,69 @@
+"""The device ops a step spends its time in, read back from a jax.profiler trace.
+
+`trace(run, log_dir)` records a trace of `run()` (e.g. a few train steps) into `log_dir`;
+`top_ops(log_dir)` reads the trace's Chrome-format `<host>.trace.json.gz` back and ranks
+the XLA ops (the `hlo_op` of each event) by their total time. On a GPU or TPU those are the
+events of the device's own timelines (`/device:...`: kernels, cuBLAS and cuDNN calls, copies,
+each tagged with the HLO op it runs: a GPU's "Stream" lines, a TPU's "XLA Ops" line, not the
+summary lines that would count the time twice); on the CPU, where every op runs on the host,
+the XLA runtime's events that name an HLO op. Several kernels of one op (a cuDNN convolution's
+launches) add up under the op's name; `kernel` is the first kernel name seen.
+"""
+import collections
+import gzip
+import json
+import pathlib
+
+import jax
+
+
+def trace(run, log_dir) -> None:
+  """Runs `run()` under jax.profiler.trace into `log_dir`."""
+  with jax.profiler.trace(str(log_dir)):
+    run()
+
+
+def _trace_file(log_dir) -> pathlib.Path:
+  files = sorted(pathlib.Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
+  if not files:
+    raise FileNotFoundError(f"No plugins/profile/*/*.trace.json.gz under {log_dir}: was it "
+                            "written by jax.profiler.trace?")
+  return files[-1]
+
+
+def top_ops(log_dir, n: int = 10) -> dict:
+  """{'total_ms', 'source', 'ops': [{'op', 'ms', 'share', 'count', 'kernel'}]} of the n ops
+  with the most time in the latest trace under `log_dir`. `share` is of all ops' time; `ms`
+  is summed over every traced call (divide by the steps traced for a per-step figure)."""
+  data = json.loads(gzip.decompress(_trace_file(log_dir).read_bytes()))
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  spans = [e for e in events if e.get("ph") == "X"]
+  on_device = [e for e in spans if names.get(e["pid"], "").startswith("/device:")]
+  # A device's timelines hold its kernels (GPU: the "Stream #..." lines) or its XLA ops (TPU:
+  # "XLA Ops"), and summaries of them ("XLA Modules", "Steps") that would count time twice.
+  for line in ("Stream", "XLA Ops"):
+    kept = [e for e in on_device if threads.get((e["pid"], e.get("tid")), "").startswith(line)]
+    if kept:
+      on_device = kept
+      break
+  if on_device:
+    ops, source = on_device, "device"
+  else:
+    ops, source = [e for e in spans if "hlo_op" in e.get("args", {})], "host"
+  time_us = collections.Counter()
+  count = collections.Counter()
+  kernel = {}
+  for e in ops:
+    op = e.get("args", {}).get("hlo_op", e["name"])  # A device event without one: its kernel.
+    time_us[op] += float(e.get("dur", 0.0))
+    count[op] += 1
+    kernel.setdefault(op, e["name"])
+  total = sum(time_us.values())
+  return {"total_ms": total / 1e3, "source": source,
+          "ops": [{"op": op, "ms": us / 1e3, "share": us / total if total else None,
+                   "count": count[op], "kernel": kernel[op]}
+                  for op, us in time_us.most_common(n)]}

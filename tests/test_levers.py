@@ -1,0 +1,104 @@
+"""The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
+needs gives the unpadded attention) and config.model.head_dtype (a bfloat16 matmul summed in
+float32), both kernels only: the same parameters, refused where they do not apply."""
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from benchmarks import accelerator
+from bigpretrain.plan import aot_plan
+from bigpretrain import config_lib
+from bigpretrain import models
+from bigpretrain.models import layers
+from bigpretrain.models import vit
+from tests import helpers
+
+
+def _reference_attention(q, k, v):
+  """softmax(q k^T / sqrt(d)) v per head in float64 numpy; [B, N, H, D] in and out."""
+  q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+  s = np.einsum("bnhd,bmhd->bhnm", q, k) / np.sqrt(q.shape[-1])
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhnm,bmhd->bnhd", p, v)
+
+
+def test_padded_attention_is_the_unpadded_one():
+  """197 tokens (ViT-B/16 at 224 px) padded to 198 with the pad masked out as keys: the same
+  values and the same gradients as without padding."""
+  q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 197, 2, 8))
+  want = _reference_attention(q, k, v)
+  for pad_to in (1, 2, 8):
+    got = vit.attention(q, k, v, "xla", pad_to)
+    assert got.shape == q.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  w = jax.random.normal(jax.random.key(1), q.shape)
+  grad = lambda pad_to: jax.grad(
+      lambda q, k, v: jnp.sum(w * vit.attention(q, k, v, "xla", pad_to)), (0, 1, 2))(q, k, v)
+  for a, b in zip(grad(1), grad(2)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_head_rounds_its_inputs_and_sums_in_float32():
+  rngs = nnx.Rngs(0)
+  head = layers.classifier_head(64, 11, param_dtype=jnp.float32, rngs=rngs,
+                                kernel_init=nnx.initializers.normal(1.0))
+  head.bias[...] = jax.random.normal(jax.random.key(2), (11,))
+  x = jax.random.normal(jax.random.key(3), (4, 64))
+  kernel, bias = np.asarray(head.kernel[...]), np.asarray(head.bias[...])
+  f32 = head(x)
+  np.testing.assert_allclose(f32, np.asarray(x, np.float64) @ kernel + bias, rtol=1e-5,
+                             atol=1e-5)
+  head.head_dtype = "bfloat16"
+  got = head(x)
+  bf16 = lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
+  want = bf16(x) @ bf16(kernel) + bias  # Rounded inputs, exact sums, float32 bias.
+  assert got.dtype == jnp.float32 and head.kernel[...].dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  # Not the float32 head: bf16's 8-bit significand shows in the logits.
+  assert 1e-4 < np.abs(got - f32).max() < 0.1 * np.abs(f32).max()
+  # The gradients: the logits' cotangent rounded too, float32 sums.
+  g = jax.random.normal(jax.random.key(4), (4, 11))
+  dx, dw = jax.grad(lambda x, w: jnp.sum(g * layers.bf16_matmul(x, w)), (0, 1))(
+      x, head.kernel[...])
+  assert dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(dx, bf16(g) @ bf16(kernel).T, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(dw, bf16(x).T @ bf16(g), rtol=1e-5, atol=1e-4)
+
+
+def test_levers_are_config_values_that_pick_kernels_only():
+  config = helpers.tiny_config("semantic_softmax")
+  config.model.attention_impl = "cudnn"
+  config.model.head_dtype = "bfloat16"
+  config_lib.validate(config)
+  model_def = models.ModelDef.from_config(config.model, 10)
+  plain = models.ModelDef.from_config({"name": "vit_demo"}, 10)
+  # Same parameters; a checkpoint's model meta does not carry them.
+  assert (jax.tree.map(jnp.shape, model_def.abstract_pure_params())
+          == jax.tree.map(jnp.shape, plain.abstract_pure_params()))
+  assert model_def.config() == {"name": "vit_demo"}
+  model = model_def.merge(*model_def.create(jax.random.key(0)))
+  assert {b.attn.attention_impl for b in model.blocks} == {"cudnn"}
+  assert model.head.head_dtype == "bfloat16"
+  for key, bad in (("attention_impl", "flash"), ("head_dtype", "float16")):
+    bad_config = helpers.tiny_config("semantic_softmax")
+    bad_config.model[key] = bad
+    with pytest.raises(ValueError, match=f"config.model.{key}='{bad}' must be one of"):
+      config_lib.validate(bad_config)
+  with pytest.raises(ValueError, match="RegNet has no attention layers"):
+    models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
+
+
+def test_head_flops_are_six_b_d_c_of_the_step():
+  """The suite's head share: the products over the classes in the train step's jaxpr are the
+  head's forward and its two gradients, 3 x 2 x B x D x C."""
+  config = helpers.tiny_config("semantic_softmax")
+  config.data.image_size = 16
+  config.batch_size = 8
+  exp, _, traced = aot_plan.trace_step(config)
+  classes = exp.dataset.info.num_classes
+  width = 128  # vit_demo's.
+  assert accelerator.head_flops(traced.jaxpr, classes) == 6 * 8 * width * classes
