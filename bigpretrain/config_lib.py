@@ -92,7 +92,7 @@ def base_config() -> ml_collections.ConfigDict:
   # model.attention_impl: the attention kernel ('xla', or 'cudnn' for cuDNN's fused flash
   # attention on NVIDIA GPUs); model.head_dtype: what the classifier's matmul reads ('float32',
   # or 'bfloat16' with float32 accumulation). Both pick kernels, not weights
-  # (bigpretrain.models.layers.ATTENTION_IMPLS / HEAD_DTYPES; their A/B figures:
+  # (bigpretrain.models.base.ATTENTION_IMPLS / HEAD_DTYPES; their A/B figures:
   # benchmarks/accelerator.py).
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='xla',
                                            head_dtype='float32'))
@@ -298,8 +298,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.model.remat={remat!r} must be one of {model_base.REMAT_POLICIES} '
                      "(the jax.checkpoint_policies policy each residual block is "
                      "rematerialised with), or '' / 'none' for off.")
-  for key, allowed in (('attention_impl', layers.ATTENTION_IMPLS),
-                       ('head_dtype', layers.HEAD_DTYPES)):
+  for key, allowed in (('attention_impl', model_base.ATTENTION_IMPLS),
+                       ('head_dtype', model_base.HEAD_DTYPES)):
     value = config.model.get(key, allowed[0])
     if value not in allowed:
       raise ValueError(f'config.model.{key}={value!r} must be one of {allowed}.')

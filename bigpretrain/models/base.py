@@ -14,6 +14,9 @@ MODELS = registry.Registry("model", "config.model.name")
 # name, or one of REMAT_OFF for no rematerialisation.
 REMAT_POLICIES = layers.REMAT_POLICIES
 REMAT_OFF = layers.REMAT_OFF
+# The attention kernels and classifier-head precisions models accept (config.model).
+ATTENTION_IMPLS = layers.ATTENTION_IMPLS
+HEAD_DTYPES = layers.HEAD_DTYPES
 
 
 class Classifier(nnx.Module):
