@@ -1,8 +1,9 @@
-"""Public modules that moved to their recipe's package keep their earlier import paths.
+"""Modules that moved to the package of their role keep their earlier import paths.
 
-`import bigpretrain.zero_shot` (or `bigpretrain.hashtags.vocabulary`, ...) gives the module at
-its new place, the same module object, so code written against the earlier layout and the
-public names in DESIGN.md keep working; nothing is imported twice. New code uses the new paths.
+`import bigpretrain.zero_shot` (or `bigpretrain.hashtags.vocabulary`, `input_pipeline.demo`,
+...) gives the module at its new place, the same module object, so code written against the
+earlier layout keeps working and nothing is imported twice. New code uses the new paths.
+Installed by `import bigpretrain` and `import input_pipeline`; pure Python.
 """
 import importlib
 import importlib.abc
@@ -12,13 +13,38 @@ import sys
 # Earlier dotted name (a module or a package prefix) -> where it lives now.
 MOVED = {
     "bigpretrain.hashtags": "bigpretrain.swag",
-    "bigpretrain.zero_shot": "bigpretrain.swag.zero_shot",
-    "bigpretrain.head_init": "bigpretrain.swag.head_init",
     "bigpretrain.selection": "bigpretrain.semisup",
+    "bigpretrain.evaluate": "bigpretrain.evaluators.evaluate",
+    "bigpretrain.linear_probe": "bigpretrain.evaluators.linear_probe",
     "bigpretrain.convert": "bigpretrain.models.convert",
-    "bigpretrain.flops": "bigpretrain.plan.flops",
-    "bigpretrain.aot_plan": "bigpretrain.plan.aot_plan",
     "bigpretrain.accelerators": "bigpretrain.plan.accelerators",
+    "bigpretrain.aot_plan": "bigpretrain.plan.aot_plan",
+    "bigpretrain.flops": "bigpretrain.plan.flops",
+    "bigpretrain.gpu_flags": "bigpretrain.plan.gpu_flags",
+    "bigpretrain.hlo_collectives": "bigpretrain.plan.hlo_collectives",
+    "bigpretrain.cache": "bigpretrain.runtime.cache",
+    "bigpretrain.console": "bigpretrain.runtime.console",
+    "bigpretrain.distributed": "bigpretrain.runtime.distributed",
+    "bigpretrain.goodput": "bigpretrain.runtime.goodput",
+    "bigpretrain.metric_writers": "bigpretrain.runtime.metric_writers",
+    "bigpretrain.preemption": "bigpretrain.runtime.preemption",
+    "bigpretrain.workdir_lock": "bigpretrain.runtime.workdir_lock",
+    "bigpretrain.dedup": "bigpretrain.semisup.dedup",
+    "bigpretrain.pool_predictions": "bigpretrain.semisup.pool_predictions",
+    "bigpretrain.semi_supervised": "bigpretrain.semisup.semi_supervised",
+    "bigpretrain.head_init": "bigpretrain.swag.head_init",
+    "bigpretrain.zero_shot": "bigpretrain.swag.zero_shot",
+    "input_pipeline.beam_images": "input_pipeline.jobs.beam_images",
+    "input_pipeline.crawl_inputs": "input_pipeline.jobs.crawl_inputs",
+    "input_pipeline.hashtag_job": "input_pipeline.jobs.hashtag_job",
+    "input_pipeline.image_folder": "input_pipeline.jobs.image_folder",
+    "input_pipeline.imagenet21k_p": "input_pipeline.jobs.imagenet21k_p",
+    "input_pipeline.selection_job": "input_pipeline.jobs.selection_job",
+    "input_pipeline.demo": "input_pipeline.sources.demo",
+    "input_pipeline.demo_coarse": "input_pipeline.sources.demo_coarse",
+    "input_pipeline.hashtag_demo": "input_pipeline.sources.hashtag_demo",
+    "input_pipeline.hashtag_source": "input_pipeline.sources.hashtag_source",
+    "input_pipeline.selection_source": "input_pipeline.sources.selection_source",
 }
 
 

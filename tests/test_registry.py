@@ -19,7 +19,7 @@ from tests import helpers
 
 ROOT = helpers.ROOT
 # What input_pipeline (the lower layer) may import from bigpretrain: pure libraries.
-LOWER_LAYER_MAY_USE = ("bigpretrain.runtime.cache", "bigpretrain.registry", "bigpretrain.semantic.tree",
+LOWER_LAYER_MAY_USE = ("bigpretrain.moved", "bigpretrain.runtime.cache", "bigpretrain.registry", "bigpretrain.semantic.tree",
                        "bigpretrain.semantic.wordnet", "bigpretrain.swag.vocabulary",
                        "bigpretrain.swag.resampling", "bigpretrain.semisup.tags",
                        "bigpretrain.semisup.topk")
