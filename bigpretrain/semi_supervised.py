@@ -3,13 +3,12 @@ the unlabelled pool -> deduplication against the evaluation sets -> top-K select
 pretraining -> fine-tuning.
 
 Each stage writes its own folder under DIR/round<r>/ (teacher_pretrain, teacher,
-predictions/<split>, pool,
-selection, student, finetune; DIR/dedup/<split> once for all rounds) and, last, its
-completion marker; DIR/baseline holds the
-supervised baseline and DIR/results.json the numbers. Re-running the command skips finished
-stages and resumes an interrupted one: the trainer from its checkpoint (SIGTERM saves one and
-stops the command with exit 0), inference shard by shard, the selection from scratch (it
-writes its index files, then selection.json). With `rounds` > 1 the fine-tuned student of
+predictions/<split>, pool, selection, student, finetune; DIR/dedup/<split> once for all
+rounds) and, last, its completion marker; DIR/baseline holds the supervised baseline and
+DIR/results.json the numbers. Re-running the command skips finished stages and resumes an
+interrupted one: the trainer from its checkpoint (SIGTERM saves one and stops the command
+with exit 0), inference shard by shard, the selection from scratch (it writes its index
+files, then selection.json). With `rounds` > 1 the fine-tuned student of
 round r is round r + 1's teacher (supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
@@ -351,7 +350,8 @@ def run(config, workdir: str) -> dict:
                     "subset_frac": 1.0}
     student_cfg = stage_config(config.student, config.seed, student_data)
     if foreign_pool:  # D-hat has no eval split of its own (selection_source.py).
-      student_cfg.evals.eval.dataset = config.data.name
+      for evaluator in student_cfg.evals.values():
+        evaluator.dataset = evaluator.get("dataset") or config.data.name
     student = train_stage(f"round {r} student", student_cfg, rdir / "student")
     ft_cfg = stage_config(config.finetune, config.seed, labelled)
     ft_cfg.model_init = str(rdir / "student")
