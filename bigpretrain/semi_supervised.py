@@ -383,9 +383,10 @@ def summary(results: dict) -> str:
   def top1(res):
     return "n/a" if not res or METRIC not in res else f"{100 * res[METRIC]:.2f}"
   lines = []
-  if "teacher_pretrain" in results:
-    lines.append(f"teacher pretraining (its own eval): top-1 "
-                 f"{top1(results['teacher_pretrain'])}")
+  if "teacher_pretrain" in results:  # Hashtags: precision@1 on its own validation split.
+    p1 = results["teacher_pretrain"].get("eval/precision_at_1")
+    lines.append("teacher pretraining (hashtags):  precision@1 " +
+                 ("n/a" if p1 is None else f"{100 * p1:.2f}"))
   if "teacher" in results:
     lines.append(f"teacher (on D):                  top-1 {top1(results['teacher'])}")
   for r, rd in enumerate(results["rounds"], 1):
