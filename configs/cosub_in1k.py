@@ -11,6 +11,9 @@ train/esd_effective_drop) is at least tau (C.1).
 Demo (no arg; the embedded `demo` dataset, 32x32, vit_demo, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/cosub_in1k.py --workdir=/tmp/cosub_in1k_demo
   Same recipe without cosub:  ... --config.objective.num_submodels=1
+  The fine-tuning stage (DEMO_FINETUNE_STEPS steps at the demo's 32 px):
+  python -m bigpretrain.main --config=configs/cosub_in1k.py:stage=finetune,\
+init=/tmp/cosub_in1k_demo --workdir=/tmp/cosub_in1k_ft_demo
   BCE starts slowly on the demo: top-1 is 4.0% after the 400 steps (seed 0; chance is 1%),
   where the CE recipe (configs/cosub_in21k.py) gets about 23%.
 

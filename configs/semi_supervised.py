@@ -19,9 +19,9 @@ the pool is read as `data.pool_splits` of the labelled dataset NAME (inference a
 prepared with ImageNet as train/validation and YFCC100M as a split 'yfcc100m' under the same
 class list; or `pool=NAME`: U is data.pool_splits (default 'train') of another prepared
 dataset NAME in the same data_dir, of which only the images are read (its labels, in any
-class list or none, never are). ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K = 16k and 1B processed
-images of pretraining (section 4.1, "Default parameters"); batch 1536 on 64 GPUs (24 per
-GPU), weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13
+class list or none, never are). ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K =
+16k and 1B processed images of pretraining (section 4.1, "Default parameters"); batch 1536
+on 64 GPUs (24 per GPU), weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13
 equally spaced steps; fine-tuning at lr 0.00025 x batch / 256 with three equally spaced x0.1
 steps over 30 epochs (section 4.1, "Training details"). BatchNorm statistics per 24 images
 (`model.bn_group_size`; section 4.1: "Each GPU processes 24 images at a time and apply batch
