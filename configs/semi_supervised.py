@@ -17,11 +17,9 @@ Paper scale (`--config=configs/semi_supervised.py:scale=paper,dataset=NAME,data_
 the pool is read as `data.pool_splits` of the labelled dataset NAME (inference and the
 `selection:DIR` source key images by (dataset, split, index)), e.g. a `folder:NAME` dataset
 prepared with ImageNet as train/validation and YFCC100M as a split 'yfcc100m' under the same
-class list; or `pool=NAME`: U is data.pool_splits (default 'train') of another prepared
-dataset NAME in the same data_dir, of which only the images are read (its labels, in any
-class list or none, never are). ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K =
-16k and 1B processed images of pretraining (section 4.1, "Default parameters"); batch 1536
-on 64 GPUs (24 per GPU), weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13
+class list. ResNeXt-101 32x48d teacher, ResNet-50 student, P = 10, K = 16k and 1B processed
+images of pretraining (section 4.1, "Default parameters"); batch 1536 on 64 GPUs (24 per
+GPU), weight decay 1e-4, lr 0.1 x batch / 256 reached by a warm-up from 0.1, halved at 13
 equally spaced steps; fine-tuning at lr 0.00025 x batch / 256 with three equally spaced x0.1
 steps over 30 epochs (section 4.1, "Training details"). BatchNorm statistics per 24 images
 (`model.bn_group_size`; section 4.1: "Each GPU processes 24 images at a time and apply batch
@@ -69,6 +67,10 @@ keeps the student's schedule shape and its baseline is `long` (equal steps): wit
 student = vit_demo a standard baseline would repeat the teacher run. Dedup is off on the demo
 (`dedup=demo:validation` turns it on).
 
+A pool from another prepared dataset NAME in the same data_dir: `pool=NAME` (U is its
+data.pool_splits, default 'train'; only its images are read, so its labels may be in any
+class list or none).
+
 Semi-weakly supervised (`semi_weak`; sections 3.3 and 4.4, Table 6): the teacher is
 pretrained on weakly supervised data W and fine-tuned on the labelled set ("the teacher
 model obtained by pre-training on W followed by fine-tuning on V", section 3.3), and U is W
@@ -88,10 +90,14 @@ hashtags), the fine-tuning configs/swag_finetune.py's on D. Paper numbers (Table
 val top-1, semi-weakly / semi-supervised / weakly supervised [27]): ResNet-50 80.9 / 79.1 /
 78.2 (81.2 semi-weakly with 2B images of pretraining: `--config.student.num_examples=
 2000000000`); ResNeXt-101 32x4d 83.4 / 80.8 / 81.2, 32x8d 84.3 / 81.2 / 82.7, 32x16d 84.8 /
-81.2 / 84.2. Demo (`semi_weak`, pool `hashtags:demo`): W = U = the demo's train images through
-their tags (D's images among them: in section 3.3 the labelled data includes W); the teacher
-is vit_demo pretrained by configs/swag_vit.py's demo (400 steps of 128) and fine-tuned on D by
-configs/swag_finetune.py's demo recipe (300 steps of 64); K = 100 as in the plain demo.
+81.2 / 84.2. Demo (`semi_weak`, pool `hashtags:demo`; seeds against the plain demo in
+docs/recipes.md):
+  python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py:semi_weak \
+    --workdir=/tmp/semi_weak
+W = U = the demo's train images through their tags (D's images among them: in section 3.3 the
+labelled data includes W); the teacher is vit_demo pretrained by configs/swag_vit.py's demo
+(400 steps of 128) and fine-tuned on D by configs/swag_finetune.py's demo recipe (300 steps
+of 64); K = 100 as in the plain demo.
 
 Args: scale (demo | paper), dataset, data_dir, teacher, student (registry names; teacher=same
 gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked |
