@@ -67,17 +67,53 @@ keeps the student's schedule shape and its baseline is `long` (equal steps): wit
 student = vit_demo a standard baseline would repeat the teacher run. Dedup is off on the demo
 (`dedup=demo:validation` turns it on).
 
+A pool from another prepared dataset NAME in the same data_dir: `pool=NAME` (U is its
+data.pool_splits, default 'train'; only its images are read, so its labels may be in any
+class list or none).
+
+Semi-weakly supervised (`semi_weak`; sections 3.3 and 4.4, Table 6): the teacher is
+pretrained on weakly supervised data W and fine-tuned on the labelled set ("the teacher
+model obtained by pre-training on W followed by fine-tuning on V", section 3.3), and U is W
+itself, `pool=hashtags:NAME` (split 'train'; its hashtags are never read: the teacher ranks
+its images), with K = 64k ("Due to the larger size dataset, we use K = 64k", section 4.4);
+P, the student and its schedules as above. Stages: DIR/round1/teacher_pretrain (hashtag
+pretraining on data.pool), DIR/round1/teacher (fine-tuning on D from it), then as above.
+  python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py:scale=paper,\
+semi_weak,pool=hashtags:ig,data_dir=/data/tfds --workdir=/runs/semi_weak
+`--config.teacher_pretrained=DIR` fine-tunes an existing hashtag run (e.g. one of
+configs/swag_regnety.py) instead of the pretraining stage; `--config.teacher_workdir=DIR`
+takes a teacher already fine-tuned. The paper's teacher is a ResNeXt-101 32x48d pretrained on
+IG-1B-Targeted and fine-tuned on ImageNet following Mahajan et al. [27] (85.4% top-1), whose
+recipe the paper does not give: the pretraining here is SWAG's (configs/swag_regnety.py's for
+convnets, swag_vit.py's for ViTs; Singh et al. 2022 follow [27]: a softmax over each image's
+hashtags), the fine-tuning configs/swag_finetune.py's on D. Paper numbers (Table 6, ImageNet
+val top-1, semi-weakly / semi-supervised / weakly supervised [27]): ResNet-50 80.9 / 79.1 /
+78.2 (81.2 semi-weakly with 2B images of pretraining: `--config.student.num_examples=
+2000000000`); ResNeXt-101 32x4d 83.4 / 80.8 / 81.2, 32x8d 84.3 / 81.2 / 82.7, 32x16d 84.8 /
+81.2 / 84.2. Demo (`semi_weak`, pool `hashtags:demo`; seeds against the plain demo in
+docs/recipes.md):
+  python -m bigpretrain.tools.semi_supervised --config=configs/semi_supervised.py:semi_weak \
+    --workdir=/tmp/semi_weak
+W = U = the demo's train images through their tags (D's images among them: in section 3.3 the
+labelled data includes W); the teacher is vit_demo pretrained by configs/swag_vit.py's demo
+(400 steps of 128) and fine-tuned on D by configs/swag_finetune.py's demo recipe (300 steps
+of 64); K = 100 as in the plain demo.
+
 Args: scale (demo | paper), dataset, data_dir, teacher, student (registry names; teacher=same
 gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked |
 balanced_with_tags; unbalanced needs --config.selection.zipf_total or class_sizes), baseline
 (standard | long; '' = the scale's default), dedup (NAME:SPLIT[,...] evaluation sets, 'off',
-or '' = the scale's default).
+or '' = the scale's default), pool (another dataset as U, above; '' = splits of `dataset`),
+semi_weak (the semi-weakly supervised variant; needs pool at paper scale).
 """
 import ml_collections
 
 from bigpretrain import config_lib
 from bigpretrain import models
 from configs import common_fewshot
+from configs import swag_finetune
+from configs import swag_regnety
+from configs import swag_vit
 from input_pipeline import pipeline
 
 PAPER_BATCH = 1536  # 64 GPUs x 24 images (section 4.1).
@@ -94,6 +130,8 @@ STANDARD_EPOCHS = 90.0
 STANDARD_DECAY_EPOCHS = (30, 60, 80)
 PAPER_DEDUP_TOP_N = 5000  # Supplement section 5: "The top ranking 5000 YFCC images".
 BASELINES = ("standard", "long")
+SEMI_WEAK_K = 64_000  # Section 4.4: "Due to the larger size dataset, we use K = 64k".
+DEMO_POOL = "hashtags:demo"  # The semi-weakly supervised demo's W and U.
 
 
 def _trainer(*, model: str, image_size: int, batch_size: int, lr: float) -> ml_collections.ConfigDict:
@@ -151,7 +189,7 @@ def finetune_schedule(c) -> None:
 def get_config(arg=None):
   arg = config_lib.parse_arg(arg, scale="demo", dataset="", data_dir="", teacher="",
                              student="", p=-1, k=-1, variant="balanced_ranked", baseline="",
-                             dedup="")
+                             dedup="", pool="", semi_weak=False)
   if arg.scale not in ("demo", "paper"):
     raise ValueError(f"config arg scale={arg.scale!r}: expected demo or paper.")
   demo = arg.scale == "demo"
@@ -163,15 +201,20 @@ def get_config(arg=None):
   c.rounds = 1  # > 1: the fine-tuned student of round r is the teacher of round r + 1.
   c.run_baseline = True  # Also train the supervised baseline and report both numbers.
   c.teacher_workdir = ""  # An existing teacher run (or checkpoint) instead of the teacher stage.
+  pool = arg.pool or (DEMO_POOL if demo and arg.semi_weak else "")
+  if arg.semi_weak and not pool:
+    raise ValueError("config arg semi_weak at paper scale needs pool=hashtags:NAME, the "
+                     "weakly supervised dataset that pretrains the teacher and is ranked as U.")
   c.data = ml_collections.ConfigDict(dict(
       name=arg.dataset or ("demo" if demo else "tfds:imagenet2012"),
       dir=arg.data_dir,
+      pool=pool,  # The dataset of pool_splits ('' = data.name; only its images are read).
       # D: data.subset_frac of train, drawn per class (1 = all of train is D).
       subset_frac=0.1 if demo else 1.0,
       subset_seed=0,
       # U: these splits of the same dataset, plus the rest of train when the subset is on.
-      pool_splits=("unlabeled",) if demo else ("yfcc100m",),
-      pool_train_rest=demo,
+      pool_splits=("train",) if pool else ("unlabeled",) if demo else ("yfcc100m",),
+      pool_train_rest=demo and not pool,
   ))
   c.infer = ml_collections.ConfigDict(dict(
       top_p=arg.p if arg.p > 0 else PAPER_TOP_P, batch_size=256 if demo else 4096,
@@ -187,7 +230,8 @@ def get_config(arg=None):
       max_distance=-1.0, batch_size=256 if demo else 1024, ivf_threshold=1_000_000, nlist=0,
       nprobe=64, seed=0, fsdp=1, num_workers=0 if demo else 8))
   c.selection = ml_collections.ConfigDict(dict(
-      k=arg.k if arg.k > 0 else (100 if demo else PAPER_K), variant=arg.variant,
+      k=arg.k if arg.k > 0 else (100 if demo else SEMI_WEAK_K if arg.semi_weak else PAPER_K),
+      variant=arg.variant,
       class_sizes="", zipf_total=-1, zipf_exponent=1.0, seed=0,
       # The Beam runner ('' = DirectRunner here) and its options, space-separated flags.
       beam_runner="", beam_options=""))
@@ -246,4 +290,24 @@ def get_config(arg=None):
     c.baseline.optim = ml_collections.ConfigDict(c.student.optim.to_dict())
     standard_schedule(c.baseline, warmup)
   # 'long': total_steps -1 = the student's pretraining steps plus its fine-tuning steps.
+  if arg.semi_weak:
+    semi_weak_teacher(c, teacher, demo)
   return c
+
+
+def semi_weak_teacher(c, model: str, demo: bool) -> None:
+  """The teacher of section 4.4: hashtag pretraining on data.pool (SWAG's recipe, ViT or
+  convnet), then SWAG fine-tuning on D, from the pretraining's weights (section 3.3)."""
+  pretrain = swag_vit if model.startswith("vit") else swag_regnety
+  c.teacher_pretrain = pretrain.get_config(
+      f"dataset={c.data.pool},data_dir={c.data.dir},model={model}")
+  c.teacher_pretrained = ""  # An existing hashtag run instead of the teacher_pretrain stage.
+  size = "small" if demo else swag_finetune.size_of(IMAGENET_TRAIN)
+  teacher = swag_finetune.get_config(
+      f"dataset={'demo' if demo else c.data.name},data_dir={c.data.dir},model={model},"
+      f"size={size}")
+  teacher.model = ml_collections.ConfigDict(c.teacher_pretrain.model.to_dict())
+  if teacher.model.get("pre_logits"):
+    teacher.model.pre_logits = False  # As swag_finetune drops the tanh layer.
+  common_fewshot.add(teacher, demo)
+  c.teacher = teacher

@@ -290,3 +290,98 @@ def test_inference_on_two_processes_matches_one(tmp_path):
   np.testing.assert_allclose(np.stack(a.column("scores").to_numpy(zero_copy_only=False)),
                              np.stack(b.column("scores").to_numpy(zero_copy_only=False)),
                              rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# The semi-weakly supervised variant (section 4.4): a hashtag-pretrained teacher, the pool
+# from another dataset.
+
+
+class _LabelRead(Exception):
+  """A pool label was read."""
+
+
+class _ImageOnly(dict):
+  """A pool record whose fields other than 'image' raise when read."""
+
+  def __getitem__(self, key):
+    if key != "image" and key in self:
+      raise _LabelRead(key)
+    return super().__getitem__(key)
+
+  def get(self, key, default=None):
+    return self[key] if key in self else default
+
+  def items(self):
+    raise _LabelRead("items")
+
+  def values(self):
+    raise _LabelRead("values")
+
+
+class _Unlabelled:
+  """'semiweak_pool:N': N demo 'unlabeled' images in a 5-class list of its own; reading any
+  record field but 'image' raises."""
+
+  def __init__(self, name, data_dir):
+    self.demo = datasets.get_dataset({"name": "demo", "dir": data_dir})
+    n = int(name.split(":")[1])
+    self.info = datasets.DatasetInfo(name=name, num_classes=5,
+                                     class_names=[f"tag{i}" for i in range(5)],
+                                     num_examples={"train": n}, image_size=32,
+                                     splits=("train",), features={"label": 0})
+
+  def source(self, split):
+    assert split == "train"
+    demo, n = self.demo.source("unlabeled"), self.info.num_examples["train"]
+
+    class Source(datasets.Source):
+      def __len__(self):
+        return n
+
+      def __getitem__(self, i):
+        record = demo[i]
+        return _ImageOnly(image=record["image"], label=record["label"], hashtags=["x"])
+
+    return Source()
+
+
+datasets.register_source("semiweak_pool:", _Unlabelled)
+
+
+def test_semi_weak_teacher_from_hashtags_and_a_pool_whose_labels_are_never_read(tmp_path):
+  c = recipe.get_config("semi_weak")  # Its teacher pretraining on hashtags:demo.
+  c.data.pool = "semiweak_pool:48"
+  c.data.name = "semisup_every:200"
+  c.data.subset_frac = 0.5
+  c.run_baseline = False
+  c.infer.batch_size, c.infer.shard_size = 16, 64
+  c.selection.k = 3
+  for stage in (c.teacher_pretrain, c.teacher, c.student, c.finetune):
+    helpers.set_overrides(stage, {"batch_size": 16, "total_steps": 2, "log_every_steps": 1,
+                                  "ckpt_every_steps": 2, "eval_every_steps": 0,
+                                  "compilation_cache_dir": helpers.JAX_CACHE})
+    if "fewshot" in stage.evals:
+      stage.evals.fewshot.shots = ()
+  # The teacher trains as the student does: one train step to compile for three stages.
+  c.student.optim.schedule.warmup_steps = 1
+  c.teacher.optim, c.teacher.mixup, c.teacher.ema = c.student.optim, c.student.mixup, c.student.ema
+  results = semi_supervised.run(c, str(tmp_path))
+
+  r1 = tmp_path / "round1"
+  teacher = json.loads((r1 / "teacher" / semi_supervised.DONE_FILE).read_text())
+  assert teacher["config"]["model_init"] == str(r1 / "teacher_pretrain")
+  assert checkpoint.read_meta(str(r1 / "teacher_pretrain"))["dataset"] == "hashtags:demo"
+  assert checkpoint.read_meta(str(r1 / "teacher"))["class_names"] == (
+      datasets.get_dataset({"name": "demo"}).info.class_names)
+  assert "teacher_pretrain" in results and "teacher" in results
+  # U: the whole pool, scored in the teacher's classes; D-hat its images, the teacher's labels.
+  pool = _table(r1 / "pool")
+  assert pool.num_rows == 48 and set(pool.column("dataset").to_pylist()) == {"semiweak_pool:48"}
+  selected = datasets.get_dataset({"name": f"selection:{r1 / 'selection'}"})
+  assert selected.info.splits == ("train",) and selected.info.num_classes == 100
+  record = selected.source("train")[0]
+  assert sorted(record) == ["image", "label"]
+  # The student is evaluated on the labelled dataset's validation split.
+  assert results["rounds"][0]["student"]["eval/num_examples"] == 200
+  assert _steps(r1 / "finetune") == [1, 2]

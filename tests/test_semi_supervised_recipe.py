@@ -1,6 +1,7 @@
 """configs/semi_supervised.py against Yalniz et al. 2019: the standard ImageNet recipe of the
-teacher and baseline, deduplication as a runner stage (supplement section 5), and the `step`
-schedule's decay_at. Config and file checks only (the dedup search itself: test_dedup.py)."""
+teacher and baseline, deduplication as a runner stage (supplement section 5), the semi-weakly
+supervised variant (section 4.4), and the `step` schedule's decay_at. Config and file checks
+only (the dedup search itself: test_dedup.py)."""
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ from bigpretrain.semisup import dedup
 from bigpretrain import optim
 from bigpretrain.semisup import semi_supervised
 from configs import semi_supervised as recipe
+from input_pipeline import datasets
 from input_pipeline import exclusions
 from input_pipeline import selection_formats
 
@@ -138,3 +140,45 @@ def test_resume_check_reads_decay_at_as_saved():
   assert config_lib.schedule_changes(saved, c) == [
       "optim.schedule.decay_at: [0.3333333333333333, 0.6666666666666666, 0.8888888888888888]"
       " -> (0.5,)"]
+
+
+def test_semi_weak_variant_takes_section_4_4_values():
+  """Section 4.4 / Table 6: a hashtag-pretrained teacher fine-tuned on ImageNet ranks the
+  hashtag data itself, K = 64k; P, the student and its schedules stay section 4.1's."""
+  plain = recipe.get_config("scale=paper")
+  c = recipe.get_config("scale=paper,semi_weak,pool=hashtags:ig,data_dir=/data")
+  assert (c.selection.k, c.infer.top_p) == (64_000, 10)
+  assert (c.data.pool, c.data.pool_splits, c.data.pool_train_rest) == (
+      "hashtags:ig", ("train",), False)
+  assert c.student.to_dict() == plain.student.to_dict()
+  assert c.finetune.to_dict() == plain.finetune.to_dict()
+  pre = c.teacher_pretrain
+  assert (pre.model.name, pre.data.name, pre.data.dir) == ("resnext101_32x48d", "hashtags:ig",
+                                                          "/data")
+  assert pre.objective.name == "soft_target" and c.teacher_pretrained == ""
+  # The teacher: SWAG fine-tuning (SGD + Nesterov, no weight decay, Table 8's 6e-3 at batch
+  # 512, 20,000 steps for a "large" set) of the pretraining's architecture.
+  t = c.teacher
+  assert t.model.to_dict() == pre.model.to_dict()
+  assert (t.optim.name, t.optim.nesterov, t.optim.weight_decay) == ("sgd", True, 0.0)
+  assert (t.batch_size, t.optim.lr, t.total_steps) == (512, pytest.approx(6e-3), 20_000)
+  assert t.data.image_size == 224 and t.model_init == ""  # Set by the runner.
+  for stage in (pre, t):
+    config_lib.validate(stage)
+  with pytest.raises(ValueError, match="semi_weak at paper scale needs pool="):
+    recipe.get_config("scale=paper,semi_weak")
+  demo = recipe.get_config("semi_weak")
+  assert demo.data.pool == "hashtags:demo" and demo.selection.k == 100
+  assert demo.teacher_pretrain.model.pre_logits and not demo.teacher.model.pre_logits
+  assert recipe.get_config().data.pool == ""  # The plain recipe reads D's own dataset.
+
+
+def test_a_pool_from_another_dataset_excludes_pool_train_rest():
+  c = recipe.get_config("pool=hashtags:demo")
+  assert (c.data.pool_splits, c.data.pool_train_rest) == (("train",), False)
+  info = datasets.DatasetInfo(name="hashtags:demo", num_classes=3, class_names=[],
+                              num_examples={"train": 9}, image_size=32, splits=("train",))
+  assert semi_supervised.check_pool(c, info) == ["train"]
+  c.data.pool_train_rest = True
+  with pytest.raises(ValueError, match="pool_train_rest is set and the pool is another"):
+    semi_supervised.check_pool(c, info)

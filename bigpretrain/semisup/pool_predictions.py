@@ -124,10 +124,15 @@ def _write_shard(out: epath.Path, name: str, dataset: str, split: str, rows: dic
 def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
         top_p: int = DEFAULT_TOP_P, batch_size: int = 256, logits: bool = False,
         shard_size: int = DEFAULT_SHARD_SIZE, fsdp: int = 1, num_workers: int = 0,
-        progress: bool = True, exclude: str | None = None) -> dict:
+        progress: bool = True, exclude: str | None = None,
+        pool_classes: str = "teacher") -> dict:
   """Writes (or completes) the predictions of `workdir`'s model on `data`:`split` in `out`;
   returns predictions.json's content. `exclude`: an exclusion list (input_pipeline/
-  exclusions.py) whose records of `data`:`split` are not scored."""
+  exclusions.py) whose records of `data`:`split` are not scored. `pool_classes`: 'teacher'
+  (the pool is labelled in the teacher's class list, checked) or 'any' (a pool of another
+  class list, e.g. a hashtag dataset: its labels are never read, selection_source.py)."""
+  if pool_classes not in ("teacher", "any"):
+    raise ValueError(f"pool_classes={pool_classes!r} must be 'teacher' or 'any'.")
   if shard_size < 1:
     raise ValueError(f"--shard_size must be >= 1, got {shard_size}.")
   meta = checkpoint.read_meta(workdir)
@@ -138,11 +143,12 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
                      f"{list(info.splits)}.")
   num_classes = int(meta["num_classes"])
   class_names = list(meta["class_names"]) or [str(c) for c in range(num_classes)]
-  if num_classes != info.num_classes:
+  same = pool_classes == "teacher"
+  if same and num_classes != info.num_classes:
     raise ValueError(f"The teacher in {workdir} predicts {num_classes} classes (trained on "
                      f"{meta['dataset']!r}); dataset {data!r} has {info.num_classes}: the "
                      "pool must be labelled in the teacher's class list.")
-  if meta["class_names"] and info.class_names:
+  if same and meta["class_names"] and info.class_names:
     selection_formats.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
   if not 1 <= top_p <= num_classes:
     raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the teacher's classes).")

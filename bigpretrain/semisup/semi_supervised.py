@@ -2,13 +2,13 @@
 the unlabelled pool -> deduplication against the evaluation sets -> top-K selection -> student
 pretraining -> fine-tuning.
 
-Each stage writes its own folder under DIR/round<r>/ (teacher, predictions/<split>, pool,
-selection, student, finetune; DIR/dedup/<split> once for all rounds) and, last, its
-completion marker; DIR/baseline holds the
-supervised baseline and DIR/results.json the numbers. Re-running the command skips finished
-stages and resumes an interrupted one: the trainer from its checkpoint (SIGTERM saves one and
-stops the command with exit 0), inference shard by shard, the selection from scratch (it
-writes its index files, then selection.json). With `rounds` > 1 the fine-tuned student of
+Each stage writes its own folder under DIR/round<r>/ (teacher_pretrain, teacher,
+predictions/<split>, pool, selection, student, finetune; DIR/dedup/<split> once for all
+rounds) and, last, its completion marker; DIR/baseline holds the supervised baseline and
+DIR/results.json the numbers. Re-running the command skips finished stages and resumes an
+interrupted one: the trainer from its checkpoint (SIGTERM saves one and stops the command
+with exit 0), inference shard by shard, the selection from scratch (it writes its index
+files, then selection.json). With `rounds` > 1 the fine-tuned student of
 round r is round r + 1's teacher (supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
@@ -23,6 +23,14 @@ the records of the train split outside the labelled draw D. The teacher scores w
 the `pool` stage then keeps, per split, the prediction rows of U's records (dropping D's), so
 that D-hat is keyed by the records' own (dataset, split, index) and reads them through the
 plain dataset.
+
+Semi-weakly supervised (section 3.3, section 4.4): with config.teacher_pretrain, the teacher
+is that section's hashtag pretraining (DIR/round1/teacher_pretrain, or the existing run
+config.teacher_pretrained) fine-tuned on D by config.teacher (its model_init); with
+data.pool naming another dataset (e.g. `hashtags:NAME`, in the same data.dir), U is
+data.pool_splits of that dataset: only its images are read (inference needs no labels, and
+D-hat's records are the pool's image with the teacher's label), and the student is evaluated
+on data.name's data.eval_split instead of D-hat's.
 
 Deduplication (supplement section 5: "remove images in the large-scale dataset that are also
 present in the labeled test or validation set"): with config.dedup.against set, each pool
@@ -98,6 +106,11 @@ def stage_config(section, seed: int, data: dict) -> ml_collections.ConfigDict:
   return c
 
 
+def pool_name(config) -> str:
+  """The dataset whose data.pool_splits form U: data.pool, or ('' / absent) data.name."""
+  return config.data.get("pool") or config.data.name
+
+
 def labelled_data(config) -> dict:
   """The data keys of D: data.name in data.dir, cut to the labelled draw if subset_frac < 1."""
   return {k: config.data[k] for k in _DATA_KEYS if k in config.data}
@@ -137,14 +150,17 @@ def _metric(done: dict) -> str:
 
 
 def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
-  """The pool splits, checked against the dataset before anything runs."""
+  """The pool splits, checked against the pool's dataset (`info`) before anything runs."""
   splits = list(config.data.pool_splits)
   missing = [s for s in splits if s not in info.splits]
   if missing:
     raise ValueError(f"config.data.pool_splits names {missing}, which dataset "
-                     f"{config.data.name!r} lacks; its splits: {list(info.splits)}.")
+                     f"{pool_name(config)!r} lacks; its splits: {list(info.splits)}.")
   rest = bool(config.data.pool_train_rest)
   train_split = "train"
+  if rest and pool_name(config) != config.data.name:
+    raise ValueError(f"config.data.pool_train_rest is set and the pool is another dataset "
+                     f"({pool_name(config)!r}, not {config.data.name!r}): unset one of them.")
   if rest and config.data.subset_frac >= 1:
     raise ValueError("config.data.pool_train_rest needs config.data.subset_frac < 1: without "
                      "a labelled draw, all of train is the labelled set D.")
@@ -163,9 +179,11 @@ def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
     return
   _say(f"[infer {split}] teacher {teacher} -> {folder}")
   c = config.infer
-  pool_predictions.run(teacher, config.data.name, split, str(folder), data_dir=config.data.dir,
+  name = pool_name(config)
+  pool_predictions.run(teacher, name, split, str(folder), data_dir=config.data.dir,
             top_p=c.top_p, batch_size=c.batch_size, logits=c.logits, shard_size=c.shard_size,
-            fsdp=c.fsdp, num_workers=c.num_workers, progress=is_main())
+            fsdp=c.fsdp, num_workers=c.num_workers, progress=is_main(),
+            pool_classes="teacher" if name == config.data.name else "any")
 
 
 def _link_or_filter(src: str, dst: epath.Path, exclude: np.ndarray | None) -> int:
@@ -233,13 +251,13 @@ def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarra
   if is_main():
     folder.mkdir(parents=True, exist_ok=True)
   _sync(f"dedup_{split}_start")
-  dedup.run(model, f"{config.data.name}:{split}", c.against, str(folder),
+  dedup.run(model, f"{pool_name(config)}:{split}", c.against, str(folder),
                      top_n=top_n, max_distance=max_distance, data_dir=config.data.dir,
                      batch_size=c.batch_size, ivf_threshold=c.ivf_threshold, nlist=c.nlist,
                      nprobe=c.nprobe, seed=c.seed, fsdp=c.fsdp, num_workers=c.num_workers,
                      progress=is_main())
   _sync(f"dedup_{split}_done")
-  removed = exclusions.read(folder / dedup.EXCLUSIONS_FILE).indices(config.data.name, split)
+  removed = exclusions.read(folder / dedup.EXCLUSIONS_FILE).indices(pool_name(config), split)
   _say(f"[dedup {split}] {len(removed)} pool images removed (report: "
        f"{folder / dedup.REPORT_FILE})")
   return removed
@@ -281,7 +299,10 @@ def run(config, workdir: str) -> dict:
   if not isinstance(config.rounds, int) or config.rounds < 1:
     raise ValueError(f"config.rounds={config.rounds!r} must be an int >= 1.")
   full = datasets.get_dataset({"name": config.data.name, "dir": config.data.dir})
-  pool_splits = check_pool(config, full.info)
+  foreign_pool = pool_name(config) != config.data.name
+  pool_info = (datasets.get_dataset({"name": pool_name(config), "dir": config.data.dir}).info
+               if foreign_pool else full.info)
+  pool_splits = check_pool(config, pool_info)
   labelled = labelled_data(config)
   d_source = datasets.train_sources(labelled, full)[0][0]  # subset.SubsetSource when drawn.
   class_names = list(full.info.class_names) or [str(c) for c in range(full.info.num_classes)]
@@ -289,12 +310,21 @@ def run(config, workdir: str) -> dict:
   if config.data.pool_train_rest:  # The train records of D stay out of U.
     exclude["train"] = d_source.indices
   _say(f"D: {len(d_source)} labelled images of {config.data.name!r}; U: "
-       f"splits {pool_splits}" + (" (train without D)" if exclude else ""))
+       f"splits {pool_splits} of {pool_name(config)!r}" +
+       (" (train without D)" if exclude else ""))
   results = {"rounds": []}
   teacher = config.teacher_workdir
   if not teacher:
-    done = train_stage("teacher", stage_config(config.teacher, config.seed, labelled),
-                       root / "round1" / "teacher")
+    teacher_cfg = stage_config(config.teacher, config.seed, labelled)
+    if config.get("teacher_pretrain"):  # Semi-weakly supervised: hashtags, then D.
+      teacher_cfg.model_init = config.get("teacher_pretrained") or ""
+      if not teacher_cfg.model_init:
+        folder = root / "round1" / "teacher_pretrain"
+        done = train_stage("teacher pretraining", stage_config(
+            config.teacher_pretrain, config.seed, {"dir": config.data.dir}), folder)
+        teacher_cfg.model_init = str(folder)
+        results["teacher_pretrain"] = done["results"]
+    done = train_stage("teacher", teacher_cfg, root / "round1" / "teacher")
     teacher = str(root / "round1" / "teacher")
     results["teacher"] = done["results"]
   if config.get("dedup") and config.dedup.against:
@@ -318,9 +348,11 @@ def run(config, workdir: str) -> dict:
       sel = json.loads((rdir / "selection" / selection_formats.SELECTION_FILE).read_text())
     student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
                     "subset_frac": 1.0}
-    student = train_stage(f"round {r} student",
-                          stage_config(config.student, config.seed, student_data),
-                          rdir / "student")
+    student_cfg = stage_config(config.student, config.seed, student_data)
+    if foreign_pool:  # D-hat has no eval split of its own (selection_source.py).
+      for evaluator in student_cfg.evals.values():
+        evaluator.dataset = evaluator.get("dataset") or config.data.name
+    student = train_stage(f"round {r} student", student_cfg, rdir / "student")
     ft_cfg = stage_config(config.finetune, config.seed, labelled)
     ft_cfg.model_init = str(rdir / "student")
     finetune = train_stage(f"round {r} fine-tuning", ft_cfg, rdir / "finetune")
@@ -351,6 +383,10 @@ def summary(results: dict) -> str:
   def top1(res):
     return "n/a" if not res or METRIC not in res else f"{100 * res[METRIC]:.2f}"
   lines = []
+  if "teacher_pretrain" in results:  # Hashtags: precision@1 on its own validation split.
+    p1 = results["teacher_pretrain"].get("eval/precision_at_1")
+    lines.append("teacher pretraining (hashtags):  precision@1 " +
+                 ("n/a" if p1 is None else f"{100 * p1:.2f}"))
   if "teacher" in results:
     lines.append(f"teacher (on D):                  top-1 {top1(results['teacher'])}")
   for r, rd in enumerate(results["rounds"], 1):

@@ -33,6 +33,9 @@ def define_flags() -> None:
                        "Records per output shard.")
   flags.DEFINE_integer("fsdp", 1, "Devices on the mesh's fsdp axis (weight sharding).")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
+  flags.DEFINE_enum("pool_classes", "teacher", ["teacher", "any"],
+                    "'teacher': the data is labelled in the teacher's class list (checked); "
+                    "'any': another class list (e.g. a hashtag pool), its labels never read.")
   flags.DEFINE_string("exclude", None, "Exclusion list (the dedup command's exclusions.tsv): "
                       "its records of --data:--split are not scored.")
   distributed.define_flags()
@@ -47,7 +50,8 @@ def main(argv):
     info = pool_predictions.run(
         f.workdir, f.data, f.split, f.out, data_dir=f.data_dir, top_p=f.top_p,
         batch_size=f.batch_size, logits=f.logits, shard_size=f.shard_size, fsdp=f.fsdp,
-        num_workers=f.num_workers, exclude=f.exclude)
+        num_workers=f.num_workers, exclude=f.exclude,
+        pool_classes=f.pool_classes)
   if jax.process_index() == 0:
     excluded = f", {info['num_excluded']} excluded" if "num_excluded" in info else ""
     print(f"{info['num_records']} predictions of {f.data}:{f.split} in {f.out}{excluded} "

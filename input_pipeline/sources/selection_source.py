@@ -6,7 +6,14 @@ split `split` of dataset `dataset` (looked up by name in the same data.dir), wit
 `label`; rows in index-file order, so an image selected for two classes appears twice (the
 paper's D-hat, section 3.2). The source dataset's other splits ('validation', ...) pass
 through unchanged, so the student is evaluated as usual; the source's own 'train' is hidden by
-D-hat's. Class list: selection.json's class_names, which must be the source dataset's.
+D-hat's. Class list: selection.json's class_names, the teacher's.
+
+A source dataset with another class list (or none in common: the weakly supervised pool of the
+semi-weakly supervised variant, e.g. a `hashtags:NAME` dataset, Yalniz et al. 2019 section
+4.4) lends D-hat its images only: a record is the source's 'image' and the selection's
+'label', no other field of the source is read (its labels mean other classes), and the
+dataset has split 'train' alone, its eval labels being in another class list: evaluate the
+student on the labelled dataset (config.evals.NAME.dataset).
 Read with pyarrow only (no Apache Beam), once, when the dataset is looked up.
 """
 import json
@@ -27,8 +34,9 @@ class IndexSource(datasets.Source):
   """Random-access D-hat records: the source record of each index row, with its label."""
 
   def __init__(self, sources: dict[str, Any], split_names: list[str], split_codes: np.ndarray,
-               index: np.ndarray, labels: np.ndarray):
+               index: np.ndarray, labels: np.ndarray, images_only: bool = False):
     self._sources = sources
+    self._images_only = images_only
     self._split_names = split_names
     self._codes, self._index, self._labels = split_codes, index, labels
     self.split = SPLIT
@@ -40,9 +48,11 @@ class IndexSource(datasets.Source):
     if not -len(self) <= i < len(self):
       raise IndexError(f"Index {i} out of range for D-hat's {len(self)} records.")
     split = self._split_names[self._codes[i]]
-    record = dict(self._sources[split][int(self._index[i])])
-    record["label"] = int(self._labels[i])
-    return record
+    record = self._sources[split][int(self._index[i])]
+    label = int(self._labels[i])
+    if self._images_only:  # A pool of another class list: its own fields stay unread.
+      return {"image": record["image"], "label": label}
+    return {**record, "label": label}
 
   def __repr__(self) -> str:
     return f"IndexSource(splits={self._split_names!r}, len={len(self)})"
@@ -64,26 +74,27 @@ class SelectionDataset(datasets.Dataset):
     self.source_dataset = datasets.get_dataset({"name": meta["dataset"], "dir": data_dir})
     src = self.source_dataset.info
     names = [str(c) for c in meta["class_names"]]
-    if src.class_names and src.class_names != names:
-      raise ValueError(f"Selection {root} has {len(names)} classes, its source dataset "
-                       f"{meta['dataset']!r} {src.num_classes} with other names: D-hat's "
-                       "labels and the source's eval labels would disagree.")
+    # The source labels in the selection's classes (the pool is a split of the labelled
+    # dataset), or in others (a weakly supervised pool): then D-hat lends its images only.
+    self.images_only = (src.class_names != names if src.class_names
+                        else src.num_classes != len(names))
     table = _read_index(root, meta["index_files"])
     self._split_names, self._codes, self._index, self._labels = _columns(
         table, meta["dataset"], src, len(names), str(root))
-    others = [s for s in src.splits if s != SPLIT]
+    others = [] if self.images_only else [s for s in src.splits if s != SPLIT]
     self.info = datasets.DatasetInfo(
         name=name, num_classes=len(names), class_names=names,
         num_examples={SPLIT: len(self._index), **{s: src.num_examples[s] for s in others}},
         image_size=src.image_size, splits=tuple(sorted([SPLIT] + others)),
-        features=dict(src.features))
+        features={"label": 0} if self.images_only else dict(src.features))
 
   def source(self, split: str) -> datasets.Source:
     self.check_split(split)
     if split != SPLIT:
       return self.source_dataset.source(split)
     sources = {s: self.source_dataset.source(s) for s in self._split_names}
-    return IndexSource(sources, self._split_names, self._codes, self._index, self._labels)
+    return IndexSource(sources, self._split_names, self._codes, self._index, self._labels,
+                       images_only=self.images_only)
 
 
 def _read_index(root: epath.Path, files) -> pa.Table:
