@@ -170,18 +170,22 @@ def trace_step(config, num_classes: int | None = None, devices=None,
   return exp, state, traced
 
 
-def compile_step(config, num_classes: int | None = None, devices=None,
-                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
-  """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
-  (bigpretrain/flops.py)."""
-  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+def _compile(exp, traced):
   # Compile-only devices have no client to load a cached executable into: no cache for them.
   platform = exp.mesh.devices.flat[0].platform
   cache = platform == jax.default_backend()
   options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
   with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
-    compiled = traced.lower().compile(compiler_options=options)
-  return exp, state, compiled, flops.traced_flops_per_device(traced, exp.mesh.size)
+    return traced.lower().compile(compiler_options=options)
+
+
+def compile_step(config, num_classes: int | None = None, devices=None,
+                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
+  """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
+  (bigpretrain/flops.py)."""
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  return (exp, state, _compile(exp, traced),
+          flops.traced_flops_per_device(traced, exp.mesh.size))
 
 
 def step_flops(config, num_classes: int | None = None, devices=None,
@@ -217,23 +221,60 @@ def cost_estimate(compiled) -> dict:
   return out
 
 
+# Bytes each device sends per byte of a collective's result, over n devices (ring
+# algorithms): a gather sends all but its own shard, a reduce-scatter all but its own share
+# of the n-times larger input, an all-reduce both, a permute its whole buffer.
+_WIRE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
+         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+
+
+def roofline(costs: dict, collectives: dict, acc, num_devices: int) -> dict:
+  """The step's roofline time per device by op class, from bigpretrain/flops.py's per-op
+  costs of the traced step (over all devices) and the compiled step's collectives: each op
+  takes the longer of its FLOPs at the chip's peak (its operands' dtype's: float32 at
+  peak_f32) and its bytes at the HBM bandwidth; elementwise ops their unfused bytes (XLA
+  fuses chains of them, so this class is an upper estimate); collectives the bytes each
+  device sends (_WIRE; the group taken as all devices) at one direction of the chip's
+  interconnect (None where the table has no figure; across GPU nodes the network is slower
+  still). step_seconds adds the classes up, nothing overlapped; mfu_at_roofline is the MFU a
+  step that fast would have."""
+  n = num_devices
+  out = {c: {"flops": costs[c].flops / n, "bytes": costs[c].bytes / n,
+             "seconds": costs[c].seconds / n} for c in flops.CLASSES}
+  wire = sum(_WIRE[kind](n) * c["bytes"] for kind, c in collectives.items()) if n > 1 else 0.0
+  link = acc.interconnect_bandwidth / 2
+  if not wire:
+    seconds = 0.0
+  else:
+    seconds = wire / link if link else None
+  out["collectives"] = {"bytes": wire, "seconds": seconds}
+  seconds = [v["seconds"] for v in out.values()]
+  out["step_seconds"] = sum(seconds) if None not in seconds else None
+  return out
+
+
 def plan(config, num_classes: int | None = None, accelerator: str | None = None,
          devices=None, teacher_model: str | None = None, step: str = "train",
          top_p: int = 10) -> dict:
   """The plan of `config`'s train step (or inference step) on `devices` (default:
   jax.devices()), as a JSON-ready dict (see the module docstring); all `_bytes` per device.
   `accelerator` (a key of accelerators.ACCELERATORS) defaults to the table's entry for the
-  devices' kind, if any."""
+  devices' kind, if any; with one, the plan has the step's roofline (see `roofline`), the
+  MFU at it and at the compiler's optimal_seconds."""
   if accelerator is not None:
     accelerators.get(accelerator)  # A clear error before a long compile.
   start = time.perf_counter()
-  exp, state, compiled, flops_per_device = compile_step(config, num_classes, devices,
-                                                        teacher_model, step, top_p)
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  compiled = _compile(exp, traced)
   compile_s = time.perf_counter() - start
   device = exp.mesh.devices.flat[0]
   if accelerator is None:
     known = accelerators.by_device_kind(device.device_kind)
     accelerator = known.name if known else None
+  acc = accelerators.get(accelerator) if accelerator else None
+  costs = flops.jaxpr_costs(traced.jaxpr, acc)
+  flops_per_device = (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size
   mem = compiled.memory_analysis()
   out = {
       "config": config.objective.name, "model": config.model.name, "step": step,
@@ -271,6 +312,13 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     hbm = accelerators.get(accelerator).hbm_bytes
     out.update(accelerator=accelerator, hbm_bytes=hbm, fits=out["total_bytes"] <= hbm,
                margin_bytes=hbm - out["total_bytes"])
+    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    out["roofline"] = roofline(costs, out["collectives"], acc, exp.mesh.size)
+    bound = out["roofline"]["step_seconds"]
+    if bound:
+      out["mfu_at_roofline"] = flops_per_device / (bound * peak)
+    if "optimal_seconds" in out:
+      out["mfu_at_optimal_seconds"] = flops_per_device / (out["optimal_seconds"] * peak)
   return out
 
 
@@ -307,7 +355,17 @@ def describe(p: dict) -> str:
   lines.append(f"  {'flops_per_device':22s}{p['flops_per_device'] / 1e12:8.3f} TFLOP per step")
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
-                 "(the compiler's roofline estimate)")
+                 f"(the compiler's roofline estimate: MFU {p['mfu_at_optimal_seconds']:.1%})")
+  if "roofline" in p:
+    r = p["roofline"]
+    lines.append("  roofline per step (each op at peak FLOP/s or HBM bandwidth):")
+    for c in (*flops.CLASSES, "collectives"):
+      ms = "n/a" if r[c]["seconds"] is None else f"{r[c]['seconds'] * 1e3:8.3f} ms"
+      tflop = f", {r[c]['flops'] / 1e12:.3f} TFLOP" if r[c].get("flops") else ""
+      lines.append(f"    {c:20s}{ms:>11s}  ({r[c]['bytes'] / 1e9:.3f} GB{tflop})")
+    if r["step_seconds"] is not None:
+      lines.append(f"    {'step':20s}{r['step_seconds'] * 1e3:8.3f} ms  (MFU at this bound "
+                   f"{p['mfu_at_roofline']:.1%})")
   for kind, c in p["collectives"].items():
     if c["count"]:
       windowed = f" ({c['windowed']} as collective matmuls)" if c.get("windowed") else ""

@@ -23,8 +23,9 @@ used: it runs a scan's body once, counts no branch of a cond and only the last s
 
 Op classes (CLASSES): 'matmul' (matrix products without batch dimensions and convolutions),
 'attention' (matrix products with batch dimensions: attention's scores and weighted values),
-'elementwise' (everything else the library has a rule for: activations, normalisation,
-softmax, the optimizer update; layout ops such as reshape, transpose, convert count no bytes).
+'elementwise' (everything else: activations, normalisation, softmax, the optimizer update; each
+op's operands and results as the library counts them, or by hand where it has no rule, e.g.
+tanh; layout and dtype changes count no bytes).
 """
 import dataclasses
 import importlib
@@ -38,6 +39,10 @@ CLASSES = ("matmul", "attention", "elementwise")
 # The library's per-primitive rules (its package exports the function under the module's name).
 _RULES = importlib.import_module("jax.experimental.roofline.roofline")._rooflines
 _MATMUL = ("dot_general", "conv_general_dilated")
+_FREE = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+         "convert_element_type", "copy", "copy_p", "stop_gradient", "iota", "pvary", "pcast",
+         "sharding_constraint", "mesh_cast", "reshard", "random_wrap", "random_unwrap",
+         "random_bits", "random_seed", "threefry2x32", "optimization_barrier")
 
 
 @dataclasses.dataclass
@@ -100,14 +105,25 @@ def _library(eqn):
   return rule(ctx, *map(roofline.RooflineShape.from_aval, avals_in), **eqn.params)
 
 
+def _bytes(eqn, result) -> float:
+  """Bytes an op reads and writes unfused: the library's, or where it has no rule or counts
+  none (tanh, pow, clamp, reduce_max, concatenate, ...) its operands and results; layout and
+  dtype changes none (XLA folds them into their neighbours)."""
+  if result is not None and result.unfused_hbm_bytes:
+    return float(result.unfused_hbm_bytes)
+  if eqn.primitive.name in _FREE:
+    return 0.0
+  avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+  return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals
+                   if isinstance(getattr(a, "dtype", None), np.dtype)))
+
+
 def _add_eqn(eqn, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
   name = eqn.primitive.name
   if name not in _MATMUL and not elementwise:
     return
   result = _library(eqn)
-  if result is None:
-    return
-  nbytes = float(result.unfused_hbm_bytes)
+  nbytes = _bytes(eqn, result)
   bandwidth = accelerator.hbm_bandwidth if accelerator else 0.0
   memory_s = nbytes / bandwidth if bandwidth else 0.0
   if name in _MATMUL:

@@ -150,3 +150,28 @@ def test_train_step_flops_are_three_times_the_published_forward(name):
   step = jax.make_jaxpr(jax.grad(loss))(params, extra, images)
   ratio = flops.jaxpr_flops(step) / (3 * 2 * _PUBLISHED_GMACS[name] * 1e9)
   assert ratio == pytest.approx(1.0, abs=0.03), ratio
+
+
+def test_roofline_seconds_per_op_class_by_hand():
+  """On an H100 (989.5 TFLOP/s bf16, 494.5 float32, 3.35 TB/s): a bf16 matrix product as
+  large as this is compute-bound, tanh memory-bound, a batched float32 product (attention's
+  class) compute-bound at the float32 peak."""
+  from bigpretrain import accelerators  # pylint: disable=import-outside-toplevel
+  h100 = accelerators.get("h100")
+  x = w = jnp.ones((1024, 1024), jnp.bfloat16)
+  q = jnp.ones((2, 1024, 1024), jnp.float32)
+
+  def f(x, w, q):
+    return jnp.tanh(x @ w), jnp.einsum("bij,bjk->bik", q, q)
+  costs = flops.jaxpr_costs(jax.make_jaxpr(f)(x, w, q), h100)
+  mm_flops, mm_bytes = 2 * 1024**3, 3 * 1024**2 * 2
+  assert (costs["matmul"].flops, costs["matmul"].bytes) == (mm_flops, mm_bytes)
+  assert costs["matmul"].seconds == pytest.approx(mm_flops / 989.5e12)
+  assert mm_bytes / 3.35e12 < costs["matmul"].seconds
+  tanh_bytes = 2 * 1024**2 * 2  # Read and write, bf16.
+  assert costs["elementwise"].bytes == tanh_bytes and costs["elementwise"].flops == 0
+  assert costs["elementwise"].seconds == pytest.approx(tanh_bytes / 3.35e12)
+  att_flops, att_bytes = 2 * 2 * 1024**3, 3 * 2 * 1024**2 * 4
+  assert (costs["attention"].flops, costs["attention"].bytes) == (att_flops, att_bytes)
+  assert att_bytes / 3.35e12 < costs["attention"].seconds
+  assert costs["attention"].seconds == pytest.approx(att_flops / 494.5e12)

@@ -86,6 +86,22 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
   assert p["flops_per_device"] > 0 and p["flops_from"] == "jaxpr"
   assert plan_lib.step_flops(config)["flops_per_device"] == p["flops_per_device"]  # Traced.
   assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
+  # The roofline on v5e: its classes hold the step's FLOPs (attention's batched products
+  # among them); the collectives' bytes sent by each of 8 devices (ring), at one direction
+  # of the 400 GB/s bidirectional ICI; the step the sum of the classes.
+  r = p["roofline"]
+  assert r["matmul"]["flops"] + r["attention"]["flops"] == pytest.approx(p["flops_per_device"])
+  assert r["attention"]["flops"] > 0 and r["elementwise"]["bytes"] > 0
+  c = {kind: v["bytes"] for kind, v in p["collectives"].items()}
+  sent = (7 / 8 * (c["all-gather"] + c["all-to-all"]) + 7 * c["reduce-scatter"]
+          + 14 / 8 * c["all-reduce"] + c["collective-permute"])
+  assert r["collectives"]["bytes"] == pytest.approx(sent) and sent > 0
+  assert r["collectives"]["seconds"] == pytest.approx(sent / 200e9)
+  assert r["step_seconds"] == pytest.approx(sum(
+      r[k]["seconds"] for k in ("matmul", "attention", "elementwise", "collectives")))
+  assert p["mfu_at_roofline"] == pytest.approx(p["flops_per_device"] / (r["step_seconds"]
+                                                                        * 197e12))
+  assert "roofline per step" in plan_lib.describe(p)
 
 
 def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_step():
