@@ -189,11 +189,21 @@ def compile_step(config, num_classes: int | None = None, devices=None,
 
 
 def step_flops(config, num_classes: int | None = None, devices=None,
-               teacher_model: str | None = None, step: str = "train", top_p: int = 10) -> dict:
-  """The step's FLOPs per device without compiling it (a trace only: seconds)."""
+               teacher_model: str | None = None, step: str = "train", top_p: int = 10,
+               accelerator: str | None = None) -> dict:
+  """The step's FLOPs per device without compiling it (a trace only: seconds); with
+  `accelerator`, its roofline (`roofline`: collectives unknown on more than one device)."""
   exp, _, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
-  return {"flops_per_device": flops.traced_flops_per_device(traced, exp.mesh.size),
-          "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
+  acc = accelerators.get(accelerator) if accelerator else None
+  costs = flops.jaxpr_costs(traced.jaxpr, acc, elementwise=acc is not None)
+  out = {"flops_per_device": (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size,
+         "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
+  if acc is not None:
+    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    out.update(accelerator=accelerator,
+               roofline=roofline(costs, None, acc, exp.mesh.size))
+    out["mfu_at_roofline"] = out["flops_per_device"] / (out["roofline"]["step_seconds"] * peak)
+  return out
 
 
 def abstract_infer_batch(exp) -> dict:
@@ -208,14 +218,16 @@ def abstract_infer_batch(exp) -> dict:
 
 def cost_estimate(compiled) -> dict:
   """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
-  large ones it returned a negative optimal_seconds here; XLA:CPU and XLA:GPU give none):
-  'optimal_seconds', its roofline time for the compiled step, and 'bytes_accessed', the HBM
-  traffic it assumes. Absent keys mean no estimate."""
+  large ones, ViT-B/16 at 224 px among them, it returns a negative optimal_seconds, kept as
+  'invalid_optimal_seconds'; XLA:CPU and XLA:GPU give none): 'optimal_seconds', its roofline
+  time for the compiled step, and 'bytes_accessed', the HBM traffic it assumes. Absent keys
+  mean no estimate."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out = {}
-  if cost and cost.get("optimal_seconds", 0) > 0:
-    out["optimal_seconds"] = float(cost["optimal_seconds"])
+  if cost and "optimal_seconds" in cost:
+    seconds = float(cost["optimal_seconds"])
+    out["optimal_seconds" if seconds > 0 else "invalid_optimal_seconds"] = seconds
   if cost and cost.get("bytes accessed", 0) > 0:
     out["bytes_accessed"] = float(cost["bytes accessed"])
   return out
@@ -237,20 +249,23 @@ def roofline(costs: dict, collectives: dict, acc, num_devices: int) -> dict:
   fuses chains of them, so this class is an upper estimate); collectives the bytes each
   device sends (_WIRE; the group taken as all devices) at one direction of the chip's
   interconnect (None where the table has no figure; across GPU nodes the network is slower
-  still). step_seconds adds the classes up, nothing overlapped; mfu_at_roofline is the MFU a
-  step that fast would have."""
+  still; unknown without a compiled step, `collectives` None). step_seconds adds the classes
+  up, nothing overlapped; mfu_at_roofline is the MFU a step that fast would have."""
   n = num_devices
   out = {c: {"flops": costs[c].flops / n, "bytes": costs[c].bytes / n,
              "seconds": costs[c].seconds / n} for c in flops.CLASSES}
-  wire = sum(_WIRE[kind](n) * c["bytes"] for kind, c in collectives.items()) if n > 1 else 0.0
-  link = acc.interconnect_bandwidth / 2
-  if not wire:
-    seconds = 0.0
+  if n == 1:
+    wire = seconds = 0.0
+  elif collectives is None:  # Not compiled (step_flops): unknown, left out of the step.
+    wire = seconds = None
   else:
+    wire = sum(_WIRE[kind](n) * c["bytes"] for kind, c in collectives.items())
+    link = acc.interconnect_bandwidth / 2
     seconds = wire / link if link else None
   out["collectives"] = {"bytes": wire, "seconds": seconds}
-  seconds = [v["seconds"] for v in out.values()]
-  out["step_seconds"] = sum(seconds) if None not in seconds else None
+  known = [v["seconds"] for v in out.values()]
+  out["step_seconds"] = (None if None in known and collectives is not None
+                         else sum(s for s in known if s is not None))
   return out
 
 
@@ -356,6 +371,9 @@ def describe(p: dict) -> str:
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
                  f"(the compiler's roofline estimate: MFU {p['mfu_at_optimal_seconds']:.1%})")
+  if "invalid_optimal_seconds" in p:
+    lines.append(f"  {'optimal_seconds':22s}{p['invalid_optimal_seconds']:8.3f} s: the "
+                 "compiler gave no valid estimate")
   if "roofline" in p:
     r = p["roofline"]
     lines.append("  roofline per step (each op at peak FLOP/s or HBM bandwidth):")
@@ -377,3 +395,36 @@ def describe(p: dict) -> str:
   return "\n".join(lines)
 
 
+
+
+def max_batch(config, memory_bytes: int, remat: str = "none", num_classes: int | None = None,
+              devices=None, teacher_model: str | None = None, limit: int = 4096) -> dict:
+  """The largest per-device batch of `config`'s train step whose planned memory (the compiled
+  step's total_bytes) fits in `memory_bytes`, with the model's `remat` policy: doubling from
+  one image per device until a batch does not fit (or `limit`), then bisecting; assumes
+  memory grows with the batch. Every probe is a full compile (minutes for a large step on an
+  accelerator's compiler). Returns {'remat', 'max_batch_per_device' (0: not even one),
+  'total_bytes' (of that batch), 'probes': {batch per device: total_bytes}}."""
+  config = config.copy_and_resolve_references()
+  devices = jax.devices() if devices is None else devices
+  shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, len(devices))))
+  shards = shape["data"] * shape["fsdp"]  # The batch axes.
+  probes = {}
+
+  def fits(b: int) -> bool:
+    with config.unlocked():
+      config.model.remat = remat
+      config.batch_size = b * shards
+    probes[b] = plan(config, num_classes, devices=devices,
+                     teacher_model=teacher_model)["total_bytes"]
+    return probes[b] <= memory_bytes
+
+  lo, hi = 0, 1
+  while hi <= limit and fits(hi):
+    lo, hi = hi, hi * 2
+  hi = min(hi, limit + 1)
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return {"remat": remat, "max_batch_per_device": lo, "total_bytes": probes.get(lo),
+          "memory_bytes": memory_bytes, "probes": dict(sorted(probes.items()))}

@@ -311,3 +311,20 @@ def test_a_compiler_that_does_not_match_jax_says_what_to_install(monkeypatch):
   assert "'jax-cuda13-plugin==0.10.2'" in problem and "'jax-cuda13-pjrt==0.10.2'" in problem
   monkeypatch.setattr(accelerators, "_version", lambda p: None)
   assert "libtpu is not installed" in accelerators.compiler_problem("tpu")
+
+
+def test_max_batch_is_the_largest_per_device_batch_whose_plan_fits():
+  """Doubling then bisection on the compiled memory: with a cap between the plans of 3 and 4
+  images (vit_demo at 16 px on one device: ~7 MB of state and ~0.2 MB per image), the
+  search plans 1, 2, 4, then 3, and answers 3."""
+  config = _config(batch_size=1, mesh=(1, 1, 1))
+  one = jax.devices()[:1]
+  totals = {b: plan_lib.plan(_config(b, mesh=(1, 1, 1)), devices=one)["total_bytes"]
+            for b in (3, 4)}
+  cap = (totals[3] + totals[4]) // 2
+  out = plan_lib.max_batch(config, cap, devices=one)
+  assert out["max_batch_per_device"] == 3 and out["remat"] == "none"
+  assert list(out["probes"]) == [1, 2, 3, 4] and out["probes"][3] == totals[3]
+  assert out["probes"][4] == totals[4] > cap >= out["total_bytes"]
+  assert plan_lib.max_batch(config, out["probes"][1] - 1, devices=one)[
+      "max_batch_per_device"] == 0
