@@ -220,8 +220,8 @@ def cost_estimate(compiled) -> dict:
   """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
   large ones, ViT-B/16 at 224 px among them, it returns a negative optimal_seconds, kept as
   'invalid_optimal_seconds'; XLA:CPU and XLA:GPU give none): 'optimal_seconds', its roofline
-  time for the compiled step, and 'bytes_accessed', the HBM traffic it assumes. Absent keys
-  mean no estimate."""
+  time for the compiled step, 'bytes_accessed', the HBM traffic it assumes, and
+  'compiler_flops', its FLOPs. Absent keys mean no estimate."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out = {}
@@ -230,6 +230,8 @@ def cost_estimate(compiled) -> dict:
     out["optimal_seconds" if seconds > 0 else "invalid_optimal_seconds"] = seconds
   if cost and cost.get("bytes accessed", 0) > 0:
     out["bytes_accessed"] = float(cost["bytes accessed"])
+  if cost and cost.get("flops", 0) > 0:  # Elementwise work included; XLA:GPU's lacks GEMMs.
+    out["compiler_flops"] = float(cost["flops"])
   return out
 
 
@@ -334,6 +336,11 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       out["mfu_at_roofline"] = flops_per_device / (bound * peak)
     if "optimal_seconds" in out:
       out["mfu_at_optimal_seconds"] = flops_per_device / (out["optimal_seconds"] * peak)
+    if device.platform == "tpu" and "bytes_accessed" in out and "compiler_flops" in out:
+      # libtpu's own FLOPs and fused HBM traffic bound the step from below.
+      out["compiler_bound_seconds"] = max(out["compiler_flops"] / peak,
+                                          out["bytes_accessed"] / acc.hbm_bandwidth)
+      out["mfu_at_compiler_bound"] = flops_per_device / (out["compiler_bound_seconds"] * peak)
   return out
 
 
@@ -371,6 +378,10 @@ def describe(p: dict) -> str:
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
                  f"(the compiler's roofline estimate: MFU {p['mfu_at_optimal_seconds']:.1%})")
+  if "compiler_bound_seconds" in p:
+    lines.append(f"  {'compiler bound':22s}{p['compiler_bound_seconds'] * 1e3:8.3f} ms per step "
+                 f"(its FLOPs at peak or bytes accessed at the HBM bandwidth: MFU "
+                 f"{p['mfu_at_compiler_bound']:.1%})")
   if "invalid_optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['invalid_optimal_seconds']:8.3f} s: the "
                  "compiler gave no valid estimate")
