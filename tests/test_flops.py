@@ -3,10 +3,12 @@ count (which, unlike XLA:GPU's, includes matrix products and convolutions), jax'
 rules and every model family's published forward multiply-adds."""
 from flax import nnx
 import jax
+from jax.experimental import roofline
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bigpretrain import accelerators
 from bigpretrain import flops
 from bigpretrain import models
 
@@ -95,7 +97,6 @@ def test_a_strided_convolutions_gradients_count_its_real_multiply_adds():
 def _library_flops(f, *args):
   """FLOPs by jax.experimental.roofline's interpreter, for an `f` of matrix products and
   convolutions (and layout ops, which it counts as none)."""
-  from jax.experimental import roofline  # pylint: disable=import-outside-toplevel
   return roofline.roofline(f)(*args)[1].unfused_flops
 
 
@@ -110,6 +111,7 @@ def test_jax_roofline_agrees_on_matrix_products_and_unpadded_convolutions():
   x, k = jnp.ones((2, 9, 9, 8)), jnp.ones((3, 3, 8, 12))
   strided = lambda x, k: _conv(x, k, stride=2)
   g = jnp.ones(jax.eval_shape(strided, x, k).shape)
+
   def vjp(x, k, g):  # The forward and both gradients.
     out, grads = jax.vjp(strided, x, k)
     return out, grads(g)
@@ -156,7 +158,6 @@ def test_roofline_seconds_per_op_class_by_hand():
   """On an H100 (989.5 TFLOP/s bf16, 494.5 float32, 3.35 TB/s): a bf16 matrix product as
   large as this is compute-bound, tanh memory-bound, a batched float32 product (attention's
   class) compute-bound at the float32 peak."""
-  from bigpretrain import accelerators  # pylint: disable=import-outside-toplevel
   h100 = accelerators.get("h100")
   x = w = jnp.ones((1024, 1024), jnp.bfloat16)
   q = jnp.ones((2, 1024, 1024), jnp.float32)
