@@ -217,8 +217,8 @@ def abstract_infer_batch(exp) -> dict:
 
 
 def cost_estimate(compiled) -> dict:
-  """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
-  large ones, ViT-B/16 at 224 px among them, it returns a negative optimal_seconds, kept as
+  """The compiler's own step estimate where it gives one (libtpu does, for small steps and
+  ViT-B/16 on v5p; for ViT-B/16 on v5e it returns a negative optimal_seconds, kept as
   'invalid_optimal_seconds'; XLA:CPU and XLA:GPU give none): 'optimal_seconds', its roofline
   time for the compiled step, 'bytes_accessed', the HBM traffic it assumes, and
   'compiler_flops', its FLOPs. Absent keys mean no estimate."""
