@@ -4,7 +4,7 @@ r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per 
       --topology=tpu:v5p:4x4x4 --mesh=data:1,fsdp:64,tensor:1 [--json]
   python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:4x8   # 4 nodes of 8 GPUs.
   python -m bigpretrain.tools.plan --config=... --devices=64 --accelerator=h100  # XLA:CPU.
-  python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:1x1 --max_batch  # with, without remat
+  python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:1x1 --max_batch  # remat on, off
   python -m bigpretrain.tools.plan --config=configs/semantic_kd.py:model=tresnet_m,teacher=unused,dataset=imagenet21k_p \
       --teacher_model=tresnet_l --topology=gpu:h100:1x8      # distillation before the teacher exists
   python -m bigpretrain.tools.plan --config=configs/single_label.py:model=resnext101_32x48d,dataset=tfds:imagenet2012 \
