@@ -86,6 +86,22 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
   assert p["flops_per_device"] > 0 and p["flops_from"] == "jaxpr"
   assert plan_lib.step_flops(config)["flops_per_device"] == p["flops_per_device"]  # Traced.
   assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and p["batch_per_device"] == 2
+  # The roofline on v5e: its classes hold the step's FLOPs (attention's batched products
+  # among them); the collectives' bytes sent by each of 8 devices (ring), at one direction
+  # of the 400 GB/s bidirectional ICI; the step the sum of the classes.
+  r = p["roofline"]
+  assert r["matmul"]["flops"] + r["attention"]["flops"] == pytest.approx(p["flops_per_device"])
+  assert r["attention"]["flops"] > 0 and r["elementwise"]["bytes"] > 0
+  c = {kind: v["bytes"] for kind, v in p["collectives"].items()}
+  sent = (7 / 8 * (c["all-gather"] + c["all-to-all"]) + 7 * c["reduce-scatter"]
+          + 14 / 8 * c["all-reduce"] + c["collective-permute"])
+  assert r["collectives"]["bytes"] == pytest.approx(sent) and sent > 0
+  assert r["collectives"]["seconds"] == pytest.approx(sent / 200e9)
+  assert r["step_seconds"] == pytest.approx(sum(
+      r[k]["seconds"] for k in ("matmul", "attention", "elementwise", "collectives")))
+  assert p["mfu_at_roofline"] == pytest.approx(p["flops_per_device"] / (r["step_seconds"]
+                                                                        * 197e12))
+  assert "roofline per step" in plan_lib.describe(p)
 
 
 def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_step():
@@ -295,3 +311,20 @@ def test_a_compiler_that_does_not_match_jax_says_what_to_install(monkeypatch):
   assert "'jax-cuda13-plugin==0.10.2'" in problem and "'jax-cuda13-pjrt==0.10.2'" in problem
   monkeypatch.setattr(accelerators, "_version", lambda p: None)
   assert "libtpu is not installed" in accelerators.compiler_problem("tpu")
+
+
+def test_max_batch_is_the_largest_per_device_batch_whose_plan_fits():
+  """Doubling then bisection on the compiled memory: with a cap between the plans of 3 and 4
+  images per device, the search plans 1, 2, 4, then 3, and answers 3; below the plan of one
+  image, 0."""
+  config = _config(batch_size=1, mesh=(1, 1, 1))
+  one = jax.devices()[:1]
+  totals = {b: plan_lib.plan(_config(b, mesh=(1, 1, 1)), devices=one)["total_bytes"]
+            for b in (3, 4)}
+  cap = (totals[3] + totals[4]) // 2
+  out = plan_lib.max_batch(config, cap, devices=one)
+  assert out["max_batch_per_device"] == 3 and out["remat"] == "none"
+  assert list(out["probes"]) == [1, 2, 3, 4] and out["probes"][3] == totals[3]
+  assert out["probes"][4] == totals[4] > cap >= out["total_bytes"]
+  assert plan_lib.max_batch(config, out["probes"][1] - 1, devices=one)[
+      "max_batch_per_device"] == 0

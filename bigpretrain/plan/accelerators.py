@@ -27,7 +27,9 @@ class Accelerator:
   H100 and H200 in TensorFloat-32, so the TF32 Tensor Core peak). NVIDIA lists Tensor Core
   peaks "with sparsity": the dense figures here are half of those. `hbm_bytes` counts GiB as
   the runtime reports memory (nvidia-smi shows ~79.6 GiB on an H100, ~140.4 GiB on an H200:
-  read the margin, not a zero-margin fit)."""
+  read the margin, not a zero-margin fit). `hbm_bandwidth`: bytes/s; `interconnect_bandwidth`:
+  the chip's bidirectional ICI (TPU) or NVLink (GPU) bytes/s as the datasheets state it, 0
+  where this table has none (the roofline of collectives in bigpretrain/plan/aot_plan.py)."""
   name: str
   platform: str  # 'tpu' or 'gpu'.
   hbm_bytes: int
@@ -35,31 +37,45 @@ class Accelerator:
   peak_f32: float
   device_kinds: tuple[str, ...]
   target: str = ""  # TPU: libtpu's topology prefix; GPU: the gpu_specs/ file, if shipped.
+  hbm_bandwidth: float = 0.0
+  interconnect_bandwidth: float = 0.0
 
 
 ACCELERATORS = {a.name: a for a in (
-    # Google Cloud TPU docs, per chip: v4 32 GiB HBM2, 275 TFLOP/s bf16; v5e 16 GiB, 197;
-    # v5p 95 GiB, 459; v6e (Trillium) 32 GiB, 918.
+    # Google Cloud TPU docs, per chip: v4 32 GiB HBM2, 275 TFLOP/s bf16, 1,200 GB/s; v5e 16
+    # GiB, 197, 819 GB/s, ICI 400 GB/s bidirectional; v5p 95 GiB, 459, 2,765 GB/s, ICI 1,200
+    # GB/s; v6e (Trillium) 32 GiB, 918, 1,638 GB/s, ICI 800 GB/s.
     # v4 has no compile target: libtpu's 'v4:2x2x2' topology lists 16 devices for 8 chips.
-    Accelerator("v4", "tpu", 32 * GiB, 275e12, 275e12, ("TPU v4",)),
-    Accelerator("v5e", "tpu", 16 * GiB, 197e12, 197e12, ("TPU v5 lite", "TPU v5e"), "v5e"),
-    Accelerator("v5p", "tpu", 95 * GiB, 459e12, 459e12, ("TPU v5", "TPU v5p"), "v5p"),
-    Accelerator("v6e", "tpu", 32 * GiB, 918e12, 918e12, ("TPU v6 lite", "TPU v6e"), "v6e"),
-    # NVIDIA H100 datasheet: SXM 80 GB, BF16 1,979 / TF32 989; PCIe 80 GB, 1,513 / 756;
-    # NVL 94 GB, 1,671 / 835 TFLOP/s with sparsity.
+    Accelerator("v4", "tpu", 32 * GiB, 275e12, 275e12, ("TPU v4",), hbm_bandwidth=1200e9),
+    Accelerator("v5e", "tpu", 16 * GiB, 197e12, 197e12, ("TPU v5 lite", "TPU v5e"), "v5e",
+                819e9, 400e9),
+    Accelerator("v5p", "tpu", 95 * GiB, 459e12, 459e12, ("TPU v5", "TPU v5p"), "v5p",
+                2765e9, 1200e9),
+    Accelerator("v6e", "tpu", 32 * GiB, 918e12, 918e12, ("TPU v6 lite", "TPU v6e"), "v6e",
+                1638e9, 800e9),
+    # NVIDIA H100 datasheet: SXM 80 GB, BF16 1,979 / TF32 989 TFLOP/s with sparsity, 3.35 TB/s,
+    # NVLink 900 GB/s; PCIe 80 GB, 1,513 / 756, 2 TB/s, NVLink bridge 600 GB/s; NVL 94 GB,
+    # 1,671 / 835, 3.9 TB/s, NVLink 600 GB/s.
     Accelerator("h100", "gpu", 80 * GiB, 989.5e12, 494.5e12, ("NVIDIA H100 80GB HBM3",),
-                "h100_sxm.txtpb"),
-    Accelerator("h100-pcie", "gpu", 80 * GiB, 756.5e12, 378e12, ("NVIDIA H100 PCIe",)),
-    Accelerator("h100-nvl", "gpu", 94 * GiB, 835.5e12, 417.5e12, ("NVIDIA H100 NVL",)),
-    # NVIDIA H200 datasheet: SXM 141 GB, BF16 1,979 / TF32 989; NVL 1,671 / 835 with sparsity.
+                "h100_sxm.txtpb", 3.35e12, 900e9),
+    Accelerator("h100-pcie", "gpu", 80 * GiB, 756.5e12, 378e12, ("NVIDIA H100 PCIe",),
+                hbm_bandwidth=2.0e12, interconnect_bandwidth=600e9),
+    Accelerator("h100-nvl", "gpu", 94 * GiB, 835.5e12, 417.5e12, ("NVIDIA H100 NVL",),
+                hbm_bandwidth=3.9e12, interconnect_bandwidth=600e9),
+    # NVIDIA H200 datasheet: SXM 141 GB, BF16 1,979 / TF32 989 with sparsity; NVL 1,671 / 835;
+    # both 4.8 TB/s and NVLink 900 GB/s.
     Accelerator("h200", "gpu", 141 * GiB, 989.5e12, 494.5e12,
-                ("NVIDIA H200", "NVIDIA H200 141GB HBM3e"), "h200.txtpb"),
-    Accelerator("h200-nvl", "gpu", 141 * GiB, 835.5e12, 417.5e12, ("NVIDIA H200 NVL",)),
-    # NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): BF16 312, TF32 156 dense.
+                ("NVIDIA H200", "NVIDIA H200 141GB HBM3e"), "h200.txtpb", 4.8e12, 900e9),
+    Accelerator("h200-nvl", "gpu", 141 * GiB, 835.5e12, 417.5e12, ("NVIDIA H200 NVL",),
+                hbm_bandwidth=4.8e12, interconnect_bandwidth=900e9),
+    # NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): BF16 312, TF32 156 dense; 40 GB
+    # 1,555 GB/s, 80 GB SXM 2,039 GB/s (PCIe 1,935); NVLink 600 GB/s.
     Accelerator("a100-40", "gpu", 40 * GiB, 312e12, 156e12,
-                ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB")),
+                ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), hbm_bandwidth=1555e9,
+                interconnect_bandwidth=600e9),
     Accelerator("a100-80", "gpu", 80 * GiB, 312e12, 156e12,
-                ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"), "a100_sxm_80.txtpb"),
+                ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"), "a100_sxm_80.txtpb",
+                2039e9, 600e9),
 )}
 _BY_KIND = {kind: a for a in ACCELERATORS.values() for kind in a.device_kinds}
 

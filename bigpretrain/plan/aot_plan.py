@@ -170,26 +170,40 @@ def trace_step(config, num_classes: int | None = None, devices=None,
   return exp, state, traced
 
 
-def compile_step(config, num_classes: int | None = None, devices=None,
-                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
-  """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
-  (bigpretrain/plan/flops.py)."""
-  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+def _compile(exp, traced):
   # Compile-only devices have no client to load a cached executable into: no cache for them.
   platform = exp.mesh.devices.flat[0].platform
   cache = platform == jax.default_backend()
   options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
   with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
-    compiled = traced.lower().compile(compiler_options=options)
-  return exp, state, compiled, flops.traced_flops_per_device(traced, exp.mesh.size)
+    return traced.lower().compile(compiler_options=options)
+
+
+def compile_step(config, num_classes: int | None = None, devices=None,
+                 teacher_model: str | None = None, step: str = "train", top_p: int = 10):
+  """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
+  (bigpretrain/plan/flops.py)."""
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  return (exp, state, _compile(exp, traced),
+          flops.traced_flops_per_device(traced, exp.mesh.size))
 
 
 def step_flops(config, num_classes: int | None = None, devices=None,
-               teacher_model: str | None = None, step: str = "train", top_p: int = 10) -> dict:
-  """The step's FLOPs per device without compiling it (a trace only: seconds)."""
+               teacher_model: str | None = None, step: str = "train", top_p: int = 10,
+               accelerator: str | None = None) -> dict:
+  """The step's FLOPs per device without compiling it (a trace only: seconds); with
+  `accelerator`, its roofline (`roofline`: collectives unknown on more than one device)."""
   exp, _, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
-  return {"flops_per_device": flops.traced_flops_per_device(traced, exp.mesh.size),
-          "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
+  acc = accelerators.get(accelerator) if accelerator else None
+  costs = flops.jaxpr_costs(traced.jaxpr, acc, elementwise=acc is not None)
+  out = {"flops_per_device": (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size,
+         "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
+  if acc is not None:
+    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    out.update(accelerator=accelerator,
+               roofline=roofline(costs, None, acc, exp.mesh.size))
+    out["mfu_at_roofline"] = out["flops_per_device"] / (out["roofline"]["step_seconds"] * peak)
+  return out
 
 
 def abstract_infer_batch(exp) -> dict:
@@ -203,17 +217,57 @@ def abstract_infer_batch(exp) -> dict:
 
 
 def cost_estimate(compiled) -> dict:
-  """The compiler's own step estimate where it gives one (libtpu does, for small steps; for
-  large ones it returned a negative optimal_seconds here; XLA:CPU and XLA:GPU give none):
-  'optimal_seconds', its roofline time for the compiled step, and 'bytes_accessed', the HBM
-  traffic it assumes. Absent keys mean no estimate."""
+  """The compiler's own step estimate where it gives one (libtpu does, for small steps and
+  ViT-B/16 on v5p; for ViT-B/16 on v5e it returns a negative optimal_seconds, kept as
+  'invalid_optimal_seconds'; XLA:CPU and XLA:GPU give none): 'optimal_seconds', its roofline
+  time for the compiled step, 'bytes_accessed', the HBM traffic it assumes, and
+  'compiler_flops', its FLOPs. Absent keys mean no estimate."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out = {}
-  if cost and cost.get("optimal_seconds", 0) > 0:
-    out["optimal_seconds"] = float(cost["optimal_seconds"])
+  if cost and "optimal_seconds" in cost:
+    seconds = float(cost["optimal_seconds"])
+    out["optimal_seconds" if seconds > 0 else "invalid_optimal_seconds"] = seconds
   if cost and cost.get("bytes accessed", 0) > 0:
     out["bytes_accessed"] = float(cost["bytes accessed"])
+  if cost and cost.get("flops", 0) > 0:  # Elementwise work included; XLA:GPU's lacks GEMMs.
+    out["compiler_flops"] = float(cost["flops"])
+  return out
+
+
+# Bytes each device sends per byte of a collective's result, over n devices (ring
+# algorithms): a gather sends all but its own shard, a reduce-scatter all but its own share
+# of the n-times larger input, an all-reduce both, a permute its whole buffer.
+_WIRE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
+         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+
+
+def roofline(costs: dict, collectives: dict, acc, num_devices: int) -> dict:
+  """The step's roofline time per device by op class, from bigpretrain/plan/flops.py's per-op
+  costs of the traced step (over all devices) and the compiled step's collectives: each op
+  takes the longer of its FLOPs at the chip's peak (its operands' dtype's: float32 at
+  peak_f32) and its bytes at the HBM bandwidth; elementwise ops their unfused bytes (XLA
+  fuses chains of them, so this class is an upper estimate); collectives the bytes each
+  device sends (_WIRE; the group taken as all devices) at one direction of the chip's
+  interconnect (None where the table has no figure; across GPU nodes the network is slower
+  still; unknown without a compiled step, `collectives` None). step_seconds adds the classes
+  up, nothing overlapped; mfu_at_roofline is the MFU a step that fast would have."""
+  n = num_devices
+  out = {c: {"flops": costs[c].flops / n, "bytes": costs[c].bytes / n,
+             "seconds": costs[c].seconds / n} for c in flops.CLASSES}
+  if n == 1:
+    wire = seconds = 0.0
+  elif collectives is None:  # Not compiled (step_flops): unknown, left out of the step.
+    wire = seconds = None
+  else:
+    wire = sum(_WIRE[kind](n) * c["bytes"] for kind, c in collectives.items())
+    link = acc.interconnect_bandwidth / 2
+    seconds = wire / link if link else None
+  out["collectives"] = {"bytes": wire, "seconds": seconds}
+  known = [v["seconds"] for v in out.values()]
+  out["step_seconds"] = (None if None in known and collectives is not None
+                         else sum(s for s in known if s is not None))
   return out
 
 
@@ -223,17 +277,21 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
   """The plan of `config`'s train step (or inference step) on `devices` (default:
   jax.devices()), as a JSON-ready dict (see the module docstring); all `_bytes` per device.
   `accelerator` (a key of accelerators.ACCELERATORS) defaults to the table's entry for the
-  devices' kind, if any."""
+  devices' kind, if any; with one, the plan has the step's roofline (see `roofline`), the
+  MFU at it and at the compiler's optimal_seconds."""
   if accelerator is not None:
     accelerators.get(accelerator)  # A clear error before a long compile.
   start = time.perf_counter()
-  exp, state, compiled, flops_per_device = compile_step(config, num_classes, devices,
-                                                        teacher_model, step, top_p)
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  compiled = _compile(exp, traced)
   compile_s = time.perf_counter() - start
   device = exp.mesh.devices.flat[0]
   if accelerator is None:
     known = accelerators.by_device_kind(device.device_kind)
     accelerator = known.name if known else None
+  acc = accelerators.get(accelerator) if accelerator else None
+  costs = flops.jaxpr_costs(traced.jaxpr, acc)
+  flops_per_device = (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size
   mem = compiled.memory_analysis()
   out = {
       "config": config.objective.name, "model": config.model.name, "step": step,
@@ -271,6 +329,18 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     hbm = accelerators.get(accelerator).hbm_bytes
     out.update(accelerator=accelerator, hbm_bytes=hbm, fits=out["total_bytes"] <= hbm,
                margin_bytes=hbm - out["total_bytes"])
+    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    out["roofline"] = roofline(costs, out["collectives"], acc, exp.mesh.size)
+    bound = out["roofline"]["step_seconds"]
+    if bound:
+      out["mfu_at_roofline"] = flops_per_device / (bound * peak)
+    if "optimal_seconds" in out:
+      out["mfu_at_optimal_seconds"] = flops_per_device / (out["optimal_seconds"] * peak)
+    if device.platform == "tpu" and "bytes_accessed" in out and "compiler_flops" in out:
+      # libtpu's own FLOPs and fused HBM traffic bound the step from below.
+      out["compiler_bound_seconds"] = max(out["compiler_flops"] / peak,
+                                          out["bytes_accessed"] / acc.hbm_bandwidth)
+      out["mfu_at_compiler_bound"] = flops_per_device / (out["compiler_bound_seconds"] * peak)
   return out
 
 
@@ -307,7 +377,24 @@ def describe(p: dict) -> str:
   lines.append(f"  {'flops_per_device':22s}{p['flops_per_device'] / 1e12:8.3f} TFLOP per step")
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
-                 "(the compiler's roofline estimate)")
+                 f"(the compiler's roofline estimate: MFU {p['mfu_at_optimal_seconds']:.1%})")
+  if "compiler_bound_seconds" in p:
+    lines.append(f"  {'compiler bound':22s}{p['compiler_bound_seconds'] * 1e3:8.3f} ms per step "
+                 f"(its FLOPs at peak or bytes accessed at the HBM bandwidth: MFU "
+                 f"{p['mfu_at_compiler_bound']:.1%})")
+  if "invalid_optimal_seconds" in p:
+    lines.append(f"  {'optimal_seconds':22s}{p['invalid_optimal_seconds']:8.3f} s: the "
+                 "compiler gave no valid estimate")
+  if "roofline" in p:
+    r = p["roofline"]
+    lines.append("  roofline per step (each op at peak FLOP/s or HBM bandwidth):")
+    for c in (*flops.CLASSES, "collectives"):
+      ms = "n/a" if r[c]["seconds"] is None else f"{r[c]['seconds'] * 1e3:8.3f} ms"
+      tflop = f", {r[c]['flops'] / 1e12:.3f} TFLOP" if r[c].get("flops") else ""
+      lines.append(f"    {c:20s}{ms:>11s}  ({r[c]['bytes'] / 1e9:.3f} GB{tflop})")
+    if r["step_seconds"] is not None:
+      lines.append(f"    {'step':20s}{r['step_seconds'] * 1e3:8.3f} ms  (MFU at this bound "
+                   f"{p['mfu_at_roofline']:.1%})")
   for kind, c in p["collectives"].items():
     if c["count"]:
       windowed = f" ({c['windowed']} as collective matmuls)" if c.get("windowed") else ""
@@ -319,3 +406,36 @@ def describe(p: dict) -> str:
   return "\n".join(lines)
 
 
+
+
+def max_batch(config, memory_bytes: int, remat: str = "none", num_classes: int | None = None,
+              devices=None, teacher_model: str | None = None, limit: int = 4096) -> dict:
+  """The largest per-device batch of `config`'s train step whose planned memory (the compiled
+  step's total_bytes) fits in `memory_bytes`, with the model's `remat` policy: doubling from
+  one image per device until a batch does not fit (or `limit`), then bisecting; assumes
+  memory grows with the batch. Every probe is a full compile (minutes for a large step on an
+  accelerator's compiler). Returns {'remat', 'max_batch_per_device' (0: not even one),
+  'total_bytes' (of that batch), 'probes': {batch per device: total_bytes}}."""
+  config = config.copy_and_resolve_references()
+  devices = jax.devices() if devices is None else devices
+  shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, len(devices))))
+  shards = shape["data"] * shape["fsdp"]  # The batch axes.
+  probes = {}
+
+  def fits(b: int) -> bool:
+    with config.unlocked():
+      config.model.remat = remat
+      config.batch_size = b * shards
+    probes[b] = plan(config, num_classes, devices=devices,
+                     teacher_model=teacher_model)["total_bytes"]
+    return probes[b] <= memory_bytes
+
+  lo, hi = 0, 1
+  while hi <= limit and fits(hi):
+    lo, hi = hi, hi * 2
+  hi = min(hi, limit + 1)
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return {"remat": remat, "max_batch_per_device": lo, "total_bytes": probes.get(lo),
+          "memory_bytes": memory_bytes, "probes": dict(sorted(probes.items()))}

@@ -1,56 +1,184 @@
-"""FLOPs of a traced step, counted on its jaxpr: 2 x the multiply-adds of its matrix products
-(dot_general) and convolutions, the work that MFU counts.
+"""FLOPs and memory traffic of a traced step, counted on its jaxpr: 2 x the multiply-adds of its
+matrix products (dot_general) and convolutions, the work that MFU counts, and per op class the
+bytes it moves and its roofline time on an accelerator.
 
 Why not XLA's cost analysis of the compiled step: XLA:GPU hands matrix products and
 convolutions to cuBLAS and cuDNN as custom calls, which its cost analysis does not count, so
 on GPUs it reports a small fraction of the step's FLOPs.
 The jaxpr is the same program on every backend, before partitioning: its shapes are global,
-and a step's FLOPs per device are its count over the devices of its mesh. Elementwise work
-(normalisation, activations, softmax) is not counted; rematerialised blocks are, as often as
-the differentiated program runs them.
+and a step's FLOPs per device are its count over the devices of its mesh. Rematerialised
+blocks count as often as the differentiated program runs them.
+
+The per-primitive rules are jax.experimental.roofline's where they agree with the hand
+formulas (tests/test_flops.py): a matrix product's FLOPs and every op's bytes (each operand
+read and each result written once, as if nothing were fused). A convolution's multiply-adds
+are counted here: the library leaves out the taps that fall on padding, the field's tables
+(torchvision, timm, the papers) count them, and MFU is compared against those; what neither
+counts is the zeros inside a dilated input. The input gradient of a strided convolution is a
+convolution over the output gradient with zeros between its elements (lhs_dilation = the
+stride): only the taps that land on its elements are work, the forward's multiply-adds, not
+stride^2 times as many. The kernel's gradient dilates its window (rhs_dilation), which skips
+positions and multiplies no zeros: output x window. The library's interpreter itself is not
+used: it runs a scan's body once, counts no branch of a cond and only the last shard_map.
+
+Op classes (CLASSES): 'matmul' (matrix products without batch dimensions and convolutions),
+'attention' (matrix products with batch dimensions: attention's scores and weighted values),
+'elementwise' (everything else: activations, normalisation, softmax, the optimizer update; each
+op's operands and results as the library counts them, or by hand where it has no rule, e.g.
+tanh; layout and dtype changes count no bytes).
 """
+import dataclasses
+import importlib
 import math
 
+from jax.experimental import roofline
 from jax.extend import core
+import numpy as np
+
+CLASSES = ("matmul", "attention", "elementwise")
+# The library's per-primitive rules (its package exports the function under the module's name).
+_RULES = importlib.import_module("jax.experimental.roofline.roofline")._rooflines
+_MATMUL = ("dot_general", "conv_general_dilated")
+_FREE = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+         "convert_element_type", "copy", "copy_p", "stop_gradient", "iota", "pvary", "pcast",
+         "sharding_constraint", "mesh_cast", "reshard", "random_wrap", "random_unwrap",
+         "random_bits", "random_seed", "threefry2x32", "optimization_barrier")
 
 
-def _dot_flops(eqn) -> float:
-  lhs, rhs = (v.aval for v in eqn.invars[:2])
-  (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
-  rhs_free = [d for d in range(rhs.ndim) if d not in (*rhs_contract, *rhs_batch)]
-  return 2.0 * math.prod(lhs.shape) * math.prod(rhs.shape[d] for d in rhs_free)
+@dataclasses.dataclass
+class Cost:
+  """One op class's FLOPs (matrix products and convolutions only), the bytes its ops read and
+  write, and its roofline seconds: per op the longer of its FLOPs at the chip's peak and its
+  bytes at the HBM bandwidth (elementwise: bytes only), summed."""
+  flops: float = 0.0
+  bytes: float = 0.0
+  seconds: float = 0.0
+
+  def __add__(self, other):
+    return Cost(self.flops + other.flops, self.bytes + other.bytes,
+                self.seconds + other.seconds)
+
+  def __mul__(self, k):
+    return Cost(self.flops * k, self.bytes * k, self.seconds * k)
 
 
-def _conv_flops(eqn) -> float:
-  # Every output element sums over the kernel's input features and window (as given: with
-  # feature groups the kernel's input dimension is already per group), padding included.
-  rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
-  rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out features, in features, window)
-  per_output = math.prod(rhs.shape[d] for d in rhs_spec[1:])
-  return 2.0 * math.prod(out.shape) * per_output
+def _spatial_taps(out_size, window, stride, padding, lhs_dilation, rhs_dilation, lhs_size):
+  """(output position, window tap) pairs of one spatial dimension that multiply an element:
+  all of them (padding included) unless the input is dilated; then only those on its
+  elements."""
+  if lhs_dilation == 1:
+    return out_size * window
+  pos = (np.arange(out_size)[:, None] * stride + np.arange(window)[None, :] * rhs_dilation
+         - padding[0])
+  on_element = (pos % lhs_dilation == 0) & (pos >= 0) & (pos <= (lhs_size - 1) * lhs_dilation)
+  return int(on_element.sum())
+
+
+def conv_flops(eqn) -> float:
+  """2 x the multiply-adds of a conv_general_dilated equation (see the module docstring)."""
+  lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  taps = 1
+  for i in range(len(dn.out_spec) - 2):
+    taps *= _spatial_taps(out.shape[dn.out_spec[2 + i]], rhs.shape[dn.rhs_spec[2 + i]],
+                          p["window_strides"][i], p["padding"][i], p["lhs_dilation"][i],
+                          p["rhs_dilation"][i], lhs.shape[dn.lhs_spec[2 + i]])
+  # Every output feature of every output image sums over the kernel's input features (with
+  # feature groups the kernel's input dimension is already per group).
+  return (2.0 * out.shape[dn.out_spec[0]] * out.shape[dn.out_spec[1]]
+          * rhs.shape[dn.rhs_spec[1]] * taps)
+
+
+def _library(eqn):
+  """jax.experimental.roofline's result for one primitive, or None where it has no rule or
+  the operands are not plain arrays (RNG keys, tokens)."""
+  rule = _RULES.get(eqn.primitive)
+  avals_in, avals_out = [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+  if rule is None or not all(isinstance(getattr(a, "dtype", None), np.dtype)
+                             for a in avals_in + avals_out):
+    return None
+  ctx = roofline.RooflineRuleContext(
+      name_stack=eqn.source_info.name_stack, primitive=eqn.primitive, avals_in=avals_in,
+      avals_out=avals_out, jaxpr_eqn_ctx=eqn.ctx, mesh=None, pin_lhs_in_vmem=False,
+      pin_rhs_in_vmem=False)
+  return rule(ctx, *map(roofline.RooflineShape.from_aval, avals_in), **eqn.params)
+
+
+def _bytes(eqn, result) -> float:
+  """Bytes an op reads and writes unfused: the library's, or where it has no rule or counts
+  none (tanh, pow, clamp, reduce_max, concatenate, ...) its operands and results; layout and
+  dtype changes none (XLA folds them into their neighbours)."""
+  if result is not None and result.unfused_hbm_bytes:
+    return float(result.unfused_hbm_bytes)
+  if eqn.primitive.name in _FREE:
+    return 0.0
+  avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+  return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals
+                   if isinstance(getattr(a, "dtype", None), np.dtype)))
+
+
+def _add_eqn(eqn, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
+  name = eqn.primitive.name
+  if name not in _MATMUL and not elementwise:
+    return
+  result = _library(eqn)
+  nbytes = _bytes(eqn, result)
+  bandwidth = accelerator.hbm_bandwidth if accelerator else 0.0
+  memory_s = nbytes / bandwidth if bandwidth else 0.0
+  if name in _MATMUL:
+    flops = conv_flops(eqn) if name == "conv_general_dilated" else float(result.flops)
+    batched = name == "dot_general" and eqn.params["dimension_numbers"][1][0]
+    cost = totals["attention" if batched else "matmul"]
+    seconds = memory_s
+    if accelerator:  # float32 operands run at the float32 peak (TF32 on GPUs).
+      f32 = any(v.aval.dtype == np.float32 for v in eqn.invars[:2])
+      seconds = max(flops / (accelerator.peak_f32 if f32 else accelerator.peak_bf16), memory_s)
+    cost.flops += scale * flops
+  else:
+    cost, seconds = totals["elementwise"], memory_s
+  cost.bytes += scale * nbytes
+  cost.seconds += scale * seconds
+
+
+def _walk(jaxpr, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
+  jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "cond":  # One branch runs: the dearest.
+      branches = [jaxpr_costs(b, accelerator, elementwise) for b in eqn.params["branches"]]
+      dearest = max(branches, key=lambda c: (sum(x.flops for x in c.values()),
+                                             sum(x.bytes for x in c.values())))
+      for c in CLASSES:
+        totals[c] += dearest[c] * scale
+    elif name == "scan":
+      _walk(eqn.params["jaxpr"], accelerator, scale * eqn.params["length"], totals,
+            elementwise)
+    elif name == "shard_map":  # The body sees one device's shapes; it runs on each device.
+      axes = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))  # By version.
+      copies = math.prod(eqn.params["mesh"].shape[a] for a in axes)
+      _walk(eqn.params["jaxpr"], accelerator, scale * copies, totals, elementwise)
+    elif subs := list(core.jaxprs_in_params(eqn.params)):
+      # pjit, remat, custom_jvp/vjp calls, while (once): their sub-programs.
+      for sub in subs:
+        _walk(sub, accelerator, scale, totals, elementwise)
+    else:
+      _add_eqn(eqn, accelerator, scale, totals, elementwise)
+
+
+def jaxpr_costs(jaxpr, accelerator=None, elementwise: bool = True) -> dict:
+  """{op class: Cost} of a (closed) jaxpr over all its devices; seconds need `accelerator`
+  (an accelerators.Accelerator: its peaks and HBM bandwidth), else 0. `elementwise=False`
+  leaves that class empty (faster: the FLOPs alone)."""
+  totals = {c: Cost() for c in CLASSES}
+  _walk(jaxpr, accelerator, 1.0, totals, elementwise)
+  return totals
 
 
 def jaxpr_flops(jaxpr) -> float:
   """FLOPs of a (closed) jaxpr as the module docstring counts them, over all its devices."""
-  jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
-  total = 0.0
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "dot_general":
-      total += _dot_flops(eqn)
-    elif name == "conv_general_dilated":
-      total += _conv_flops(eqn)
-    elif name == "cond":  # One branch runs: the dearest.
-      total += max(jaxpr_flops(b) for b in eqn.params["branches"])
-    elif name == "scan":
-      total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"])
-    elif name == "shard_map":  # The body sees one device's shapes; it runs on each device.
-      axes = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))  # By version.
-      copies = math.prod(eqn.params["mesh"].shape[a] for a in axes)
-      total += copies * jaxpr_flops(eqn.params["jaxpr"])
-    else:  # pjit, remat, custom_jvp/vjp calls, while (once): their sub-programs.
-      total += sum(jaxpr_flops(sub) for sub in core.jaxprs_in_params(eqn.params))
-  return total
+  costs = jaxpr_costs(jaxpr, elementwise=False)
+  return costs["matmul"].flops + costs["attention"].flops
 
 
 def traced_flops_per_device(traced, num_devices: int) -> float:

@@ -4,6 +4,7 @@ r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per 
       --topology=tpu:v5p:4x4x4 --mesh=data:1,fsdp:64,tensor:1 [--json]
   python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:4x8   # 4 nodes of 8 GPUs.
   python -m bigpretrain.tools.plan --config=... --devices=64 --accelerator=h100  # XLA:CPU.
+  python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:1x1 --max_batch  # remat on, off
   python -m bigpretrain.tools.plan --config=configs/semantic_kd.py:model=tresnet_m,teacher=unused,dataset=imagenet21k_p \
       --teacher_model=tresnet_l --topology=gpu:h100:1x8      # distillation before the teacher exists
   python -m bigpretrain.tools.plan --config=configs/single_label.py:model=resnext101_32x48d,dataset=tfds:imagenet2012 \
@@ -47,8 +48,15 @@ def define_flags() -> None:
                     "engine's pool step (eval-mode forward and top-P scores) at batch_size.")
   flags.DEFINE_integer("top_p", 10, "Classes kept per image by --step=infer.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
-  flags.DEFINE_bool("flops_only", False, "Only the step's FLOPs per device, traced, not "
-                    "compiled (one JSON line).")
+  flags.DEFINE_bool("flops_only", False, "Only the step's FLOPs per device (and with an "
+                    "accelerator its roofline), traced, not compiled (one JSON line).")
+  flags.DEFINE_bool("max_batch", False, "The largest per-device batch whose train step fits "
+                    "the accelerator's HBM (or --memory_gib), for each of --remat: bisection "
+                    "on the compiled memory, one compile per probe (one JSON line each).")
+  flags.DEFINE_list("remat", ["none", "nothing_saveable"], "model.remat policies --max_batch "
+                    "tries.")
+  flags.DEFINE_float("memory_gib", None, "--max_batch's memory per device, GiB (default: the "
+                     "accelerator's HBM).")
   flags.mark_flags_as_required(["config"])
 
 
@@ -76,6 +84,18 @@ def _devices(f):
   return jax.devices(), topology.accelerator.name if topology else None
 
 
+def _max_batch(f, config, devices, accelerator) -> None:
+  if f.memory_gib is None and accelerator is None:
+    raise ValueError("--max_batch needs --accelerator (its HBM) or --memory_gib.")
+  memory = int(f.memory_gib * 2**30) if f.memory_gib else accelerators.get(accelerator).hbm_bytes
+  for remat in f.remat:
+    p = aot_plan.max_batch(config, memory, remat, f.num_classes, devices, f.teacher_model)
+    print(json.dumps(p) if f.json else (
+        f"remat {remat}: {p['max_batch_per_device']} images per device fit "
+        f"{memory / 2**30:.2f} GiB (planned {(p['total_bytes'] or 0) / 2**30:.2f} GiB; "
+        f"probes {p['probes']})"), flush=True)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -88,9 +108,13 @@ def main(argv):
       config = config.copy_and_resolve_references()
       with config.unlocked():
         config.mesh.update(aot_plan.parse_mesh(f.mesh))
+    if f.max_batch:
+      _max_batch(f, config, devices, f.accelerator or accelerator)
+      return
     if f.flops_only:
       p = aot_plan.step_flops(config, f.num_classes, devices, teacher_model=f.teacher_model,
-                              step=f.step, top_p=f.top_p)
+                              step=f.step, top_p=f.top_p,
+                              accelerator=f.accelerator or accelerator)
       print(json.dumps(p), flush=True)
       return
     p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices,
