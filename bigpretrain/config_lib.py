@@ -112,15 +112,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.ema = ml_collections.ConfigDict(dict(momentum=0.0))
   # What a bad step is and what the run does about one (bigpretrain/divergence.py): a step
   # is bad when its loss or gradient norm is non-finite, or its loss is above loss_factor x
-  # the running median of the last `window` good losses (loss_factor 0 = only non-finite).
+  # the running median of the last `window` good losses and min_rise above it (loss_factor 0
+  # = only non-finite).
   # policy 'stop' ends the run at the first bad step, naming it and the last good checkpoint
   # (later ones, from the diverging state, are moved to checkpoints_diverged/); 'skip' applies
   # no update on a bad step (counted in 'train/skipped_steps' since the run started or
   # resumed) and stops only after max_consecutive_skips bad steps in a row. A factor of 10
-  # leaves the noise of small batches alone and catches a blow-up; a run whose loss nears 0
-  # (fine-tuning to a tiny training loss) may need a higher one.
+  # leaves the noise of small batches alone and catches a blow-up; min_rise (in loss units)
+  # keeps a loss near 0 (a fine-tune's 0.05 -> 0.6) from counting as a spike.
   c.divergence = ml_collections.ConfigDict(dict(
-      policy='stop', loss_factor=10.0, window=100, max_consecutive_skips=20))
+      policy='stop', loss_factor=10.0, min_rise=1.0, window=100, max_consecutive_skips=20))
   # 'START,COUNT': a JAX profiler trace of steps START..START+COUNT-1 into
   # workdir/profile/process_<i> (TensorBoard's profile tab); '' = off.
   c.profile_steps = ''
@@ -333,6 +334,8 @@ def _check_divergence(d: Mapping[str, Any]) -> None:
   if not _is_number(d.loss_factor) or not (d.loss_factor == 0 or d.loss_factor > 1):
     raise ValueError(f'config.divergence.loss_factor={d.loss_factor!r} must be a number > 1 '
                      '(0 = only non-finite losses are bad).')
+  if not _is_number(d.min_rise) or d.min_rise < 0:
+    raise ValueError(f'config.divergence.min_rise={d.min_rise!r} must be a number >= 0.')
   for key in ('window', 'max_consecutive_skips'):
     if not _is_int(d[key]) or d[key] < 1:
       raise ValueError(f'config.divergence.{key}={d[key]!r} must be an int >= 1.')

@@ -2,9 +2,9 @@
 
 A step is bad when its loss or gradient norm is non-finite, or its loss exceeds
 `config.divergence.loss_factor` times the running median of the last
-`config.divergence.window` good steps' losses (a spike rule as LLM Foundry's KillLossSpike
-callback applies to a window of recent losses). The rule runs on device inside the train step
-(`assess`), so the host never waits on a step to judge it: it reads the verdicts with the
+`config.divergence.window` good steps' losses and is `config.divergence.min_rise` above it
+(a spike rule as LLM Foundry's KillLossSpike callback applies to a window of recent losses).
+The rule runs on device inside the train step (`assess`), so the host never waits on a step to judge it: it reads the verdicts with the
 metrics it fetches anyway at log and checkpoint steps (`Monitor`).
 
 The loss of step t is the loss of the weights step t - 1 produced: a bad step t means the state
@@ -37,14 +37,17 @@ def init_health(window: int) -> dict:
           "skipped_steps": jnp.zeros((), jnp.int32)}
 
 
-def assess(health: dict, loss, grad_norm, loss_factor: float):
-  """(healthy, median, new health) for one step, on device. The median is of the good
-  losses in the window (NaN while it is empty, and then no spike is called); only a good
-  loss enters the window, so a spike never raises the bar for the next one."""
+def assess(health: dict, loss, grad_norm, loss_factor: float, min_rise: float = 0.0):
+  """(healthy, median, new health) for one step, on device. A spike is a loss above
+  `loss_factor` x the median of the good losses in the window that is also `min_rise` above
+  it (so that the noise of a small loss, e.g. a fine-tune's 0.05 -> 0.6, is no spike). The
+  median is NaN while the window is empty, and then no spike is called; only a good loss
+  enters the window, so a spike never raises the bar for the next one."""
   losses = health["losses"]
   median = jnp.nanmedian(losses)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  spike = (loss > loss_factor * median) if loss_factor > 0 else jnp.zeros((), bool)
+  spike = ((loss > loss_factor * median) & (loss > median + min_rise) if loss_factor > 0
+           else jnp.zeros((), bool))
   healthy = finite & ~spike
   pushed = jnp.roll(losses, 1).at[0].set(loss.astype(jnp.float32))
   losses = jnp.where(healthy, pushed, losses)

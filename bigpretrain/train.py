@@ -136,7 +136,8 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     skipped = state["skipped_records"] + jnp.sum(batch.get("_skipped", 0))
     metrics["data/skipped_records"] = skipped
     healthy, median, health = divergence.assess(state["health"], loss, metrics["train/grad_norm"],
-                                                divergence_cfg.loss_factor)
+                                                divergence_cfg.loss_factor,
+                                                divergence_cfg.min_rise)
     learned = {"params": params, "extra": extra, "opt_state": opt_state}
     if ema_momentum > 0:
       learned["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},

@@ -114,12 +114,19 @@ def test_a_bad_step_is_a_non_finite_one_or_a_spike_over_the_running_median():
   empty = divergence.init_health(4)
   assert bool(divergence.assess(empty, jnp.float32(1e9), jnp.float32(1.0), 10.0)[0])
   assert bool(divergence.assess(health, jnp.float32(1e9), jnp.float32(1.0), 0.0)[0])
+  # A small loss's noise: 12x its median but only 0.55 above it is no spike at min_rise 1.
+  small = {"losses": jnp.array([0.05, 0.04, 0.06, jnp.nan], jnp.float32),
+           "skipped_steps": jnp.zeros((), jnp.int32)}
+  assert bool(divergence.assess(small, jnp.float32(0.6), jnp.float32(1.0), 10.0, 1.0)[0])
+  assert not bool(divergence.assess(small, jnp.float32(0.6), jnp.float32(1.0), 10.0, 0.0)[0])
+  assert not bool(divergence.assess(small, jnp.float32(1.2), jnp.float32(1.0), 10.0, 1.0)[0])
 
 
 @pytest.mark.parametrize("key, value, message", [
     ("divergence.policy", "rewind", "divergence.policy='rewind' must be one of"),
     ("divergence.loss_factor", 0.5, "divergence.loss_factor=0.5 must be a number > 1"),
     ("divergence.window", 0, "divergence.window=0 must be an int >= 1"),
+    ("divergence.min_rise", -1, "divergence.min_rise=-1 must be a number >= 0"),
     ("resume_step", -2, "resume_step=-2 must be a checkpoint step >= 0"),
 ])
 def test_divergence_keys_are_validated(key, value, message):
