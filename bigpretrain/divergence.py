@@ -4,8 +4,9 @@ A step is bad when its loss or gradient norm is non-finite, or its loss exceeds
 `config.divergence.loss_factor` times the running median of the last
 `config.divergence.window` good steps' losses and is `config.divergence.min_rise` above it
 (a spike rule as LLM Foundry's KillLossSpike callback applies to a window of recent losses).
-The rule runs on device inside the train step (`assess`), so the host never waits on a step to judge it: it reads the verdicts with the
-metrics it fetches anyway at log and checkpoint steps (`Monitor`).
+The rule runs on device inside the train step (`assess`), so the host never waits on a step
+to judge it: it reads the verdicts with the metrics it fetches anyway at log and checkpoint
+steps (`Monitor`).
 
 The loss of step t is the loss of the weights step t - 1 produced: a bad step t means the state
 after step t - 1 has already diverged (an exploding update shows only in the next loss), and
