@@ -122,7 +122,7 @@ CORE = ("bigpretrain.train", "bigpretrain.config_lib", "bigpretrain.registry",
         "bigpretrain.checkpoint", "bigpretrain.sharding", "bigpretrain.optim",
         "bigpretrain.losses", "bigpretrain.inference", "bigpretrain.initial_state",
         "bigpretrain.mixup", "bigpretrain.preprocess", "bigpretrain.model_init",
-        "bigpretrain.moved", "bigpretrain.runtime")
+        "bigpretrain.divergence", "bigpretrain.moved", "bigpretrain.runtime")
 CONTRACTS = ("bigpretrain.models", "bigpretrain.models.base", "bigpretrain.objectives",
              "bigpretrain.objectives.base", "bigpretrain.evaluators",
              "bigpretrain.evaluators.base")
