@@ -90,6 +90,13 @@ def conv_flops(eqn) -> float:
           * rhs.shape[dn.rhs_spec[1]] * taps)
 
 
+# The collectives a shard_map body calls: the plan counts them from the compiled program
+# (hlo_collectives), whose collectives are the ones that run; jax's rules for them need a mesh.
+_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                          "all_gather_invariant", "all_to_all", "ppermute", "psum_scatter",
+                          "reduce_scatter", "pbroadcast", "axis_index"})
+
+
 def _library(eqn):
   """jax.experimental.roofline's result for one primitive, or None where it has no rule or
   the operands are not plain arrays (RNG keys, tokens)."""
@@ -120,7 +127,7 @@ def _bytes(eqn, result) -> float:
 
 def _add_eqn(eqn, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
   name = eqn.primitive.name
-  if name not in _MATMUL and not elementwise:
+  if (name not in _MATMUL and not elementwise) or name in _COLLECTIVES:
     return
   result = _library(eqn)
   nbytes = _bytes(eqn, result)
