@@ -126,7 +126,7 @@ def test_a_bad_step_is_a_non_finite_one_or_a_spike_over_the_running_median():
     ("divergence.policy", "rewind", "divergence.policy='rewind' must be one of"),
     ("divergence.loss_factor", 0.5, "divergence.loss_factor=0.5 must be a number > 1"),
     ("divergence.window", 0, "divergence.window=0 must be an int >= 1"),
-    ("divergence.min_rise", -1, "divergence.min_rise=-1 must be a number >= 0"),
+    ("divergence.min_rise", -1.0, "divergence.min_rise=-1.0 must be a number >= 0"),
     ("resume_step", -2, "resume_step=-2 must be a checkpoint step >= 0"),
 ])
 def test_divergence_keys_are_validated(key, value, message):
