@@ -2,6 +2,7 @@
 (a whole 2-process run, SIGTERMed and resumed, is tests/test_topology_resume.py's)."""
 import os
 import signal
+import sys
 
 import jax
 from jax.experimental import multihost_utils
@@ -21,6 +22,32 @@ def test_one_process_sigterm_sets_the_flag_and_the_handler_is_restored():
     os.kill(os.getpid(), signal.SIGTERM)
     assert p.agreed(log_step=False)  # At once, not only at a log step.
   assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_set_up_stop_that_python_dropped_is_raised_when_the_set_up_ends(capsys):
+  """A signal handler's exception raised inside a gc callback or `__del__` is dropped by
+  Python: the set-up must still stop, with the one line and no "Exception ignored" report."""
+  hook = sys.unraisablehook
+  with preemption.Preemption() as p:
+    p.setting_up(True)
+
+    class Finalized:
+      def __del__(self):
+        p._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+
+    Finalized()  # Dropped at once: its __del__ runs where an exception cannot propagate.
+    with pytest.raises(preemption.Interrupted, match="^SIGTERM received while the run was "
+                       "being set up: nothing new to save; exiting.$"):
+      p.setting_up(False)
+  assert capsys.readouterr().err == ""
+  assert sys.unraisablehook is hook
+  # Nor may a handler of Exception (the restore's fallback from an unreadable checkpoint) take
+  # the stop for its own error.
+  with pytest.raises(preemption.Interrupted):
+    try:
+      raise preemption.Interrupted("SIGTERM")
+    except Exception:  # pylint: disable=broad-except
+      pass
 
 
 def test_several_processes_ask_the_runtime_each_step_and_never_gather(monkeypatch):

@@ -20,7 +20,9 @@ where the loop waits for the device anyway.
 The handler is installed before the run takes its workdir lock, and covers the whole run. While
 the run is being set up (model, data, restore: `setting_up`), one process has nothing to
 save yet: the signal stops the set-up at once (raises Interrupted; the lock is released on the
-way out) and the command exits 0. Ctrl-C (SIGINT) is a SIGTERM the first time (several
+way out) and the command exits 0. Python drops an exception raised where it cannot propagate (a
+garbage-collection callback, a `__del__`); such an Interrupted is raised again when the set-up
+ends, and its "Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the first time (several
 processes: forwarded to the runtime's handler as one), and a second Ctrl-C stops the process at
 once, releasing the lock (`on_abort`) and abandoning the save in flight.
 """
@@ -54,8 +56,11 @@ def allgather_any(flag: bool) -> bool:
   return bool(np.max(multihost_utils.process_allgather(np.array(flag, np.int32))))
 
 
-class Interrupted(Exception):
-  """A SIGTERM or Ctrl-C while the run was being set up: nothing new to save; exit 0."""
+class Interrupted(BaseException):
+  """A SIGTERM or Ctrl-C while the run was being set up: nothing new to save; exit 0.
+
+  Not an Exception (as KeyboardInterrupt is not): a handler of Exception, such as the restore's
+  fallback from an unreadable checkpoint, must not take it for that checkpoint's fault."""
 
 
 def _say(text: str) -> None:
@@ -77,13 +82,23 @@ class Preemption:
     self._runtime = False
     self._interruptible = False
     self._interrupts = 0
+    self._set_up_stop = None  # The message of an Interrupted raised during the set-up.
+    self._unraisablehook = None
 
   def __enter__(self):
     self._runtime = sync_manager_running()
     signals = (signal.SIGINT,) if self._runtime else (signal.SIGTERM, signal.SIGINT)
     for s in signals:
       self._previous[s] = signal.signal(s, self._handle)
+    self._unraisablehook = sys.unraisablehook
+    sys.unraisablehook = self._unraisable
     return self
+
+  def _unraisable(self, unraisable):
+    """Python's report of an exception it dropped: not for an Interrupted, raised again by
+    setting_up(False)."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+      self._unraisablehook(unraisable)
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     if signum == signal.SIGINT:
@@ -101,15 +116,19 @@ class Preemption:
     self.requested = True
     if self._interruptible and jax.process_count() == 1:
       self._interruptible = False
-      raise Interrupted(f"{name} received while the run was being set up: nothing new to "
-                        "save; exiting.")
+      self._set_up_stop = (f"{name} received while the run was being set up: nothing new to "
+                           "save; exiting.")
+      raise Interrupted(self._set_up_stop)
     _say(f"{name} received: saving a checkpoint and exiting"
          f"{' (Ctrl-C again stops at once)' if signum == signal.SIGINT else ''}.")
 
   def setting_up(self, on: bool) -> None:
     """While on (the run's set-up, one process), a signal raises Interrupted at once; one
-    that came before raises it now."""
+    that came before raises it now, and so does turning it off after one whose Interrupted
+    Python dropped."""
     self._interruptible = on
+    if not on and self._set_up_stop is not None:
+      raise Interrupted(self._set_up_stop)
     if on and self.requested and jax.process_count() == 1:
       self._interruptible = False
       raise Interrupted("SIGTERM or Ctrl-C received while the run was being set up: nothing "
@@ -120,6 +139,9 @@ class Preemption:
     for s, previous in self._previous.items():
       signal.signal(s, previous)
     self._previous = {}
+    if self._unraisablehook is not None:
+      sys.unraisablehook = self._unraisablehook
+      self._unraisablehook = None
 
   def agreed(self, log_step: bool) -> bool:
     """Whether to save and stop after the step just dispatched; call once per step on every
