@@ -121,6 +121,36 @@ def test_from_wnids_duplicate_and_empty_raise():
     SemanticTree.from_wnids([])
 
 
+def test_a_built_tree_is_kept_and_read_back_without_wordnet(tmp_path, monkeypatch):
+  """The parents of a class list are kept in the cache: another process over the same classes
+  reads them without loading WordNet; a damaged file is rebuilt."""
+  from bigpretrain.semantic import tree as tree_lib  # pylint: disable=import-outside-toplevel
+  from bigpretrain.semantic import wordnet  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("BIGPRETRAIN_CACHE", str(tmp_path))
+  names = ["dog", "canine", "animal", "swan"]
+  wnids = [W[n] for n in names]
+  tree_lib._parents_from_wnids.cache_clear()  # What a new process starts with.
+  built = SemanticTree.from_wnids(wnids)
+  assert _parent_names(built, names) == {"dog": "canine", "canine": "animal", "animal": None,
+                                         "swan": "animal"}
+  [kept] = (tmp_path / "semantic_trees").iterdir()
+
+  def no_wordnet(*args):
+    raise AssertionError("WordNet read for a kept tree")
+
+  tree_lib._parents_from_wnids.cache_clear()
+  monkeypatch.setattr(wordnet, "synset_from_wnid", no_wordnet)
+  assert SemanticTree.from_wnids(wnids) == built
+  with pytest.raises(AssertionError):  # Another class order is another tree.
+    SemanticTree.from_wnids(wnids[::-1])
+  monkeypatch.undo()
+  monkeypatch.setenv("BIGPRETRAIN_CACHE", str(tmp_path))
+  kept.write_text("[1, 2")  # Torn.
+  tree_lib._parents_from_wnids.cache_clear()
+  assert SemanticTree.from_wnids(wnids) == built
+  assert kept.read_text() == "[1, 2, -1, 2]"  # dog, canine, animal, swan.
+
+
 # Tiny explicit tree used below (class: parent):
 #   0 (root) -> 1, 2;  1 -> 3, 4;  3 -> 5;  2 -> 7;  6 is a root with no children.
 _PARENT = [-1, 0, 0, 1, 1, 3, -1, 2]

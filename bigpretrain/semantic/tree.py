@@ -11,13 +11,20 @@ hypernym order), because every host builds the same tree on its own. A tree is i
 hashable, so it can be a static argument or a closure constant of a jitted function.
 """
 import functools
+import hashlib
 import json
+import os
+import pathlib
+import tempfile
 from typing import Sequence
+
+from absl import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bigpretrain.runtime import cache
 from bigpretrain.semantic import wordnet
 
 
@@ -61,12 +68,40 @@ def _nearest_in_set_ancestor(synset, index: dict) -> int:
   return -1
 
 
+def _stored_tree(wnids: tuple[str, ...]) -> pathlib.Path:
+  """Where the parents of this class list are kept: keyed by the list and by this module's and
+  wordnet.py's code, so that a change to either rebuilds the tree."""
+  key = hashlib.sha256("\n".join(wnids).encode())
+  for module in (__file__, wordnet.__file__):
+    key.update(pathlib.Path(module).read_bytes())
+  return cache.root() / "semantic_trees" / f"{key.hexdigest()[:32]}.json"
+
+
 @functools.lru_cache(maxsize=8)
 def _parents_from_wnids(wnids: tuple[str, ...]) -> tuple[int, ...]:
-  """Parent class id of every wnid (cached: the 11k-class tree takes seconds)."""
-  synsets = [wordnet.synset_from_wnid(w) for w in wnids]
+  """Parent class id of every wnid (an error naming a wnid that is not in WordNet 3.0).
+
+  Kept in the bigpretrain cache once built: loading WordNet alone takes seconds, and every
+  process of every run over the same classes builds the same tree."""
+  path = _stored_tree(wnids)
+  if path.exists():
+    try:
+      parents = json.loads(path.read_text())
+      if len(parents) == len(wnids) and all(isinstance(p, int) for p in parents):
+        return tuple(parents)
+    except (OSError, ValueError) as e:
+      logging.warning("Rebuilding the semantic tree kept in %s: %s", path, e)
+  synsets = [wordnet.synset_from_wnid(w) for w in wnids]  # ValueError naming a bad wnid.
   index = {s: i for i, s in enumerate(synsets)}
-  return tuple(_nearest_in_set_ancestor(s, index) for s in synsets)
+  parents = tuple(_nearest_in_set_ancestor(s, index) for s in synsets)
+  try:  # Atomic: processes that build the same tree at once never read a torn file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
+      json.dump(parents, tmp)
+    os.replace(tmp.name, path)
+  except OSError as e:  # A read-only cache: the tree is built again next time.
+    logging.warning("Could not keep the semantic tree in %s: %s", path, e)
+  return parents
 
 
 def _depths(parent: np.ndarray, wnids: list[str] | None) -> np.ndarray:
@@ -159,7 +194,8 @@ class SemanticTree:
     if not wnids:
       raise ValueError("SemanticTree needs at least one class; got an empty wnid list.")
     for w in wnids:
-      wordnet.synset_from_wnid(w)  # Raises ValueError naming a malformed or unknown wnid.
+      if not wordnet.is_wnid(w):
+        wordnet.synset_from_wnid(w)  # Raises the ValueError naming the malformed wnid.
     _validate_wnids(wnids)
     return cls(np.array(_parents_from_wnids(tuple(wnids)), dtype=np.int32), wnids)
 

@@ -27,7 +27,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from nltk.corpus.reader.wordnet import WordNetError
 import scipy.optimize
 
 from bigpretrain import checkpoint
@@ -76,6 +75,8 @@ def class_map(class_wnids: Sequence[str],
     class_wnids: C distinct noun wnids ('n02012849'), the target dataset's classes.
     vocabulary_labels: H distinct canonical hashtags ('crane.n.04+crane.n.05+grus.n.01').
   """
+  # nltk takes about a second to import: not in every trainer process that imports this module.
+  from nltk.corpus.reader.wordnet import WordNetError  # pylint: disable=import-outside-toplevel
   wn = wordnet.load()
   if len(set(class_wnids)) != len(class_wnids) or not class_wnids:
     raise ValueError("class_wnids must be a non-empty list of distinct wnids")
