@@ -549,6 +549,7 @@ def test_unknown_config_key_prints_only_the_suggestion(tmp_path):
   assert r.returncode == 2
   assert r.stderr.strip() == ('ERROR: unknown config key --config.batchsize. '
                               'Did you mean "batch_size" instead of "batchsize"?')
+  assert os.listdir(tmp_path) == []  # Refused before training: nothing written.
 
 
 @pytest.mark.parametrize("key, value, message", [

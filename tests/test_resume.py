@@ -105,49 +105,39 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
 
 
 def test_fresh_start_after_a_failed_restore_is_a_fresh_run(reference, tmp_path):
-  _, ref = reference
-  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=3, ckpt_every_steps=3))
-  assert r.returncode == 0, r.stderr[-3000:]
-  (only,) = [p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
-  for root, _, files in os.walk(tmp_path / "checkpoints" / only / "params"):
-    if os.path.basename(root) == "d":
+  ref_dir, ref = reference
+  shutil.copytree(ref_dir / "checkpoints", tmp_path / "checkpoints")
+  steps = [p for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+  for root, _, files in os.walk(tmp_path / "checkpoints"):
+    if os.path.basename(root) == "d" and f"{os.sep}params{os.sep}" in root:
       for f in files:
         path = os.path.join(root, f)
         with open(path, "r+b") as fh:
           fh.truncate(os.path.getsize(path) // 2)
-  # Its one checkpoint unreadable, the run starts over: the data stream from its beginning
-  # too (not where the failed restore left the iterator).
-  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3,
-                                         allow_schedule_change=True))
+  # Every checkpoint unreadable, the run starts over: the data stream from its beginning
+  # too (not where the failed restores left the iterator).
+  r = helpers.run_main(helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3))
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "is unreadable" in r.stdout and "Resuming" not in r.stdout
+  assert r.stdout.count("is unreadable") == len(steps) > 1 and "Resuming" not in r.stdout
   got = _losses(tmp_path)
+  assert sorted(got) == list(range(1, 11))
   for step in range(1, 11):
     assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
 
 
-def test_unknown_config_key_is_rejected_before_training(tmp_path):
-  r = helpers.run_main(helpers.main_args(tmp_path) + ["--config.batchsize=3"])
-  assert r.returncode != 0
-  assert "batchsize" in r.stderr
-  assert not (tmp_path / "metrics.jsonl").exists()
-
-
 @pytest.mark.multiprocess
-def test_two_processes_match_one_process(tmp_path):
-  one = tmp_path / "one"
-  r = helpers.run_main(helpers.main_args(one, total_steps=4), num_devices=4)
-  assert r.returncode == 0, r.stderr[-3000:]
-  two = tmp_path / "two"
+def test_two_processes_match_one_process(reference, tmp_path):
+  """The reference's command on 2 processes x 2 devices: the same losses as on one device."""
+  _, ref = reference
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=2", "--"]
-  cmd += helpers.main_args(two, total_steps=4)
+  cmd += helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3)
   env = helpers.env()
   env.pop("XLA_FLAGS")
   env["PYTHON"] = sys.executable
-  r2 = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
-                      timeout=600)
-  assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-  a, b = _losses(one), _losses(two)
-  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-  for step in a:
-    assert b[step] == pytest.approx(a[step], rel=2e-5, abs=2e-5), step
+  r = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  got = _losses(tmp_path)
+  assert sorted(got) == sorted(ref) == list(range(1, 11))
+  for step in got:
+    assert got[step] == pytest.approx(ref[step], rel=2e-5, abs=2e-5), step
