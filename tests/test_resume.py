@@ -1,5 +1,5 @@
 """Runs of `python -m bigpretrain.main` as a user starts them: resume, preemption, corruption,
-bad flags, and two processes against one."""
+and two processes against one."""
 import json
 import os
 import signal
@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from bigpretrain.runtime import goodput
 from bigpretrain.runtime import metric_writers
 from tests import helpers
 
@@ -126,14 +127,17 @@ def test_fresh_start_after_a_failed_restore_is_a_fresh_run(reference, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_two_processes_match_one_process(reference, tmp_path):
-  """The reference's command on 2 processes x 2 devices: the same losses as on one device."""
+def test_two_processes_match_one_process_and_a_slow_one_is_flagged(reference, tmp_path):
+  """The reference's command on 2 processes x 2 devices, process 1's input slowed: the same
+  losses as on one device, and process 1 named the straggler (perf/slowest_*)."""
   _, ref = reference
+  delay = 0.5
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=2", "--"]
   cmd += helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3)
   env = helpers.env()
   env.pop("XLA_FLAGS")
   env["PYTHON"] = sys.executable
+  env[goodput.SLOW_INPUT_ENV] = f"{delay}@1"
   r = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -141,3 +145,9 @@ def test_two_processes_match_one_process(reference, tmp_path):
   assert sorted(got) == sorted(ref) == list(range(1, 11))
   for step in got:
     assert got[step] == pytest.approx(ref[step], rel=2e-5, abs=2e-5), step
+  assert "Straggler: process 1 " in r.stdout
+  rows = [row for row in metric_writers.read_metrics(str(tmp_path)) if "train/loss" in row]
+  for row in rows[1:]:  # Past the first step (compilation: either process may be slowest).
+    assert row["perf/slowest_process"] == 1, row
+    # Process 1 spent at least `delay` per step in next(), none of it waiting for process 0.
+    assert row["perf/slowest_step_time_ms"] >= 1e3 * delay
