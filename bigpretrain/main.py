@@ -10,6 +10,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from bigpretrain.tools import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe config file (and :args).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics.jsonl, "
@@ -45,8 +47,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_usage(argv)
   # JAX probes every platform it knows and logs each one missing ("Unable to initialize
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)

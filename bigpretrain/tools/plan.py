@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
+from bigpretrain.tools import cli
 
 
 def define_flags() -> None:
@@ -97,12 +98,11 @@ def _max_batch(f, config, devices, accelerator) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_usage(argv)
   f = flags.FLAGS
   logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
   config = f.config
-  try:
+  with cli.user_errors(RuntimeError):
     devices, accelerator = _devices(f)
     if f.mesh:
       config = config.copy_and_resolve_references()
@@ -119,9 +119,6 @@ def main(argv):
       return
     p = aot_plan.plan(config, f.num_classes, f.accelerator or accelerator, devices,
                       teacher_model=f.teacher_model, step=f.step, top_p=f.top_p)
-  except (ValueError, FileNotFoundError, RuntimeError) as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
   print(json.dumps(p) if f.json else aot_plan.describe(p), flush=True)
 
 
