@@ -33,7 +33,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   xla_flags              ViT-B/16 under each gpu_flags.FLAG_SETS entry, each in a fresh
-                         process (XLA reads XLA_FLAGS once)
+                         process (XLA reads XLA_FLAGS once) but the one this process runs
+                         with (`this_process`: its vit_b16_train line)
   profile                per trained figure, the top 10 device ops of a jax.profiler trace of
                          a few steps, read back from the trace (benchmarks/profile_ops.py)
 --quick runs vit_b16_train and ViT-B/16's levers only. The table ends with the best measured
@@ -460,7 +461,12 @@ class Suite:
       raise RuntimeError("xla_flags runs its children before this process's backend starts: "
                          "main() runs them.")
     rows, failed = {}, {}
+    if _THIS_PROCESS in self.flag_lines.values() and self.vit is None:
+      self.vit_b16()
+    this_process = [name for name, line in self.flag_lines.items() if line is _THIS_PROCESS]
     for name, line in self.flag_lines.items():
+      if line is _THIS_PROCESS:
+        line = next(l for l in self.lines if l["figure"] == "vit_b16_train")
       if "error" in line:
         failed[name] = line["error"]
         continue
@@ -474,6 +480,7 @@ class Suite:
              if first in rows else None)
     self.emit("xla_flags", value, f"speed-up of {best} over {first}",
               model=self.vit_config().model.name, arms=rows, best=best, failed=failed,
+              this_process=this_process,
               flags={n: gpu_flags.flags_string(gpu_flags.FLAG_SETS[n]) for n in self.flag_lines})
 
   def esd_memory(self):
@@ -594,16 +601,30 @@ def profile_tables(profiles: dict) -> str:
   return "\n".join(out)
 
 
+_THIS_PROCESS = {"this_process": True}  # run_flag_sets: the arm this process itself runs.
+
+
+def _flag_tokens(xla_flags: str) -> set:
+  return set(xla_flags.split())
+
+
 def run_flag_sets(names, steps: int | None) -> dict:
   """The vit_b16_train line of a child process per gpu_flags.FLAG_SETS entry in `names`
   (XLA reads XLA_FLAGS once per process), or {'error': ...} for a child that failed. Runs
-  before this process's backend starts: a GPU's memory is the child's while it runs."""
+  before this process's backend starts: a GPU's memory is the child's while it runs. The
+  entry whose XLA_FLAGS are the ones this process will run with (after gpu_flags.apply) is
+  not run again: _THIS_PROCESS, filled from this process's own vit_b16_train figure."""
   ours = set(name for name, _ in gpu_flags.XLA_FLAGS)
   base = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in ours]
+  own = dict(os.environ)
+  gpu_flags.apply(own)
   out = {}
   for name in names:
-    env = {**os.environ, gpu_flags.OFF_VARIABLE: "off",
-           "XLA_FLAGS": " ".join(base + [gpu_flags.flags_string(gpu_flags.FLAG_SETS[name])])}
+    xla_flags = " ".join(base + gpu_flags.flags_string(gpu_flags.FLAG_SETS[name]).split())
+    if _flag_tokens(xla_flags) == _flag_tokens(own.get("XLA_FLAGS", "")):
+      out[name] = _THIS_PROCESS
+      continue
+    env = {**os.environ, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
     args = [sys.executable, os.path.abspath(__file__), "--figures=vit_b16_train"]
     args += [f"--steps={steps}"] if steps else []
     args += [] if _DRY_RUN.value is None else [f"--dry_run={_DRY_RUN.value}"]

@@ -82,8 +82,11 @@ def _check_levers(by):
     assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]
     assert batch["arms"]["4+dots_saveable"]["remat"] == "dots_saveable"
     assert batch["did_not_fit"] == {} and batch["best"] in batch["arms"]
-  flags = by["xla_flags"]  # Two sets in child processes on a CPU.
+  flags = by["xla_flags"]  # Two sets on a CPU: XLA's defaults are this process's own flags.
   assert list(flags["arms"]) == ["xla_defaults", "bigpretrain"] and flags["failed"] == {}
+  assert flags["this_process"] == ["xla_defaults"]  # Its arm is vit_b16_train's line.
+  assert flags["arms"]["xla_defaults"]["images_per_sec"] == by["vit_b16_train"]["value"]
+  assert flags["arms"]["bigpretrain"]["images_per_sec"] > 0  # A child process's.
   assert flags["flags"]["xla_defaults"] == ""
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags["flags"]["bigpretrain"]
   prof = by["profile"]
@@ -94,6 +97,28 @@ def _check_levers(by):
   assert set(prof["traced_ms_per_step"]) == {
       "vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50:vit_demo",
       "tresnet_m_vs_resnet50:regnety_demo"}
+
+
+def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypatch):
+  """On a GPU this process runs with bigpretrain's flags: that set is its own figure; every
+  other set is a child process with XLA_FLAGS = the user's flags + the set's."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+  monkeypatch.delenv(accelerator.gpu_flags.OFF_VARIABLE, raising=False)
+  children = []
+
+  def child(args, env, **kwargs):
+    children.append(env["XLA_FLAGS"])
+    line = json.dumps({"figure": "vit_b16_train", "value": 1.0})
+    return subprocess.CompletedProcess(args, 0, stdout=line + "\n", stderr="")
+
+  monkeypatch.setattr(accelerator.subprocess, "run", child)
+  got = accelerator.run_flag_sets(list(accelerator.FLAG_SETS), steps=None)
+  assert list(got) == list(accelerator.FLAG_SETS)
+  assert got["bigpretrain"] is accelerator._THIS_PROCESS  # pylint: disable=protected-access
+  sets = accelerator.gpu_flags.FLAG_SETS
+  assert children == [" ".join(["--xla_dump_to=/tmp/dump", accelerator.gpu_flags.flags_string(
+      sets[name])]).strip() for name in accelerator.FLAG_SETS if name != "bigpretrain"]
 
 
 def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
