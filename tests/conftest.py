@@ -5,10 +5,13 @@ import pathlib
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain"))
 
+from tests import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {helpers.TEST_XLA_FLAGS}".strip()
+
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
-import pytest  # pylint: disable=g-import-not-at-top
 
 # CPU whatever accelerator plugins are installed (libtpu, the CUDA plugin: their compile-only
 # devices come from bigpretrain.plan.accelerators, not from the default backend).
@@ -19,7 +22,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 flags.FLAGS.mark_as_parsed()  # grain worker processes read absl flags.
 
 from bigpretrain import train  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 

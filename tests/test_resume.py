@@ -135,7 +135,7 @@ def test_two_processes_match_one_process_and_a_slow_one_is_flagged(reference, tm
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=2", "--"]
   cmd += helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3)
   env = helpers.env()
-  env.pop("XLA_FLAGS")
+  env["XLA_FLAGS"] = helpers.TEST_XLA_FLAGS  # local.sh adds the device count.
   env["PYTHON"] = sys.executable
   env[goodput.SLOW_INPUT_ENV] = f"{delay}@1"
   r = subprocess.run(cmd, env=env, cwd=helpers.ROOT, capture_output=True, text=True,

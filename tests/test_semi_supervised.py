@@ -274,7 +274,7 @@ def test_inference_on_two_processes_matches_one(tmp_path):
                        [f"--out={tmp_path / 'one'}"], env=env, cwd=helpers.ROOT,
                        capture_output=True, text=True, timeout=600)
   assert one.returncode == 0, one.stderr[-3000:]
-  env.pop("XLA_FLAGS")
+  env["XLA_FLAGS"] = helpers.TEST_XLA_FLAGS  # local.sh adds the device count.
   env["PYTHON"] = sys.executable
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), "2", "--devices_per_process=1",
          "--module=bigpretrain.tools.infer", "--"] + args + [f"--out={tmp_path / 'two'}"]

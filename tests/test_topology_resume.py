@@ -163,7 +163,7 @@ def _launch(workdir, processes, devices, **overrides):
   cmd = [str(helpers.ROOT / "launch" / "local.sh"), str(processes),
          f"--devices_per_process={devices}", "--module=tests.topology_run", "--"]
   env = helpers.env()
-  env.pop("XLA_FLAGS")
+  env["XLA_FLAGS"] = helpers.TEST_XLA_FLAGS  # local.sh adds the device count.
   env["PYTHON"] = sys.executable
   env["TOPOLOGY_RUN_PACE"] = "0.3"
   return subprocess.Popen(cmd + _args(workdir, **overrides), env=env, cwd=helpers.ROOT,
