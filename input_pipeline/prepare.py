@@ -28,16 +28,23 @@ define are handed to Beam as pipeline options, e.g. `--direct_num_workers=8
 --direct_running_mode=multi_processing` (all local cores), or `--project=P --region=R
 --temp_location=gs://... --setup_file=./setup.py` (Dataflow); docs/data.md lists each runner's.
 A finished dataset in OUT is reused, not regenerated. Prints a summary at the end.
+
+Subcommands, as `tfds build` has them: argparse through absl's argparse_flags, run by absl's
+app, so absl's own flags (--verbosity, --log_dir, --flagfile) work as in every other command.
 """
 import argparse
+import functools
 import json
-import sys
 from typing import Sequence
 
+from absl import app
+from absl import flags
 from absl import logging
+from absl.flags import argparse_flags
 from apache_beam.options import pipeline_options
 from apache_beam.runners import runner as runner_lib
 
+from bigpretrain.tools import cli
 from input_pipeline.jobs import beam_images
 from input_pipeline.jobs import hashtag_job
 from input_pipeline.sources import hashtag_source
@@ -56,12 +63,15 @@ def _size(text: str) -> int | None:
   return None if text.lower() in ("", "none", "keep") else int(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+def build_parser(absl_flags: flags.FlagValues | None = None) -> argparse.ArgumentParser:
+  """The command's parser; it also takes `absl_flags` (the command's: absl.flags.FLAGS)."""
+  parser_class = functools.partial(argparse_flags.ArgumentParser,
+                                   inherited_absl_flags=absl_flags)
+  parser = parser_class(
       prog="python -m input_pipeline.prepare",
       description="Prepare a dataset with Apache Beam into tfds ArrayRecord files. Unknown "
       "--flags are passed to Beam as pipeline options.")
-  sub = parser.add_subparsers(dest="dataset", required=True)
+  sub = parser.add_subparsers(dest="dataset", required=True, parser_class=parser_class)
 
   def common(p, min_images, val_per_class, image_size):
     p.add_argument("--manual_dir", required=True, help="Raw data folder.")
@@ -135,7 +145,7 @@ def run_hashtags(args, beam_options) -> str:
   """The hashtags subcommand: runs it and returns its summary."""
   name = image_folder.check_name(args.name)
   if name == hashtag_source.DEMO_NAME:
-    raise SystemExit("--name=demo is reserved for hashtags:demo (made from the demo dataset);"
+    raise ValueError("--name=demo is reserved for hashtags:demo (made from the demo dataset);"
                      " choose another name.")
   builder = hashtag_job.prepare(
       args.manual_dir, args.data_dir, name, min_count=args.min_count,
@@ -190,28 +200,33 @@ def summary(builder) -> str:
 
 
 def check_beam_flags(beam_runner: str | None, beam_options: Sequence[str]) -> None:
-  """SystemExit naming an unknown runner, or the flags that no Beam pipeline option defines
+  """ValueError naming an unknown runner, or the flags that no Beam pipeline option defines
   (Beam would drop them with a warning and run with its defaults, e.g. on a local cluster)."""
   if beam_runner:
     try:
       runner_lib.create_runner(beam_runner)  # Imports the runner's module: its options too.
     except (ValueError, ImportError) as e:
-      raise SystemExit(f"--beam_runner={beam_runner}: {e}") from e
+      raise ValueError(f"--beam_runner={beam_runner}: {e}") from e
   options = pipeline_options.PipelineOptions(list(beam_options))
   unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
                    - set(options.get_all_options()))
   if unknown:
-    raise SystemExit(f"Neither this command nor Beam (runner {beam_runner or 'DirectRunner'}) "
+    raise ValueError(f"Neither this command nor Beam (runner {beam_runner or 'DirectRunner'}) "
                      f"defines {['--' + u for u in unknown]}; docs/data.md lists each "
                      "runner's options.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses argv (without the program name), runs the job, prints the summary."""
-  args, beam_options = build_parser().parse_known_args(argv)
+  return run(build_parser().parse_known_args(argv))
+
+
+def run(parsed: tuple[argparse.Namespace, list[str]]) -> int:
+  """Runs the job of parsed arguments (the namespace, the flags handed to Beam)."""
+  args, beam_options = parsed
   bad = [a for a in beam_options if not a.startswith("--")]
   if bad:
-    raise SystemExit(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
+    raise ValueError(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
   check_beam_flags(args.beam_runner, beam_options)
   if beam_options:
     logging.info("Passing to Beam: %s", beam_options)
@@ -226,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 image_size=args.image_size, jpeg_quality=args.jpeg_quality)
   if args.dataset == "imagenet21k_p":
     if args.image_size is None:
-      raise SystemExit("imagenet21k_p always squishes images; give --image_size as an int.")
+      raise ValueError("imagenet21k_p always squishes images; give --image_size as an int.")
     builder = imagenet21k_p.prepare(args.manual_dir, args.data_dir, **kwargs)
   else:
     builder = image_folder.prepare(args.manual_dir, args.data_dir, args.name, **kwargs)
@@ -234,6 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
+def _parse_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  return build_parser(flags.FLAGS).parse_known_args(argv[1:])
+
+
+def _command(parsed) -> int:
+  with cli.user_errors():  # A missing folder or a bad value: one line.
+    return run(parsed)
+
+
 if __name__ == "__main__":
-  logging.set_verbosity(logging.INFO)
-  sys.exit(main(sys.argv[1:]))
+  flags.FLAGS.verbosity = logging.INFO  # The jobs' progress; --verbosity overrides it.
+  app.run(_command, flags_parser=_parse_flags)

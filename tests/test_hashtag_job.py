@@ -221,7 +221,7 @@ def test_empty_vocabulary_is_an_error_naming_min_count(crawl, tmp_path):
 
 
 def test_reserved_and_missing_names(tmp_path):
-  with pytest.raises(SystemExit, match="reserved"):
+  with pytest.raises(ValueError, match="reserved"):
     prepare.main(["hashtags", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=demo"])
   with pytest.raises(FileNotFoundError, match="prepare hashtags"):
     datasets.get_dataset({"name": "hashtags:nothere", "dir": str(tmp_path)})

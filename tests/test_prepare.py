@@ -404,17 +404,26 @@ def test_stale_incomplete_folder_is_reported_and_ignored(prepared, caplog):
 
 
 def test_cli_rejects_stray_arguments(tmp_path):
-  with pytest.raises(SystemExit):
+  with pytest.raises(ValueError, match=r"Unexpected arguments \['stray'\]"):
     prepare.main(["imagenet21k_p", "--manual_dir=x", f"--data_dir={tmp_path}", "stray"])
   with pytest.raises(SystemExit):
     prepare.main(["imagenet21k_p", f"--data_dir={tmp_path}"])  # --manual_dir is required.
   # A misspelt Beam option or runner is an error before anything runs, not a warning.
-  with pytest.raises(SystemExit, match=r"defines \['--dask_npartition'\]; docs/data.md"):
+  with pytest.raises(ValueError, match=r"defines \['--dask_npartition'\]; docs/data.md"):
     prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=n",
                   "--beam_runner=input_pipeline.jobs.dask_runner.DaskRunner", "--dask_npartition=2"])
-  with pytest.raises(SystemExit, match="--beam_runner=FlinkRuner: Unexpected pipeline runner"):
+  with pytest.raises(ValueError, match="--beam_runner=FlinkRuner: Unexpected pipeline runner"):
     prepare.main(["selection", "--predictions=x", f"--data_dir={tmp_path}",
                   "--beam_runner=FlinkRuner"])
+  # The command: absl's flags too (--verbosity after the subcommand), a user error in one line.
+  r = subprocess.run([sys.executable, "-m", "input_pipeline.prepare", "folder",
+                      f"--manual_dir={tmp_path / 'missing'}", f"--data_dir={tmp_path}",
+                      "--name=n", "--verbosity=1"], env=helpers.env(), cwd=helpers.ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      f"ERROR: ImageFolder root {tmp_path / 'missing'} (--manual_dir) does not exist.")
+  assert "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------------------------------

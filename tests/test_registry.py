@@ -18,8 +18,10 @@ from bigpretrain import registry
 from tests import helpers
 
 ROOT = helpers.ROOT
-# What input_pipeline (the lower layer) may import from bigpretrain: pure libraries.
-LOWER_LAYER_MAY_USE = ("bigpretrain.moved", "bigpretrain.runtime.cache", "bigpretrain.registry", "bigpretrain.semantic.tree",
+# What input_pipeline (the lower layer) may import from bigpretrain: pure libraries (and the
+# commands' shared error style, for its command).
+LOWER_LAYER_MAY_USE = ("bigpretrain.moved", "bigpretrain.runtime.cache", "bigpretrain.registry",
+                       "bigpretrain.semantic.tree", "bigpretrain.tools.cli",
                        "bigpretrain.semantic.wordnet", "bigpretrain.swag.vocabulary",
                        "bigpretrain.swag.resampling", "bigpretrain.semisup.tags",
                        "bigpretrain.semisup.topk")
