@@ -22,9 +22,9 @@ the run is being set up (model, data, restore: `setting_up`), one process has no
 save yet: the signal stops the set-up at once (raises Interrupted; the lock is released on the
 way out) and the command exits 0. Python drops an exception raised where it cannot propagate (a
 garbage-collection callback, a `__del__`); such an Interrupted is raised again when the set-up
-ends, and its "Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the first time (several
-processes: forwarded to the runtime's handler as one), and a second Ctrl-C stops the process at
-once, releasing the lock (`on_abort`) and abandoning the save in flight.
+ends, and its "Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the
+first time (several processes: forwarded to the runtime's handler as one), and a second Ctrl-C
+stops the process at once, releasing the lock (`on_abort`) and abandoning the save in flight.
 """
 import os
 import signal

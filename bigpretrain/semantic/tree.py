@@ -19,7 +19,6 @@ import tempfile
 from typing import Sequence
 
 from absl import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
