@@ -253,10 +253,12 @@ def test_tree_is_a_valid_static_jit_argument():
 
 
 _HASH_SCRIPT = """
-import hashlib, sys
-from bigpretrain.semantic.tree import SemanticTree
+import hashlib, pathlib, sys, tempfile
+from bigpretrain.semantic import tree as tree_lib
+folder = tempfile.mkdtemp()  # Built from WordNet in this process, not read from the cache.
+tree_lib._stored_tree = lambda wnids: pathlib.Path(folder) / "tree.json"
 wnids = open(sys.argv[1]).read().split()
-tree = SemanticTree.from_wnids(wnids)
+tree = tree_lib.SemanticTree.from_wnids(wnids)
 print(hashlib.sha256(tree.parent.tobytes()).hexdigest())
 """
 
