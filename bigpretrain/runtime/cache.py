@@ -1,6 +1,6 @@
 """The cache folder of everything bigpretrain generates once and reuses (WordNet files for
-nltk, the demo dataset, the JAX compilation cache): $BIGPRETRAIN_CACHE, else
-~/.cache/bigpretrain."""
+nltk, the semantic trees built from them, the demo dataset, the JAX compilation cache):
+$BIGPRETRAIN_CACHE, else ~/.cache/bigpretrain."""
 import os
 import pathlib
 
