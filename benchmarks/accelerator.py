@@ -461,9 +461,9 @@ class Suite:
       raise RuntimeError("xla_flags runs its children before this process's backend starts: "
                          "main() runs them.")
     rows, failed = {}, {}
-    if _THIS_PROCESS in self.flag_lines.values() and self.vit is None:
-      self.vit_b16()
     this_process = [name for name, line in self.flag_lines.items() if line is _THIS_PROCESS]
+    if this_process and self.vit is None:
+      self.vit_b16()
     for name, line in self.flag_lines.items():
       if line is _THIS_PROCESS:
         line = next(l for l in self.lines if l["figure"] == "vit_b16_train")
