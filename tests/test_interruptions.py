@@ -83,7 +83,7 @@ def test_a_second_ctrl_c_stops_at_once_releasing_the_lock(monkeypatch, capsys):
   assert err[-1] == "Second Ctrl-C: stopping now, without saving."
 
 
-def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once():
+def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once(capsys):
   with preemption.Preemption() as p:
     p.setting_up(True)
     with pytest.raises(preemption.Interrupted, match="SIGTERM received while the run"):
@@ -94,6 +94,15 @@ def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once():
     os.kill(os.getpid(), signal.SIGTERM)  # While the lock is taken: acted on right after.
     with pytest.raises(preemption.Interrupted):
       p.setting_up(True)
+  capsys.readouterr()
+  # A run's context opens in its set-up: a signal while its lock is taken (before
+  # setting_up(True)) says only the set-up's line, where the set-up starts.
+  with preemption.Preemption(in_set_up=True) as p:
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(preemption.Interrupted, match="^SIGTERM received while the run was "
+                       "being set up: nothing new to save; exiting.$"):
+      p.setting_up(True)
+  assert capsys.readouterr().err == ""
 
 
 class _Saver:

@@ -20,7 +20,8 @@ where the loop waits for the device anyway.
 The handler is installed before the run takes its workdir lock, and covers the whole run. While
 the run is being set up (model, data, restore: `setting_up`), one process has nothing to
 save yet: the signal stops the set-up at once (raises Interrupted; the lock is released on the
-way out) and the command exits 0. Python drops an exception raised where it cannot propagate (a
+way out) and the command exits 0; one that comes while the lock is taken stops it where it
+starts. Python drops an exception raised where it cannot propagate (a
 garbage-collection callback, a `__del__`); such an Interrupted is raised again when the set-up
 ends, and its "Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the
 first time (several processes: forwarded to the runtime's handler as one), and a second Ctrl-C
@@ -75,8 +76,11 @@ class Preemption:
   """Context of a run; `agreed(log_step)` after each step of its loop: True on every process at
   the same step once any got SIGTERM or Ctrl-C (then the loop saves and exits)."""
 
-  def __init__(self):
+  def __init__(self, in_set_up: bool = False):
+    """`in_set_up`: the context opens in the run's set-up (train_and_evaluate's, whose lock is
+    taken before setting_up(True)): a signal before setting_up(True) stops the set-up there."""
     self.requested = False
+    self._in_set_up = in_set_up  # Before the loop: a signal stops the set-up (one process).
     self.on_abort = None  # Called before a second Ctrl-C ends the process (the lock's release).
     self._previous = {}
     self._runtime = False
@@ -114,11 +118,13 @@ class Preemption:
         return
     name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     self.requested = True
-    if self._interruptible and jax.process_count() == 1:
-      self._interruptible = False
+    if (self._in_set_up or self._interruptible) and jax.process_count() == 1:
       self._set_up_stop = (f"{name} received while the run was being set up: nothing new to "
                            "save; exiting.")
-      raise Interrupted(self._set_up_stop)
+      if self._interruptible:
+        self._interruptible = False
+        raise Interrupted(self._set_up_stop)
+      return  # Not yet interruptible (the lock being taken): setting_up(True) raises it.
     _say(f"{name} received: saving a checkpoint and exiting"
          f"{' (Ctrl-C again stops at once)' if signum == signal.SIGINT else ''}.")
 
@@ -127,7 +133,9 @@ class Preemption:
     that came before raises it now, and so does turning it off after one whose Interrupted
     Python dropped."""
     self._interruptible = on
-    if not on and self._set_up_stop is not None:
+    self._in_set_up = on
+    if self._set_up_stop is not None:
+      self._interruptible = False
       raise Interrupted(self._set_up_stop)
     if on and self.requested and jax.process_count() == 1:
       self._interruptible = False
