@@ -13,6 +13,7 @@ training images, following SimCLRv2 and SEER. `config.data.subset_frac` (1.0 = a
 Finding the classes reads every record of the split once (the labels are inside the
 records), once per process and per run.
 """
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -90,6 +91,34 @@ class RangeSource(SubsetSource):
       raise ValueError(f"Bad record range [{start}, {stop}) of a source of {len(source)}.")
     super().__init__(source, np.arange(start, stop, dtype=np.int64))
     self.start, self.stop = start, stop
+
+
+# A split with tfds's record slice: 'validation[:1000]', 'train[-500:]'.
+_SLICED_SPLIT = re.compile(r"(?P<name>[^\[\]]+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]")
+
+
+def split_name(split: str) -> str:
+  """The split `split` reads from: 'validation[:1000]' -> 'validation'."""
+  sliced = _SLICED_SPLIT.fullmatch(split)
+  return sliced["name"] if sliced else split
+
+
+def split_source(dataset, split: str):
+  """`dataset.source(split)`; 'NAME[START:STOP]' (tfds's slicing by records, Python's bounds:
+  either may be left out or count from the end) is that range of split NAME's records."""
+  sliced = _SLICED_SPLIT.fullmatch(split)
+  if sliced is None:
+    if "[" in split:
+      raise ValueError(f"Split {split!r}: a slice of a split is NAME[START:STOP] with integer "
+                       "bounds, e.g. 'validation[:1000]'.")
+    return dataset.source(split)
+  source = dataset.source(sliced["name"])
+  bound = lambda text: int(text) if text else None
+  start, stop, _ = slice(bound(sliced["start"]), bound(sliced["stop"])).indices(len(source))
+  if stop <= start:
+    raise ValueError(f"Split {split!r} of {dataset.info.name!r} holds no records (split "
+                     f"{sliced['name']!r} has {len(source)}).")
+  return RangeSource(source, start, stop)
 
 
 def labels(source) -> np.ndarray:

@@ -16,6 +16,11 @@ JAX_CACHE = str(ROOT / ".cache" / "jax")
 VIT_DEMO_RECIPES = ("semantic_softmax", "single_label", "multi_label", "semantic_kd")
 
 
+# Tests evaluate on the first 256 records of the eval split (the demo's validation split, 2,500
+# shuffled records, took a third of a short test run).
+EVAL_RECORDS = "[:256]"
+
+
 def tiny_config(recipe: str = "semantic_softmax", **overrides):
   """The recipe's demo config, shortened for tests."""
   module = __import__(f"configs.{recipe}", fromlist=["get_config"])
@@ -28,6 +33,7 @@ def tiny_config(recipe: str = "semantic_softmax", **overrides):
   config.eval_every_steps = 0
   config.ckpt_every_steps = 0
   config.compilation_cache_dir = JAX_CACHE
+  config.data.eval_split = f"{config.data.eval_split}{EVAL_RECORDS}"
   if "fewshot" in config.evals:  # The recipe's probe reads ~7,500 records; tests of it set theirs.
     config.evals.fewshot.shots = ()
   return set_overrides(config, overrides)
@@ -48,6 +54,7 @@ def main_args(workdir, recipe="semantic_softmax", **overrides) -> list[str]:
   """Command-line args for `python -m bigpretrain.main` with test-sized overrides."""
   base = {"batch_size": 16, "total_steps": 6, "log_every_steps": 1, "eval_every_steps": 0,
           "ckpt_every_steps": 0, "compilation_cache_dir": JAX_CACHE,
+          "data.eval_split": f"validation{EVAL_RECORDS}",
           "evals.fewshot.shots": "()"}  # The recipe's few-shot probe off (see tiny_config).
   if recipe in VIT_DEMO_RECIPES:
     base["model.name"] = "vit_demo"

@@ -1,4 +1,6 @@
 """The trainer in-process: sharding equivalence, eval counting, and clear errors."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from bigpretrain.runtime import metric_writers
 from bigpretrain import sharding
 from bigpretrain import train
 from input_pipeline import pipeline
+from input_pipeline import subset
 from tests import helpers
 
 
@@ -57,6 +60,7 @@ def test_params_are_sharded_by_logical_rules():
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
   config = helpers.tiny_config(batch_size=48)  # The validation split is not a multiple of 48.
+  config.data.eval_split = "validation"
   exp = train.build(config)
   n = exp.dataset.info.num_examples["validation"]
   assert n % 48 != 0
@@ -65,6 +69,18 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
   results = evaluator.run(state)
   assert results["eval/num_examples"] == n
   assert 0.0 <= results["eval/top1"] <= results["eval/top5"] <= 1.0
+  # A slice of the split, as tfds writes it: exactly those records.
+  full = exp.dataset.source("validation")
+  part = subset.split_source(exp.dataset, "validation[-40:]")
+  assert [part[i]["label"] for i in range(40)] == [full[n - 40 + i]["label"] for i in range(40)]
+  config.data.eval_split = "validation[-40:]"
+  [evaluator] = [e for e in evaluators.build(config, exp) if e.name == "eval"]
+  assert evaluator.run(state)["eval/num_examples"] == 40
+  assert len(subset.split_source(exp.dataset, "validation[10:-20]")) == n - 30
+  for bad, error in (("validation[5:5]", "holds no records"), ("validation[a:]", "NAME[START"),
+                     ("nosuch[:3]", "Unknown split")):
+    with pytest.raises(ValueError, match=re.escape(error)):
+      subset.split_source(exp.dataset, bad)
 
 
 def test_train_and_evaluate_writes_metrics(tmp_path):

@@ -1,6 +1,7 @@
 """The evaluator contract and the settings every evaluator shares."""
 from bigpretrain import registry
 from input_pipeline import datasets
+from input_pipeline import subset
 
 # Evaluator classes by config.evals.NAME.type; `cls(name, cfg, experiment)` builds one.
 EVALUATORS = registry.Registry("evaluator type", "config.evals.*.type")
@@ -13,7 +14,8 @@ class Evaluator:
 
   Common settings: every_steps (-1 or absent: config.eval_every_steps; 0: only at the end),
   dataset ('' or absent: config.data.name) with data_dir (default config.data.dir), and split
-  ('' or absent: config.data.eval_split). Subclasses list their own keys in KEYS.
+  ('' or absent: config.data.eval_split; 'validation[:1000]': a range of its records, as in
+  tfds). Subclasses list their own keys in KEYS.
   """
   KEYS: tuple[str, ...] = ()
 
@@ -37,7 +39,7 @@ class Evaluator:
           {"name": dataset_name, "dir": cfg.get("data_dir", "") or config.data.dir})
     else:
       self.dataset = exp.dataset
-    if self.split not in self.dataset.info.splits:
+    if subset.split_name(self.split) not in self.dataset.info.splits:
       raise ValueError(f"config.evals.{name}.split={self.split!r}: dataset "
                        f"{self.dataset.info.name!r} has splits {list(self.dataset.info.splits)}.")
 

@@ -1,6 +1,7 @@
 """The objective's own eval metrics over a whole split: every example counted once, on any
 number of hosts (top-k, semantic top-1 on WordNet-labelled data, mAP for multi-label...)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bigpretrain import objectives
@@ -8,6 +9,7 @@ from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.evaluators import base
 from input_pipeline import pipeline
+from input_pipeline import subset
 
 
 def make_eval_step(model_def, objective, shardings, mesh, normalize: str, topk):
@@ -27,18 +29,24 @@ def ratios(totals: dict) -> dict:
   return out
 
 
+@jax.jit
+def _add(totals, out):
+  """The running totals plus one batch's: one dispatch per batch, not one per metric."""
+  return jax.tree.map(jnp.add, totals, out)
+
+
 def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_size: int,
              fields) -> tuple[dict, int, int]:
   """Sums `eval_step` over `split`: (host totals, corrupt records skipped, batches)."""
   batches = pipeline.eval_iterator(
-      dataset.source(split), data_cfg, global_batch_size=batch_size,
+      subset.split_source(dataset, split), data_cfg, global_batch_size=batch_size,
       process_index=jax.process_index(), process_count=jax.process_count(), fields=fields)
   totals, skipped, count = None, 0, 0
   for batch in batches:
     skipped += int(batch.pop("_skipped"))  # Corrupt records arrive as masked rows.
     batch.pop("index", None)
     out = eval_step(state["params"], state["extra"], sharding.global_batch(batch, mesh))
-    totals = out if totals is None else jax.tree.map(lambda a, b: a + b, totals, out)
+    totals = out if totals is None else _add(totals, out)
     count += 1
   if totals is None:
     raise ValueError(f"Split {split!r} of {dataset.info.name!r} is empty.")

@@ -46,6 +46,7 @@ from bigpretrain.evaluators import mapped
 from bigpretrain.models import pretrained
 from bigpretrain.models import submodel
 from input_pipeline import datasets
+from input_pipeline import subset
 
 def parse_datasets(text: str) -> list[tuple[str, str]]:
   """'demo:validation,tfds:imagenet_v2' -> [('demo', 'validation'), ('tfds:imagenet_v2', '')].
@@ -135,7 +136,7 @@ class Evaluation:
       if not split:
         raise ValueError(f"Dataset {name!r} has splits {list(info.splits)}: name one, "
                          f"e.g. --datasets={name}:{info.splits[0]}.")
-    if split not in info.splits:
+    if subset.split_name(split) not in info.splits:
       raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {list(info.splits)}.")
     model_names = list(meta["class_names"])
     real = mapped.REAL_LABEL in info.features

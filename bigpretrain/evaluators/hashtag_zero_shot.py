@@ -4,6 +4,7 @@ and without transductive Platt scaling (bigpretrain/swag/zero_shot.py; the comma
 bigpretrain/tools/zero_shot.py does the same for a finished checkpoint)."""
 from bigpretrain.swag import zero_shot
 from bigpretrain.evaluators import base
+from input_pipeline import subset
 
 
 @base.EVALUATORS.register("zero_shot")
@@ -32,7 +33,7 @@ class ZeroShot(base.Evaluator):
     config = self.exp.config
     # The images as the zero-shot command reads them (the paper's evaluation crop).
     data_cfg = zero_shot.eval_data_config(dict(config.data), config.data.get("num_workers", 0))
-    rows = zero_shot.collect_scores(self.step, state, self.dataset.source(self.split),
+    rows = zero_shot.collect_scores(self.step, state, subset.split_source(self.dataset, self.split),
                                     data_cfg, batch_size=config.batch_size, mesh=self.exp.mesh)
     out = zero_shot.top1_from_rows(rows, self.chosen)
     return {f"{self.name}/{k}": v for k, v in out.items() if v is not None}
