@@ -487,7 +487,7 @@ class Suite:
     model = "vit_demo" if self.dry_run else "vit_b16"
     # ESD drops whole rows of each device's batch: 2 rows would keep as much as masking.
     batch = (16 if self.dry_run else self.per_device) * jax.device_count()
-    out = cosub.measure(model, self.image_size, batch, 0.5, self.steps, 1)
+    out = cosub.measure(model, self.image_size, batch, 0.5, self.steps, 1, cosub=False)
     self.emit("esd_memory_ratio", out["esd_memory_ratio"], "ESD/masked bytes", model=model,
               batch_size=batch, image_size=self.image_size, tau=0.5, compute_dtype="float32",
               esd_temp_memory_ratio=out["esd_temp_memory_ratio"],

@@ -66,11 +66,13 @@ def memory_bytes(runner) -> tuple[int, int]:
 
 
 def measure(model: str, image_size: int, batch_size: int, tau: float, steps: int,
-            rounds: int) -> dict:
+            rounds: int, cosub: bool = True) -> dict:
   """The benchmark's line (see the module docstring) for `model` at `image_size`, global
-  `batch_size` and stochastic depth rate `tau`: `rounds` alternated rounds of `steps` steps."""
-  runners = {name: common.Runner(variant_config(*spec, model, image_size, batch_size, tau))
-             for name, spec in VARIANTS.items()}
+  `batch_size` and stochastic depth rate `tau`: `rounds` alternated rounds of `steps` steps
+  (without `cosub`: ESD vs masked only, no cosub step built)."""
+  names = list(VARIANTS) if cosub else ["masked", "plain"]
+  runners = {name: common.Runner(variant_config(*VARIANTS[name], model, image_size,
+                                                batch_size, tau)) for name in names}
   times = {k: [] for k in runners}
   for _ in range(rounds):
     for name, runner in runners.items():
@@ -90,14 +92,17 @@ def measure(model: str, image_size: int, batch_size: int, tau: float, steps: int
       "esd_memory_ratio": total["plain"] / total["masked"],
       "esd_temp_memory_ratio": mem["plain"][0] / mem["masked"][0],
       "esd_time_ratio": per_round("plain", "masked"),
-      "cosub_time_ratio": per_round("cosub", "plain"),
-      "cosub_memory_ratio": total["cosub"] / total["plain"],
       "step_time_ms_by_variant": {k: 1e3 * v for k, v in step_s.items()},
-      "cosub_time_ratio_rounds": [c / p for c, p in zip(times["cosub"], times["plain"])],
       "memory_mb_by_variant": {k: v / 2**20 for k, v in total.items()},
       "esd_effective_drop": {k: layers.esd_effective_rate(tau, n * batch_size // shards)
-                             for k, n in (("plain", 1), ("cosub", 2))},
+                             for k, n in (("plain", 1), ("cosub", 2)) if k in runners},
   })
+  if cosub:
+    out.update({
+        "cosub_time_ratio": per_round("cosub", "plain"),
+        "cosub_memory_ratio": total["cosub"] / total["plain"],
+        "cosub_time_ratio_rounds": [c / p for c, p in zip(times["cosub"], times["plain"])],
+    })
   return out
 
 

@@ -1,6 +1,7 @@
 """Resuming on another topology: the global stream position (stream_position.py), the train
-iterators continued from it on other process and worker counts, whole runs preempted on 2
-processes and resumed on 1 (and 1 -> 2), and the refusal of a changed schedule on resume."""
+iterators continued from it on other process and worker counts, a whole run preempted on 2
+processes, resumed on 1 and preempted again, then finished on 2, and the refusal of a changed
+schedule on resume."""
 import collections
 import io
 import json
@@ -211,15 +212,21 @@ def reference(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize("before,after", [((2, 2), (1, 4)), ((1, 2), (2, 2))])
-def test_preempted_run_resumes_on_another_process_count(reference, tmp_path, before, after):
-  out = _preempt_after(tmp_path, _launch(tmp_path, *before), 2)
-  stopped = max(_losses(tmp_path))
-  assert 2 <= stopped < _STEPS, out[-2000:]
-  out = _finish(_launch(tmp_path, *after))
-  assert f"Resuming from step {stopped}" in out
-  assert (f"written by {before[0]} processes x 0 grain workers, this run has {after[0]} x 0"
-          in out)
+def test_preempted_run_resumes_on_another_process_count(reference, tmp_path):
+  """2 processes x 2 devices, preempted; resumed on 1 x 4, preempted again; finished on 2 x 2."""
+  topologies = [(2, 2), (1, 4), (2, 2)]
+  stopped = 0
+  for i, (before, after) in enumerate(zip(topologies, topologies[1:])):
+    if i == 0:
+      out = _preempt_after(tmp_path, _launch(tmp_path, *before), 2)
+    stopped_before, stopped = stopped, max(_losses(tmp_path))
+    assert stopped_before + 1 <= stopped < _STEPS, out[-2000:]
+    proc = _launch(tmp_path, *after)
+    out = (_preempt_after(tmp_path, proc, stopped + 1) if i + 2 < len(topologies)
+           else _finish(proc))
+    assert f"Resuming from step {stopped}" in out
+    assert (f"written by {before[0]} processes x 0 grain workers, this run has {after[0]} x 0"
+            in out)
   want = _trained_labels(reference)
   assert want == collections.Counter(range(64))  # The reference saw each record once.
   assert _trained_labels(tmp_path) == want
