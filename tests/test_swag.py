@@ -184,8 +184,9 @@ def hashtag_run(tmp_path_factory):
   config = helpers.tiny_config("swag_vit", total_steps=4, batch_size=32, eval_every_steps=0,
                                ckpt_every_steps=0)
   config.optim.lr = 1e-2
-  # Zero-shot scheduled as an evaluator of the run itself, at its end.
-  config.evals.zs = dict(type="zero_shot", dataset="demo", every_steps=0)
+  # Zero-shot scheduled as an evaluator of the run itself, at its end, on the split the
+  # command reads.
+  config.evals.zs = dict(type="zero_shot", dataset="demo", split="validation", every_steps=0)
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)
 

@@ -129,6 +129,7 @@ def _transfer(arg, workdir, **overrides):
   config = transfer.get_config(arg)
   config.batch_size = 16
   config.compilation_cache_dir = helpers.JAX_CACHE
+  config.data.eval_split += helpers.EVAL_RECORDS
   helpers.set_overrides(config, overrides)
   results = train.train_and_evaluate(config, str(workdir))
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -185,7 +186,8 @@ def test_linear_and_finetune_modes_run_on_the_demo(tiny_checkpoint, tmp_path):
   ds = datasets.get_dataset({"name": "demo_coarse"})
   from input_pipeline import subset
   x, y = _features(tiny_checkpoint, config.data, subset.RangeSource(ds.source("train"), 0, 400))
-  xt, yt = _features(tiny_checkpoint, config.data, ds.source("validation"))
+  xt, yt = _features(tiny_checkpoint, config.data,  # The eval split, validation[:256].
+                     subset.RangeSource(ds.source("validation"), 0, 256))
   w, mean, std = _lstsq_ridge(x, y, 16, 2.0 ** 10)
   xb = np.pad((xt - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
   assert results["linear/top1"] == pytest.approx(np.mean(np.argmax(xb @ w, 1) == yt), abs=2e-3)

@@ -30,14 +30,14 @@ class _Probe:
     self.dataset = datasets.get_dataset({"name": name, "dir": data_dir})
     info = self.dataset.info
     for split in (train_split, test_split):
-      if split not in info.splits:
+      if subset.split_name(split) not in info.splits:
         raise ValueError(f"{where}: dataset {name!r} has no split {split!r}; its splits: "
                          f"{list(info.splits)}.")
     self.num_classes = info.num_classes
-    pool = self.dataset.source(train_split)
+    pool = subset.split_source(self.dataset, train_split)
     if train_records:  # tfds stores records shuffled: a prefix is a random sample.
       pool = subset.RangeSource(pool, 0, min(train_records, len(pool)))
-    self.pool, self.test = pool, self.dataset.source(test_split)
+    self.pool, self.test = pool, subset.split_source(self.dataset, test_split)
     self.y_pool, self.y_test = subset.labels(self.pool), subset.labels(self.test)
 
 
