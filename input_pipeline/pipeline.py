@@ -66,6 +66,7 @@ def data_defaults() -> ml_collections.ConfigDict:
       dir="",
       image_size=224,
       train_split="train",
+      # The evaluators' split; 'validation[:1000]': a range of its records (tfds's slicing).
       eval_split="validation",
       # '|'-separated ops applied in order; see augment_spec.TRAIN_OPS.
       train_augment="flip",
