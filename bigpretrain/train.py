@@ -372,7 +372,8 @@ def train_and_evaluate(config, workdir: str, on_locked=None) -> dict:
   preemption.Interrupted (nothing new to save); in its loop, the run saves and returns {}."""
   # The handler first: a signal at any point after the lock is taken releases it, and one
   # before the set-up starts stops it there.
-  with preemption_lib.Preemption(in_set_up=True) as preemption, contextlib.ExitStack() as cleanup:
+  with (preemption_lib.Preemption(in_set_up=True) as preemption,
+        contextlib.ExitStack() as cleanup):
     lock = cleanup.enter_context(workdir_lock.WorkdirLock(workdir))
     preemption.on_abort = lock.release
     if on_locked is not None:

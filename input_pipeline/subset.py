@@ -12,6 +12,9 @@ training images, following SimCLRv2 and SEER. `config.data.subset_frac` (1.0 = a
 
 Finding the classes reads every record of the split once (the labels are inside the
 records), once per process and per run.
+
+Also here: record ranges of a split (RangeSource), and splits named with tfds's record slice,
+'validation[:1000]' (split_source), as the evaluators read them.
 """
 import re
 from typing import Any, Mapping

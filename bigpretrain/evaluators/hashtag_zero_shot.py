@@ -33,7 +33,8 @@ class ZeroShot(base.Evaluator):
     config = self.exp.config
     # The images as the zero-shot command reads them (the paper's evaluation crop).
     data_cfg = zero_shot.eval_data_config(dict(config.data), config.data.get("num_workers", 0))
-    rows = zero_shot.collect_scores(self.step, state, subset.split_source(self.dataset, self.split),
-                                    data_cfg, batch_size=config.batch_size, mesh=self.exp.mesh)
+    source = subset.split_source(self.dataset, self.split)
+    rows = zero_shot.collect_scores(self.step, state, source, data_cfg,
+                                    batch_size=config.batch_size, mesh=self.exp.mesh)
     out = zero_shot.top1_from_rows(rows, self.chosen)
     return {f"{self.name}/{k}": v for k, v in out.items() if v is not None}

@@ -21,9 +21,9 @@ The handler is installed before the run takes its workdir lock, and covers the w
 the run is being set up (model, data, restore: `setting_up`), one process has nothing to
 save yet: the signal stops the set-up at once (raises Interrupted; the lock is released on the
 way out) and the command exits 0; one that comes while the lock is taken stops it where it
-starts. Python drops an exception raised where it cannot propagate (a
-garbage-collection callback, a `__del__`); such an Interrupted is raised again when the set-up
-ends, and its "Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the
+starts. Python drops an exception raised where it cannot propagate (a garbage-collection
+callback, a `__del__`); such an Interrupted is raised again when the set-up ends, and its
+"Exception ignored" report is not printed. Ctrl-C (SIGINT) is a SIGTERM the
 first time (several processes: forwarded to the runtime's handler as one), and a second Ctrl-C
 stops the process at once, releasing the lock (`on_abort`) and abandoning the save in flight.
 """
