@@ -215,10 +215,9 @@ def reference(tmp_path_factory):
 def test_preempted_run_resumes_on_another_process_count(reference, tmp_path):
   """2 processes x 2 devices, preempted; resumed on 1 x 4, preempted again; finished on 2 x 2."""
   topologies = [(2, 2), (1, 4), (2, 2)]
+  out = _preempt_after(tmp_path, _launch(tmp_path, *topologies[0]), 2)
   stopped = 0
   for i, (before, after) in enumerate(zip(topologies, topologies[1:])):
-    if i == 0:
-      out = _preempt_after(tmp_path, _launch(tmp_path, *before), 2)
     stopped_before, stopped = stopped, max(_losses(tmp_path))
     assert stopped_before + 1 <= stopped < _STEPS, out[-2000:]
     proc = _launch(tmp_path, *after)

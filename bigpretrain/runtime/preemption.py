@@ -118,7 +118,7 @@ class Preemption:
         return
     name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     self.requested = True
-    if (self._in_set_up or self._interruptible) and jax.process_count() == 1:
+    if self._in_set_up and jax.process_count() == 1:  # (Interruptible only in the set-up.)
       self._set_up_stop = (f"{name} received while the run was being set up: nothing new to "
                            "save; exiting.")
       if self._interruptible:
