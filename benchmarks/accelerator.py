@@ -40,7 +40,7 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
 --quick runs vit_b16_train and ViT-B/16's levers only. The table ends with the best measured
 configuration of each model, and names the device, jax, jaxlib, CUDA and cuDNN versions and
 the XLA_FLAGS in force; --out_dir also writes the lines (accelerator.jsonl) and the tables
-(accelerator.md) there.
+(accelerator.md) there, after each figure; --budget_s starts no figure past that time.
 `process_peak_bytes` is the device's peak memory since the process started (the runtime
 keeps no per-step peak): it is the step's own for the first figure only.
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
@@ -93,7 +93,9 @@ _FIGURES = flags.DEFINE_list("figures", [], "Only these figures, in this order (
                               "all).")
 _QUICK = flags.DEFINE_bool("quick", False, "Only QUICK_FIGURES (ViT-B/16 and its levers).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "", "Also write accelerator.jsonl and accelerator.md "
-                               "here.")
+                               "here (again after each figure, so a run cut short keeps them).")
+_BUDGET_S = flags.DEFINE_float("budget_s", None, "Start no figure after this many seconds; the "
+                               "ones left are listed as skipped (a device lease's time).")
 
 _KEEP_UP_DATA_DIR = flags.DEFINE_string(
     "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
@@ -549,9 +551,12 @@ def versions() -> dict:
   out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
          "cuda": None, "cudnn": None}
   if jax.default_backend() == "gpu":
-    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
-    out["cuda"] = cuda_versions.cuda_runtime_get_version()
-    out["cudnn"] = cuda_versions.cudnn_get_version()
+    try:  # A private module of jaxlib's: named in the table if a jaxlib moves it.
+      from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
+      out["cuda"] = cuda_versions.cuda_runtime_get_version()
+      out["cudnn"] = cuda_versions.cudnn_get_version()
+    except (ImportError, AttributeError) as e:
+      out["cuda"] = out["cudnn"] = f"unknown ({type(e).__name__})"
   return out
 
 
@@ -667,12 +672,16 @@ def main(argv):
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
          "batch_regnety_16gf": suite.batch_regnety_16gf, "xla_flags": suite.xla_flags}
-  failed = {}
+  failed, skipped = {}, []
+  start = time.perf_counter()
   # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's
   # to compare). A figure that fails is reported and the others still run: one device
   # session should not lose every figure to one.
   for figure in figures:
     if figure == "vit_b16_train" and suite.vit is not None:
+      continue
+    if _BUDGET_S.value is not None and time.perf_counter() - start > _BUDGET_S.value:
+      skipped.append(figure)
       continue
     try:
       run[figure]()
@@ -680,16 +689,24 @@ def main(argv):
       logging.exception("Figure %s failed.", figure)
       failed[figure] = f"{type(e).__name__}: {e}"
       print(json.dumps({"figure": figure, "error": failed[figure]}), flush=True)
+    write_out(suite)
+  if skipped:
+    print(json.dumps({"skipped": skipped, "budget_s": _BUDGET_S.value}), flush=True)
+  print(write_out(suite), flush=True)
+  if failed:
+    raise SystemExit(f"Failed figures: {sorted(failed)}.")
+
+
+def write_out(suite) -> str:
+  """The figures so far as the markdown table; also into --out_dir's two files."""
   env = {**versions(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
   text = table(suite.lines, suite.measured, env)
-  print(text, flush=True)
   if _OUT_DIR.value:
     out = pathlib.Path(_OUT_DIR.value)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accelerator.jsonl").write_text("".join(json.dumps(l) + "\n" for l in suite.lines))
     (out / "accelerator.md").write_text(text + "\n" + profile_tables(suite.profiles) + "\n")
-  if failed:
-    raise SystemExit(f"Failed figures: {sorted(failed)}.")
+  return text
 
 
 if __name__ == "__main__":
