@@ -32,11 +32,14 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          counted on the jaxpr (`head_flops_share`)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
+  combined_vit_b16,      every lever above at the arm that won its figure in this run, at
+  combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings
   xla_flags              ViT-B/16 under each gpu_flags.FLAG_SETS entry, each in a fresh
                          process (XLA reads XLA_FLAGS once) but the one this process runs
                          with (`this_process`: its vit_b16_train line)
-  profile                per trained figure, the top 10 device ops of a jax.profiler trace of
-                         a few steps, read back from the trace (benchmarks/profile_ops.py)
+  profile                per trained figure, the top 10 device ops and op families (ops of
+                         one kind, e.g. every cuDNN filter gradient) of a jax.profiler trace
+                         of a few steps, read back from the trace (benchmarks/profile_ops.py)
 --quick runs vit_b16_train and ViT-B/16's levers only. The table ends with the best measured
 configuration of each model, and names the device, jax, jaxlib, CUDA and cuDNN versions and
 the XLA_FLAGS in force; --out_dir also writes the lines (accelerator.jsonl) and the tables
@@ -105,9 +108,14 @@ KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_ru
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
            "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
-           "xla_flags")
+           "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
-                 "batch_vit_b16", "xla_flags")
+                 "batch_vit_b16", "combined_vit_b16", "xla_flags")
+# Per combined figure: its model's lever figures and the settings each one's winning arm sets.
+LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16": ("head_dtype",),
+                               "batch_vit_b16": ("batch_per_device", "remat")},
+          "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
+                                    "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
 # The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
@@ -118,7 +126,7 @@ BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
 # The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
-FLAG_SETS = ("xla_defaults", "bigpretrain", "command_buffers", "triton_gemm")
+FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm")
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -345,14 +353,15 @@ class Suite:
       with tempfile.TemporaryDirectory() as log_dir:
         profile_ops.trace(lambda runner=runner: runner.run(PROFILE_STEPS), log_dir)
         top = profile_ops.top_ops(log_dir)
-      for op in top["ops"]:
+      for op in top["ops"] + top["families"]:
         op["ms"] /= PROFILE_STEPS
       self.profiles[f"{key} ({runner.config.model.name})"] = top
       per_step[key] = top["total_ms"] / PROFILE_STEPS
     self.emit("profile", per_step.get("vit_b16_train"), "ViT-B/16 traced op ms per step",
               traced_ms_per_step=per_step, steps=PROFILE_STEPS,
               source={k: p["source"] for k, p in self.profiles.items()},
-              top_ops={k: p["ops"] for k, p in self.profiles.items()})
+              top_ops={k: p["ops"] for k, p in self.profiles.items()},
+              top_families={k: p["families"] for k, p in self.profiles.items()})
     # The levers' first arms stay; the TResNet-M / ResNet-50 pair is done.
     for key in list(self.runners):
       if key.startswith("tresnet_m_vs_resnet50"):
@@ -457,6 +466,41 @@ class Suite:
     self.batch("batch_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
                self.swag_classes)
 
+  def combined(self, figure: str, trained: str, config, num_classes=None):
+    """The model with every lever at the arm that won its figure in this run (LEVERS): its
+    images/s and MFU, and its speed-up over the `trained` figure (the recipe's settings,
+    measured earlier in this process; not alternated: the two may not fit in memory at once)."""
+    won, picked = {}, {}
+    for line in self.lines:
+      keys = LEVERS[figure].get(line["figure"], ())
+      if keys:
+        won.update({k: line["arms"][line["best"]][k] for k in keys})
+        picked[line["figure"]] = line["best"]
+    if not picked:
+      raise RuntimeError(f"{figure}: none of its levers' figures ({sorted(LEVERS[figure])}) "
+                         "ran before it.")
+    per_device = won.pop("batch_per_device", self.per_device)
+    remat = won.pop("remat", "none")
+    config = with_batch(with_model_options(config, **won), per_device * jax.device_count(),
+                        "" if remat == "none" else remat)
+    runner = common.Runner(self.runnable(config), standin_dataset(config, num_classes))
+    row = self.measure(figure, runner, statistics.median(
+        runner.run(self.steps) for _ in range(self.rounds)))
+    base = next((l["value"] for l in self.lines if l["figure"] == trained), None)
+    self.emit(figure, row["images_per_sec"], "images/s", levers=picked,
+              **{k: v for k, v in row.items() if k not in ("figure", "images_per_sec")},
+              speedup_over_recipe=row["images_per_sec"] / base if base else None,
+              rounds=self.rounds, steps=self.steps)
+    del runner
+    gc.collect()
+
+  def combined_vit_b16(self):
+    self.combined("combined_vit_b16", "vit_b16_train", self.vit_config())
+
+  def combined_regnety_16gf(self):
+    self.combined("combined_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
+                  self.swag_classes)
+
   def xla_flags(self):
     """The ViT-B/16 figure under each flag set, measured in child processes by main()."""
     if self.flag_lines is None:
@@ -489,7 +533,11 @@ class Suite:
     model = "vit_demo" if self.dry_run else "vit_b16"
     # ESD drops whole rows of each device's batch: 2 rows would keep as much as masking.
     batch = (16 if self.dry_run else self.per_device) * jax.device_count()
-    out = cosub.measure(model, self.image_size, batch, 0.5, self.steps, 1, cosub=False)
+    # The recipe's dataset stood in for (its info only): no records, no WordNet to read.
+    dataset = standin_dataset(cosub.variant_config(*cosub.VARIANTS["plain"], model,
+                                                   self.image_size, batch, 0.5))
+    out = cosub.measure(model, self.image_size, batch, 0.5, self.steps, 1, cosub=False,
+                        dataset=dataset)
     self.emit("esd_memory_ratio", out["esd_memory_ratio"], "ESD/masked bytes", model=model,
               batch_size=batch, image_size=self.image_size, tau=0.5, compute_dtype="float32",
               esd_temp_memory_ratio=out["esd_temp_memory_ratio"],
@@ -596,9 +644,13 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
 
 
 def profile_tables(profiles: dict) -> str:
-  """Each profiled step's top device ops as a markdown table."""
+  """Each profiled step's top op families and top device ops as markdown tables."""
   out = []
   for name, top in profiles.items():
+    out += [f"\nTop op families of {name} ({top['source']} trace, per step):", "",
+            "| family | ms | share | ops |", "|---|---|---|---|"]
+    out += [f"| {f['family']} | {f['ms']:.3f} | {f['share']:.1%} | {f['ops']} |"
+            for f in top["families"]]
     out += [f"\nTop device ops of {name} ({top['source']} trace, per step):", "",
             "| op | ms | share | calls | first kernel |", "|---|---|---|---|---|"]
     out += [f"| {o['op']} | {o['ms']:.3f} | {o['share']:.1%} | {o['count']} | "
@@ -671,7 +723,9 @@ def main(argv):
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
-         "batch_regnety_16gf": suite.batch_regnety_16gf, "xla_flags": suite.xla_flags}
+         "batch_regnety_16gf": suite.batch_regnety_16gf,
+         "combined_vit_b16": suite.combined_vit_b16,
+         "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}
   failed, skipped = {}, []
   start = time.perf_counter()
   # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's

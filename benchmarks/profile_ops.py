@@ -8,11 +8,17 @@ each tagged with the HLO op it runs: a GPU's "Stream" lines, a TPU's "XLA Ops" l
 summary lines that would count the time twice); on the CPU, where every op runs on the host,
 the XLA runtime's events that name an HLO op. Several kernels of one op (a cuDNN convolution's
 launches) add up under the op's name; `kernel` is the first kernel name seen.
+
+`families` sums the ops by their name without XLA's numeric suffix (`cudnn-conv-bw-filter.80`
+-> `cudnn-conv-bw-filter`, `loop_add_fusion.3` -> `loop_add_fusion`): a ViT step's time is
+spread over hundreds of GEMMs and fusions of a few ms each, so its top ops alone say little of
+where the time goes.
 """
 import collections
 import gzip
 import json
 import pathlib
+import re
 
 import jax
 
@@ -32,9 +38,10 @@ def _trace_file(log_dir) -> pathlib.Path:
 
 
 def top_ops(log_dir, n: int = 10) -> dict:
-  """{'total_ms', 'source', 'ops': [{'op', 'ms', 'share', 'count', 'kernel'}]} of the n ops
-  with the most time in the latest trace under `log_dir`. `share` is of all ops' time; `ms`
-  is summed over every traced call (divide by the steps traced for a per-step figure)."""
+  """{'total_ms', 'source', 'ops': [{'op', 'ms', 'share', 'count', 'kernel'}], 'families':
+  [{'family', 'ms', 'share', 'ops'}]}: the n ops and the n op families with the most time in
+  the latest trace under `log_dir`. `share` is of all ops' time; `ms` is summed over every
+  traced call (divide by the steps traced for a per-step figure)."""
   data = json.loads(gzip.decompress(_trace_file(log_dir).read_bytes()))
   events = data["traceEvents"] if isinstance(data, dict) else data
   names = {e["pid"]: e["args"]["name"] for e in events
@@ -63,7 +70,19 @@ def top_ops(log_dir, n: int = 10) -> dict:
     count[op] += 1
     kernel.setdefault(op, e["name"])
   total = sum(time_us.values())
+  share = lambda us: us / total if total else None
+  family_us, family_ops = collections.Counter(), collections.Counter()
+  for op, us in time_us.items():
+    family = family_of(op)
+    family_us[family] += us
+    family_ops[family] += 1
   return {"total_ms": total / 1e3, "source": source,
-          "ops": [{"op": op, "ms": us / 1e3, "share": us / total if total else None,
-                   "count": count[op], "kernel": kernel[op]}
-                  for op, us in time_us.most_common(n)]}
+          "ops": [{"op": op, "ms": us / 1e3, "share": share(us), "count": count[op],
+                   "kernel": kernel[op]} for op, us in time_us.most_common(n)],
+          "families": [{"family": f, "ms": us / 1e3, "share": share(us), "ops": family_ops[f]}
+                       for f, us in family_us.most_common(n)]}
+
+
+def family_of(op: str) -> str:
+  """An HLO op's name without XLA's numeric suffix (`.N`), which numbers its instances."""
+  return re.sub(r"\.\d+$", "", op)

@@ -61,6 +61,7 @@ def test_dry_run_prints_every_figure_and_the_table(tmp_path):
   md = (tmp_path / "accelerator.md").read_text()
   assert "| figure | value | unit | details |" in md
   assert "Top device ops of vit_b16_train (vit_demo) (host trace, per step):" in md
+  assert "Top op families of vit_b16_train (vit_demo) (host trace, per step):" in md
 
 
 def _check_levers(by):
@@ -82,6 +83,14 @@ def _check_levers(by):
     assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]
     assert batch["arms"]["4+dots_saveable"]["remat"] == "dots_saveable"
     assert batch["did_not_fit"] == {} and batch["best"] in batch["arms"]
+  for figure, trained in (("combined_vit_b16", "vit_b16_train"),
+                          ("combined_regnety_16gf", "regnety_16gf_train")):
+    combined = by[figure]  # Each lever at its figure's winning arm, all at once.
+    assert combined["levers"] == {f: by[f]["best"] for f in accelerator.LEVERS[figure]}
+    for lever, keys in accelerator.LEVERS[figure].items():
+      won = by[lever]["arms"][by[lever]["best"]]
+      assert {k: combined[k] for k in keys} == {k: won[k] for k in keys}, (figure, lever)
+    assert combined["speedup_over_recipe"] == combined["value"] / by[trained]["value"]
   flags = by["xla_flags"]  # Two sets on a CPU: XLA's defaults are this process's own flags.
   assert list(flags["arms"]) == ["xla_defaults", "bigpretrain"] and flags["failed"] == {}
   assert flags["this_process"] == ["xla_defaults"]  # Its arm is vit_b16_train's line.
@@ -94,6 +103,8 @@ def _check_levers(by):
     ms = [o["ms"] for o in ops]
     assert 0 < len(ops) <= 10 and ms == sorted(ms, reverse=True), key
     assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9, key
+    families = prof["top_families"][key]  # Each holds at least the time of its top op.
+    assert families[0]["ms"] >= ops[0]["ms"] and sum(f["ops"] for f in families) >= 1, key
   assert set(prof["traced_ms_per_step"]) == {
       "vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50:vit_demo",
       "tresnet_m_vs_resnet50:regnety_demo"}
@@ -123,7 +134,8 @@ def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypat
 
 def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
   """A GPU trace: kernels on the device's stream lines, summed per HLO op (a cuDNN call's two
-  kernels as one op); the device's summary line and the host's events left out."""
+  kernels as one op) and per op family (two cuDNN convolutions as one); the device's summary
+  line and the host's events left out."""
   run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
   run.mkdir(parents=True)
   meta = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind,
@@ -138,15 +150,20 @@ def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
             span(1, 7, "sm90_xmma_gemm_bf16", 300.0, "cublas-gemm.1"),
             span(1, 7, "cudnn_conv_kernel_a", 100.0, "cudnn-conv.2"),
             span(1, 7, "cudnn_conv_kernel_b", 150.0, "cudnn-conv.2"),
+            span(1, 7, "cudnn_conv_kernel_c", 100.0, "cudnn-conv.5"),
             span(1, 7, "loop_add_fusion", 50.0, "loop_add_fusion"),
             span(1, 9, "jit_train_step", 600.0),
             span(2, 3, "ExecuteHelper", 900.0, "cublas-gemm.1")]
   (run / "host.trace.json.gz").write_bytes(gzip.compress(json.dumps(
       {"traceEvents": events}).encode()))
   top = profile_ops.top_ops(tmp_path, n=2)
-  assert top["source"] == "device" and top["total_ms"] == 0.6
+  assert top["source"] == "device" and top["total_ms"] == 0.7
   assert top["ops"] == [
-      {"op": "cublas-gemm.1", "ms": 0.3, "share": 0.5, "count": 1,
+      {"op": "cublas-gemm.1", "ms": 0.3, "share": 300 / 700, "count": 1,
        "kernel": "sm90_xmma_gemm_bf16"},
-      {"op": "cudnn-conv.2", "ms": 0.25, "share": 0.25 / 0.6, "count": 2,
+      {"op": "cudnn-conv.2", "ms": 0.25, "share": 250 / 700, "count": 2,
        "kernel": "cudnn_conv_kernel_a"}]
+  # By family, the two cuDNN convolutions (0.35 ms) come before the one GEMM.
+  assert top["families"] == [
+      {"family": "cudnn-conv", "ms": 0.35, "share": 350 / 700, "ops": 2},
+      {"family": "cublas-gemm", "ms": 0.3, "share": 300 / 700, "ops": 1}]
