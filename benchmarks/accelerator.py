@@ -175,9 +175,12 @@ def accelerator(device, compute_dtype: str) -> dict:
           "bytes_limit": stats.get("bytes_limit")}
 
 
-def settings(config) -> dict:
-  """The lever values of `config` a figure's arm is known by."""
-  return {"attention_impl": config.model.get("attention_impl", "xla"),
+def settings(config, model_def=None) -> dict:
+  """The lever values of `config` a figure's arm is known by; with its built `model_def`, the
+  attention kernel it runs ('auto' resolved)."""
+  attention = (model_def.kwargs["attention_impl"] if model_def
+               else config.model.get("attention_impl", "xla"))
+  return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
           "remat": config.model.get("remat", "") or "none"}
 
@@ -252,7 +255,8 @@ class Suite:
     peak = accelerator(jax.devices()[0], config.compute_dtype)["peak_flops"]
     perf = goodput.interval_metrics(wall_s=step_s, data_wait_s=0.0, steps=1,
                                     flops=runner.flops, peak=peak)
-    row = {"model": config.model.name, "figure": figure, **settings(config),
+    row = {"model": config.model.name, "figure": figure,
+           **settings(config, runner.exp.model_def),
            "batch_per_device": config.batch_size // jax.device_count(),
            "step_time_ms": 1e3 * step_s, "images_per_sec": config.batch_size / step_s,
            "mfu": perf.get("perf/mfu"), "xla_flags": self.flag_set}
@@ -282,8 +286,8 @@ class Suite:
     best = max(rows, key=lambda name: rows[name]["images_per_sec"])
     rate = lambda name, i: runners[name].config.batch_size / times[name][i]
     speedup = statistics.median(rate(best, i) / rate(first, i) for i in range(self.rounds))
-    ran_as = {name: settings(runners[name].config) for name in arms
-              if settings(runners[name].config) != settings(arms[name])}
+    ran = {name: settings(arms[name], runners[name].exp.model_def) for name in arms}
+    ran_as = {name: ran[name] for name in arms if ran[name] != settings(arms[name])}
     self.emit(figure, speedup, f"speed-up of {best} over {first}", model=arms[first].model.name,
               arms=rows, best=best, rounds=self.rounds, steps=self.steps,
               **({"ran_as": ran_as} if ran_as else {}), **details)
@@ -307,7 +311,8 @@ class Suite:
            "step_time_ms": rep["step_time_ms"], "compile_time_s": rep["compile_time_s"],
            "flops_per_device": flops, "tflops_per_device": perf.get("perf/tflops_per_device"),
            "mfu": perf.get("perf/mfu"), "peak_flops": acc["peak_flops"],
-           "process_peak_bytes": stats.get("peak_bytes_in_use"), "steps": self.steps}
+           "process_peak_bytes": stats.get("peak_bytes_in_use"), "steps": self.steps,
+           **settings(config, runner.exp.model_def)}
     self.emit(figure, rep["images_per_sec"], "images/s", **out)
     self.measure(figure, runner, step_s)
     self.runners[figure] = runner  # The levers' first arm, the profile's step.
@@ -370,9 +375,10 @@ class Suite:
 
   def attention(self):
     config = self.vit_config()
-    self.ab("attention", {"xla": config,
-                          "cudnn": with_model_options(config, attention_impl="cudnn")},
-            built={"xla": self.runners.get("vit_b16_train")})
+    trained = self.runners.get("vit_b16_train")  # The arm of the kernel 'auto' picked.
+    self.ab("attention", {impl: with_model_options(config, attention_impl=impl)
+                          for impl in layers.ATTENTION_IMPLS},
+            built={trained.exp.model_def.kwargs["attention_impl"]: trained} if trained else {})
 
   def attention_loss(self):
     """vit_demo trained LOSS_STEPS steps on one fixed batch from one seed with each attention
@@ -519,7 +525,8 @@ class Suite:
       rows[name] = {k: line[k] for k in ("step_time_ms", "mfu", "batch_per_device")}
       rows[name]["images_per_sec"] = line["value"]
       self.measured.append({"model": line["model"], "figure": "xla_flags",
-                            **settings(self.vit_config()), "xla_flags": name, **rows[name]})
+                            **{k: line[k] for k in settings(self.vit_config())},
+                            "xla_flags": name, **rows[name]})
     first = next(iter(self.flag_lines))
     best = max(rows, key=lambda name: rows[name]["images_per_sec"]) if rows else None
     value = (rows[best]["images_per_sec"] / rows[first]["images_per_sec"]

@@ -89,12 +89,13 @@ def base_config() -> ml_collections.ConfigDict:
   # bigpretrain.tools.plan --topology: XLA:CPU plans show the recompute, not the saving; see
   # docs/scaling.md). Recipes replacing the section keep it (model_section); a section
   # without it is off.
-  # model.attention_impl: the attention kernel ('xla', or 'cudnn' for cuDNN's fused flash
-  # attention on NVIDIA GPUs); model.head_dtype: what the classifier's matmul reads ('float32',
-  # or 'bfloat16' with float32 accumulation). Both pick kernels, not weights
-  # (bigpretrain.models.base.ATTENTION_IMPLS / HEAD_DTYPES; their A/B figures:
-  # benchmarks/accelerator.py).
-  c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='xla',
+  # model.attention_impl: the attention kernel ('xla'; 'cudnn' for cuDNN's fused flash
+  # attention on NVIDIA GPUs; 'auto': cudnn where it runs, on GPUs in bf16, else xla: the same
+  # losses up to bf16 rounding, and a faster ViT step); model.head_dtype: what the classifier's
+  # matmul reads ('float32', or 'bfloat16' with float32 accumulation). Both pick kernels, not
+  # weights (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES; their A/B figures:
+  # benchmarks/accelerator.py, docs/benchmarks.md).
+  c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='auto',
                                            head_dtype='float32'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
@@ -299,7 +300,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
     raise ValueError(f'config.model.remat={remat!r} must be one of {model_base.REMAT_POLICIES} '
                      "(the jax.checkpoint_policies policy each residual block is "
                      "rematerialised with), or '' / 'none' for off.")
-  for key, allowed in (('attention_impl', model_base.ATTENTION_IMPLS),
+  for key, allowed in (('attention_impl', model_base.ATTENTION_CHOICES),
                        ('head_dtype', model_base.HEAD_DTYPES)):
     value = config.model.get(key, allowed[0])
     if value not in allowed:

@@ -321,7 +321,8 @@ def build_model(config, devices=None, dataset=None) -> ModelSetup:
   sharding.check_batch_size(config.batch_size, mesh)
   dataset = datasets.get_dataset(config.data) if dataset is None else dataset
   model_def = models.ModelDef.from_config(config.model, dataset.info.num_classes,
-                                          config.compute_dtype, config.data.image_size)
+                                          config.compute_dtype, config.data.image_size,
+                                          platform=mesh.devices.flat[0].platform)
   return ModelSetup(config=config, mesh=mesh, dataset=dataset, model_def=model_def,
                     shardings=variable_shardings(model_def, config, mesh))
 

@@ -94,9 +94,10 @@ def test_cli_plans_a_gpu_cluster_with_its_compiler():
 
 
 def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
-  """model.attention_impl='cudnn' on an H100: each block's attention is one cuDNN flash
-  attention call forward and one backward (vit_demo, 4 blocks; 5 tokens at 16 px, padded to
-  an even 6), not GEMMs and a softmax."""
+  """model.attention_impl='auto' (the configs' default) on an H100 in bfloat16 is cuDNN's:
+  each block's attention is one cuDNN flash attention call forward and one backward
+  (vit_demo, 4 blocks; 5 tokens at 16 px, padded to an even 6), not GEMMs and a softmax; its
+  FLOPs are those of XLA's attention (bigpretrain/plan/flops.py)."""
   devices = _devices("gpu:h100:1x1")
   from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
   try:
@@ -104,9 +105,14 @@ def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
   except RuntimeError as e:  # JAX checks the installed cuDNN when it traces the call.
     pytest.skip(f"{e}: pip install 'nvidia-cudnn-cu13>=9.12.0.46,<10' (bigpretrain[cuda]).")
   config = demo_config.copy_and_resolve_references()
-  config.model.attention_impl = "cudnn"
+  config.model.attention_impl = "auto"
   config.compute_dtype = "bfloat16"
-  _, _, compiled, _ = aot_plan.compile_step(config, devices=devices)
+  exp, _, compiled, fused_flops = aot_plan.compile_step(config, devices=devices)
+  assert exp.model_def.kwargs["attention_impl"] == "cudnn"
   counts = gpu_hlo.kernel_counts(compiled.as_text())
   assert counts["custom_calls"]["__cudnn$fmhaSoftmax"] == 4, counts
   assert counts["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] == 4, counts
+  config.model.attention_impl = "xla"
+  unfused = aot_plan.step_flops(config, devices=devices)["flops_per_device"]
+  # The fused kernel runs 6 tokens where XLA's attention runs 5; nothing else differs.
+  assert 0 < fused_flops - unfused < 0.05 * unfused

@@ -176,3 +176,20 @@ def test_roofline_seconds_per_op_class_by_hand():
   assert (costs["attention"].flops, costs["attention"].bytes) == (att_flops, att_bytes)
   assert att_bytes / 3.35e12 < costs["attention"].seconds
   assert costs["attention"].seconds == pytest.approx(att_flops / 494.5e12)
+
+
+def test_fused_attention_counts_what_xlas_attention_counts():
+  """cuDNN's fused attention (one primitive forward, one backward) counts the products XLA's
+  own attention is made of: 2 forward, 4 backward; MFU does not depend on the kernel."""
+  q = jnp.ones((2, 6, 3, 16), jnp.bfloat16)  # [B, T, heads, head_dim]
+  kv = jnp.ones((2, 8, 3, 16), jnp.bfloat16)  # 8 keys and values per query row.
+  product = 2 * 2 * 3 * 6 * 8 * 16  # One [T, head_dim] x [head_dim, T_kv] product per head.
+  attend = lambda impl: lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, implementation=impl).astype(jnp.float32).sum()
+  grad = lambda impl: jax.grad(attend(impl), argnums=(0, 1, 2))
+  try:
+    fused = (_count(attend("cudnn"), q, kv, kv), _count(grad("cudnn"), q, kv, kv))
+  except RuntimeError as e:  # JAX checks the installed cuDNN when it traces the call.
+    pytest.skip(f"{e}: pip install 'nvidia-cudnn-cu13>=9.12.0.46,<10' (bigpretrain[cuda]).")
+  unfused = (_count(attend("xla"), q, kv, kv), _count(grad("xla"), q, kv, kv))
+  assert fused == unfused == (2 * product, 6 * product)

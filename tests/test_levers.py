@@ -92,6 +92,24 @@ def test_levers_are_config_values_that_pick_kernels_only():
     models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
 
 
+@pytest.mark.parametrize("name,platform,dtype,kernel", [
+    ("vit_demo", "gpu", "bfloat16", "cudnn"), ("vit_demo", "cuda", "float16", "cudnn"),
+    ("vit_demo", "gpu", "float32", "xla"),  # cuDNN's fused kernel takes 16-bit inputs only.
+    ("vit_demo", "cpu", "bfloat16", "xla"), ("vit_demo", "tpu", "bfloat16", "xla"),
+    ("regnety_demo", "gpu", "bfloat16", "xla")])  # No attention layers: nothing to fuse.
+def test_auto_attention_is_cudnn_on_gpus_in_16_bit_else_xla(name, platform, dtype, kernel):
+  """The configs' default, attention_impl='auto', resolved for the devices' platform: the
+  kernel in the model definition and in every attention layer of the built model."""
+  assert config_lib.base_config().model.attention_impl == "auto"
+  for model_cfg in ({"name": name, "attention_impl": "auto"}, {"name": name}):
+    model_def = models.ModelDef.from_config(model_cfg, 10, dtype, platform=platform)
+    assert model_def.kwargs["attention_impl"] == kernel, model_cfg
+  model = model_def.merge(*model_def.create(jax.random.key(0)))
+  layers_ = [m for _, m in nnx.iter_graph(model) if hasattr(type(m), "attention_impl")]
+  assert {m.attention_impl for m in layers_} == ({kernel} if name == "vit_demo" else set())
+  assert model_def.config() == {"name": name}  # Not in a checkpoint's meta.
+
+
 def test_head_flops_are_six_b_d_c_of_the_step():
   """The suite's head share: the products over the classes in the train step's jaxpr are the
   head's forward and its two gradients, 3 x 2 x B x D x C."""

@@ -10,6 +10,7 @@ import functools
 import inspect
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 
 from bigpretrain.models import base
@@ -86,16 +87,26 @@ class ModelDef:
 
   @classmethod
   def from_config(cls, model_cfg, num_classes: int, compute_dtype: str = "float32",
-                  image_size: int | None = None):
+                  image_size: int | None = None, platform: str | None = None):
     """From a `config.model`-style mapping: 'name' plus the model's keyword options.
-    `image_size` (config.data.image_size) fills the model's image_size option if unset."""
+    `image_size` (config.data.image_size) fills the model's image_size option if unset.
+    attention_impl='auto' (also where the mapping has none, as the configs' default) becomes
+    base.auto_attention's kernel for `platform` (the devices' platform, e.g. a mesh's;
+    default: JAX's default backend)."""
     kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
     if image_size is not None and "image_size" not in kwargs and accepts(model_cfg["name"],
                                                                          "image_size"):
       kwargs["image_size"] = image_size
     kwargs["dtype"] = jnp.dtype(compute_dtype)
     kwargs["num_classes"] = num_classes
+    auto = kwargs.get("attention_impl", "auto") == "auto"
+    if auto:
+      kwargs["attention_impl"] = "xla"
     abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0), **kwargs))
+    if auto:
+      kwargs["attention_impl"] = base.auto_attention(
+          abstract, platform or jax.default_backend(), compute_dtype)
+      base.set_kernels(abstract, kwargs["attention_impl"], kwargs.get("head_dtype", "float32"))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     return cls(model_cfg["name"], kwargs, graphdef, params, extra)
 

@@ -3,6 +3,7 @@ import re
 
 import jax
 from flax import nnx
+import jax.numpy as jnp
 
 from bigpretrain import registry
 from bigpretrain.models import layers
@@ -17,6 +18,8 @@ REMAT_OFF = layers.REMAT_OFF
 # The attention kernels and classifier-head precisions models accept (config.model).
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
+# config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
+ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
 
 
 class Classifier(nnx.Module):
@@ -105,6 +108,17 @@ def remat_blocks(model: nnx.Module, policy: str) -> nnx.Module:
     for block in stage:
       block.__class__ = layers.remat_class(type(block), policy)
   return model
+
+
+def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
+  """attention_impl='auto': 'cudnn' (fused flash attention) for a model with attention
+  layers on NVIDIA GPUs ('gpu' or 'cuda' devices) computing in bfloat16 or float16, the
+  dtypes cuDNN's kernel takes; 'xla' anywhere else. The two give the same losses up to bf16
+  rounding (benchmarks/accelerator.py's attention_loss figure)."""
+  modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+  fused = (platform in ("gpu", "cuda") and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
+           and any(hasattr(type(m), "attention_impl") for m in modules))
+  return "cudnn" if fused else "xla"
 
 
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",

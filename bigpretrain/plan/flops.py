@@ -21,8 +21,14 @@ stride^2 times as many. The kernel's gradient dilates its window (rhs_dilation),
 positions and multiplies no zeros: output x window. The library's interpreter itself is not
 used: it runs a scan's body once, counts no branch of a cond and only the last shard_map.
 
+Fused attention (jax.nn.dot_product_attention's cuDNN kernels, one primitive forward and one
+backward) counts what the unfused ops count, so MFU does not depend on the kernel: q k^T and
+the weighted values forward (2 products), their gradients backward (4; not the scores the
+kernel computes again). Its sequence is the padded one the kernel runs (vit.attention).
+
 Op classes (CLASSES): 'matmul' (matrix products without batch dimensions and convolutions),
-'attention' (matrix products with batch dimensions: attention's scores and weighted values),
+'attention' (matrix products with batch dimensions: attention's scores and weighted values;
+fused attention),
 'elementwise' (everything else: activations, normalisation, softmax, the optimizer update; each
 op's operands and results as the library counts them, or by hand where it has no rule, e.g.
 tanh; layout and dtype changes count no bytes).
@@ -39,6 +45,11 @@ CLASSES = ("matmul", "attention", "elementwise")
 # The library's per-primitive rules (its package exports the function under the module's name).
 _RULES = importlib.import_module("jax.experimental.roofline.roofline")._rooflines
 _MATMUL = ("dot_general", "conv_general_dilated")
+# Fused attention primitives -> the matrix products each counts, in units of 2 x B x heads x
+# T_q x T_kv x head_dim (one product's FLOPs); layout 1 is cuDNN's BNTH (heads before the
+# sequence), 0 its BTNH (jax.nn's).
+_FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": 2,
+                    "dot_product_attention_bwd_wrapper": 4}
 _FREE = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
          "convert_element_type", "copy", "copy_p", "stop_gradient", "iota", "pvary", "pcast",
          "sharding_constraint", "mesh_cast", "reshard", "random_wrap", "random_unwrap",
@@ -125,17 +136,29 @@ def _bytes(eqn, result) -> float:
                    if isinstance(getattr(a, "dtype", None), np.dtype)))
 
 
+def fused_attention_flops(eqn) -> float:
+  """FLOPs of a fused attention primitive (_FUSED_ATTENTION) from its query and key shapes."""
+  query, key = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  kv_len = key[2] if eqn.params["layout"] == 1 else key[1]
+  return 2.0 * _FUSED_ATTENTION[eqn.primitive.name] * math.prod(query) * kv_len
+
+
 def _add_eqn(eqn, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
   name = eqn.primitive.name
-  if (name not in _MATMUL and not elementwise) or name in _COLLECTIVES:
+  counted = name in _MATMUL or name in _FUSED_ATTENTION
+  if (not counted and not elementwise) or name in _COLLECTIVES:
     return
   result = _library(eqn)
   nbytes = _bytes(eqn, result)
   bandwidth = accelerator.hbm_bandwidth if accelerator else 0.0
   memory_s = nbytes / bandwidth if bandwidth else 0.0
-  if name in _MATMUL:
-    flops = conv_flops(eqn) if name == "conv_general_dilated" else float(result.flops)
-    batched = name == "dot_general" and eqn.params["dimension_numbers"][1][0]
+  if counted:
+    if name in _FUSED_ATTENTION:
+      flops = fused_attention_flops(eqn)
+    else:
+      flops = conv_flops(eqn) if name == "conv_general_dilated" else float(result.flops)
+    batched = name in _FUSED_ATTENTION or (name == "dot_general"
+                                           and eqn.params["dimension_numbers"][1][0])
     cost = totals["attention" if batched else "matmul"]
     seconds = memory_s
     if accelerator:  # float32 operands run at the float32 peak (TF32 on GPUs).
