@@ -108,6 +108,11 @@ def test_auto_attention_is_cudnn_on_gpus_in_16_bit_else_xla(name, platform, dtyp
   layers_ = [m for _, m in nnx.iter_graph(model) if hasattr(type(m), "attention_impl")]
   assert {m.attention_impl for m in layers_} == ({kernel} if name == "vit_demo" else set())
   assert model_def.config() == {"name": name}  # Not in a checkpoint's meta.
+  if platform == "cpu":  # get_model resolves it for JAX's default backend, this CPU.
+    built = models.get_model(name, num_classes=10, rngs=nnx.Rngs(0), attention_impl="auto",
+                             dtype=jnp.dtype(dtype))
+    assert {m.attention_impl for _, m in nnx.iter_graph(built)
+            if hasattr(type(m), "attention_impl")} == {"xla"}
 
 
 def test_head_flops_are_six_b_d_c_of_the_step():

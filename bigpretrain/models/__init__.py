@@ -53,7 +53,8 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
   rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
-  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels). Raises
+  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
+  base.auto_attention's pick for JAX's default backend and the model's `dtype`). Raises
   ValueError for an unknown name (listing the registered ones) and TypeError for an option the
   model does not take or one fixed by its architecture.
   """
@@ -67,8 +68,11 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
     if unknown:
       raise TypeError(f"model {name!r} got unknown option(s) {unknown}; "
                       f"accepted: {sorted(accepted)}")
-  model = base.set_kernels(factory(num_classes=num_classes, rngs=rngs, **kw), attention_impl,
-                           head_dtype)
+  model = factory(num_classes=num_classes, rngs=rngs, **kw)
+  if attention_impl == "auto":
+    attention_impl = base.auto_attention(model, jax.default_backend(),
+                                         kw.get("dtype", jnp.float32))
+  model = base.set_kernels(model, attention_impl, head_dtype)
   return base.remat_blocks(model, remat)
 
 
