@@ -6,8 +6,9 @@ figure, then a markdown table of them all.
 
 Figures (each line's `figure`):
   vit_b16_train          semantic softmax ViT-B/16 on ImageNet-21K-P's classes, bfloat16,
-                         224 px, the paper's 64 images per device (512 on 8 V100s): img/s,
-                         step time, perf/mfu
+                         224 px, the paper's 64 images per device (512 on 8 V100s), the
+                         recipe's kernels (attention 'auto': cuDNN's on a GPU): img/s, step
+                         time, perf/mfu
   regnety_16gf_train     SWAG's RegNetY-16GF, bfloat16, 224 px, 64 per device (8,192 on 128
                          GPUs), 27,000 hashtag classes: the same fields
   tresnet_m_vs_resnet50  TResNet-M / ResNet-50 step time under the semantic softmax recipe, in
