@@ -34,9 +34,9 @@ def make_divisible(value: float, divisor: int = 8) -> int:
 
 
 # config.model.attention_impl: jax.nn.dot_product_attention's implementation in attention
-# layers. 'xla' (the default) is XLA's own softmax(q k^T) v on every backend; 'cudnn' is
-# cuDNN's fused flash attention on NVIDIA GPUs (one custom call forward, one backward, no
-# [B, heads, N, N] scores in memory).
+# layers. 'xla' is XLA's own softmax(q k^T) v on every backend; 'cudnn' is cuDNN's fused flash
+# attention on NVIDIA GPUs (one custom call forward, one backward, no [B, heads, N, N] scores
+# in memory). The configs' default, 'auto', picks one per platform (base.auto_attention).
 ATTENTION_IMPLS = ("xla", "cudnn")
 # config.model.head_dtype: what the classifier's matmuls read. 'float32' (the default): the
 # features and the kernel in float32. 'bfloat16': both, and the gradient of the logits, rounded
