@@ -2,8 +2,8 @@
 import re
 
 import jax
-from flax import nnx
 import jax.numpy as jnp
+from flax import nnx
 
 from bigpretrain import registry
 from bigpretrain.models import layers
@@ -116,7 +116,8 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   dtypes cuDNN's kernel takes; 'xla' anywhere else. The two give the same losses up to bf16
   rounding (benchmarks/accelerator.py's attention_loss figure)."""
   modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
-  fused = (platform in ("gpu", "cuda") and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
+  sixteen_bit = jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
+  fused = (platform in ("gpu", "cuda") and sixteen_bit
            and any(hasattr(type(m), "attention_impl") for m in modules))
   return "cudnn" if fused else "xla"
 
