@@ -106,6 +106,14 @@ def split_name(split: str) -> str:
   return sliced["name"] if sliced else split
 
 
+def check_split(info, split: str, where: str) -> None:
+  """ValueError naming `where` and the dataset's splits unless `split` (or the split it
+  slices, split_name) is one of `info.splits`."""
+  if split_name(split) not in info.splits:
+    raise ValueError(f"{where}: dataset {info.name!r} has no split {split!r}; its splits: "
+                     f"{list(info.splits)}.")
+
+
 def split_source(dataset, split: str):
   """`dataset.source(split)`; 'NAME[START:STOP]' (tfds's slicing by records, Python's bounds:
   either may be left out or count from the end) is that range of split NAME's records."""

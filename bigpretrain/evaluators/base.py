@@ -39,9 +39,7 @@ class Evaluator:
           {"name": dataset_name, "dir": cfg.get("data_dir", "") or config.data.dir})
     else:
       self.dataset = exp.dataset
-    if subset.split_name(self.split) not in self.dataset.info.splits:
-      raise ValueError(f"config.evals.{name}.split={self.split!r}: dataset "
-                       f"{self.dataset.info.name!r} has splits {list(self.dataset.info.splits)}.")
+    subset.check_split(self.dataset.info, self.split, f"config.evals.{name}.split")
 
   def run(self, state) -> dict:
     """Metrics of `state` ({'params', 'extra', ...}) named '<name>/<metric>'."""

@@ -136,8 +136,7 @@ class Evaluation:
       if not split:
         raise ValueError(f"Dataset {name!r} has splits {list(info.splits)}: name one, "
                          f"e.g. --datasets={name}:{info.splits[0]}.")
-    if subset.split_name(split) not in info.splits:
-      raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {list(info.splits)}.")
+    subset.check_split(info, split, f"--datasets={name}:{split}")
     model_names = list(meta["class_names"])
     real = mapped.REAL_LABEL in info.features
     same = info.num_classes == meta["num_classes"] and (

@@ -30,9 +30,7 @@ class _Probe:
     self.dataset = datasets.get_dataset({"name": name, "dir": data_dir})
     info = self.dataset.info
     for split in (train_split, test_split):
-      if subset.split_name(split) not in info.splits:
-        raise ValueError(f"{where}: dataset {name!r} has no split {split!r}; its splits: "
-                         f"{list(info.splits)}.")
+      subset.check_split(info, split, where)
     self.num_classes = info.num_classes
     pool = subset.split_source(self.dataset, train_split)
     if train_records:  # tfds stores records shuffled: a prefix is a random sample.
