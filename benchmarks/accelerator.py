@@ -31,8 +31,6 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   head_vit_b16,          model.head_dtype 'float32' vs 'bfloat16' (float32 accumulation) for
   head_regnety_16gf      11,221 / 27,000 classes, with the head's share of the step's FLOPs
                          counted on the jaxpr (`head_flops_share`)
-  grouped_conv_regnety_16gf  model.grouped_conv_impl 'xla' (one grouped convolution: cuDNN's
-                         kernels on GPUs) vs 'matmul' (windows times a batched matmul)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   combined_vit_b16,      every lever above at the arm that won its figure in this run, at
@@ -110,15 +108,14 @@ _KEEP_UP_DATA_DIR = flags.DEFINE_string(
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
-           "head_vit_b16", "head_regnety_16gf", "grouped_conv_regnety_16gf", "batch_vit_b16",
-           "batch_regnety_16gf", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
+           "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
+           "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
                  "batch_vit_b16", "combined_vit_b16", "xla_flags")
 # Per combined figure: its model's lever figures and the settings each one's winning arm sets.
 LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16": ("head_dtype",),
                                "batch_vit_b16": ("batch_per_device", "remat")},
           "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
-                                    "grouped_conv_regnety_16gf": ("grouped_conv_impl",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
@@ -186,7 +183,6 @@ def settings(config, model_def=None) -> dict:
                else config.model.get("attention_impl", "xla"))
   return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
-          "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -430,13 +426,6 @@ class Suite:
     self.head("head_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
               self.swag_classes)
 
-  def grouped_conv_regnety_16gf(self):
-    config = self.regnety_config()
-    self.ab("grouped_conv_regnety_16gf",
-            {impl: with_model_options(config, grouped_conv_impl=impl)
-             for impl in layers.GROUPED_CONV_IMPLS}, self.swag_classes,
-            built={"xla": self.runners.get("regnety_16gf_train")})
-
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
     size that does not fit (or the largest tried), the remat policies until one fits. One
@@ -646,11 +635,10 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
       best[row["model"]] = row
   if best:
     rows += ["", "Best configuration per model:", "",
-             "| model | batch/device | attention | head | grouped conv | remat | XLA flags | "
-             "images/s | step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/device | attention | head | remat | XLA flags | images/s | "
+             "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['grouped_conv_impl']} | {r['remat']} | {r['xla_flags']} | "
-             f"{fmt(r['images_per_sec'])} | "
+             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
@@ -742,9 +730,7 @@ def main(argv):
          "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured,
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
-         "head_regnety_16gf": suite.head_regnety_16gf,
-         "grouped_conv_regnety_16gf": suite.grouped_conv_regnety_16gf,
-         "batch_vit_b16": suite.batch_vit_b16,
+         "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
          "batch_regnety_16gf": suite.batch_regnety_16gf,
          "combined_vit_b16": suite.combined_vit_b16,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}

@@ -1,7 +1,6 @@
 """The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
-needs gives the unpadded attention), config.model.head_dtype (a bfloat16 matmul summed in
-float32) and config.model.grouped_conv_impl (windows times a batched matmul), all kernels
-only: the same parameters, refused where they do not apply."""
+needs gives the unpadded attention) and config.model.head_dtype (a bfloat16 matmul summed in
+float32), both kernels only: the same parameters, refused where they do not apply."""
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -91,74 +90,6 @@ def test_levers_are_config_values_that_pick_kernels_only():
       config_lib.validate(bad_config)
   with pytest.raises(ValueError, match="RegNet has no attention layers"):
     models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
-
-
-def _reference_grouped_conv(x, w, stride, groups):
-  """NHWC x HWIO grouped convolution with k // 2 zero padding, in float64 numpy loops."""
-  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-  k, per_group, out_ch = w.shape[0], w.shape[2], w.shape[3]
-  pad = k // 2
-  xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-  ho = (x.shape[1] + 2 * pad - k) // stride + 1
-  wo = (x.shape[2] + 2 * pad - k) // stride + 1
-  out = np.zeros((x.shape[0], ho, wo, out_ch))
-  per_out = out_ch // groups
-  for o in range(out_ch):
-    g = o // per_out
-    for i in range(ho):
-      for j in range(wo):
-        window = xp[:, i * stride:i * stride + k, j * stride:j * stride + k,
-                    g * per_group:(g + 1) * per_group]
-        out[:, i, j, o] = np.einsum("nhwc,hwc->n", window, w[:, :, :, o])
-  return out
-
-
-@pytest.mark.parametrize("stride,groups,k", [(1, 4, 3), (2, 2, 3), (2, 3, 1), (2, 4, 3)])
-def test_grouped_conv_as_matmul_is_the_grouped_convolution(stride, groups, k):
-  """layers.grouped_conv_matmul (as nnx.Conv calls it) against a loop over output pixels, and
-  its gradients against XLA's grouped convolution's."""
-  x = jax.random.normal(jax.random.key(0), (2, 7, 8, 12))
-  w = jax.random.normal(jax.random.key(1), (k, k, 12 // groups, 12))
-  args = ((stride, stride), ((k // 2, k // 2),) * 2)
-  kw = dict(dimension_numbers=jax.lax.conv_dimension_numbers(x.shape, w.shape,
-                                                             ("NHWC", "HWIO", "NHWC")),
-            feature_group_count=groups, precision="highest")
-  got = layers.grouped_conv_matmul(x, w, *args, **kw)
-  np.testing.assert_allclose(got, _reference_grouped_conv(x, w, stride, groups), rtol=1e-5,
-                             atol=1e-5)
-  g = jax.random.normal(jax.random.key(2), got.shape)
-  grad = lambda conv: jax.grad(lambda x, w: jnp.sum(g * conv(x, w, *args, **kw)), (0, 1))(x, w)
-  for a, b in zip(grad(layers.grouped_conv_matmul), grad(jax.lax.conv_general_dilated)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-  with pytest.raises(ValueError, match="no dilation"):
-    layers.grouped_conv_matmul(x, w, *args, rhs_dilation=(2, 2), **kw)
-
-
-def test_grouped_conv_impl_runs_regnets_grouped_convs_as_matmuls_only():
-  """config.model.grouped_conv_impl='matmul': every grouped conv of a RegNetY (and no other
-  conv) runs as a matmul, with the same parameters and, in float32, the same logits."""
-  model_cfg = {"name": "regnety_demo", "grouped_conv_impl": "matmul"}
-  model_def = models.ModelDef.from_config(model_cfg, 10)
-  plain = models.ModelDef.from_config({"name": "regnety_demo"}, 10)
-  assert model_def.config() == plain.config() == {"name": "regnety_demo"}
-  params, extra = plain.create(jax.random.key(0))
-  images = jax.random.uniform(jax.random.key(1), (2, 32, 32, 3))
-  outs = {}
-  for name, definition in (("matmul", model_def), ("xla", plain)):
-    model = definition.merge(params, extra)
-    convs = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Conv)]
-    grouped = {m.conv_general_dilated for m in convs if m.feature_group_count > 1}
-    assert grouped == {layers.CONVS[name]}
-    assert {m.conv_general_dilated for m in convs if m.feature_group_count == 1} == {
-        layers.batch_local_conv}
-    outs[name] = model(images)
-  np.testing.assert_allclose(outs["matmul"], outs["xla"], rtol=1e-4, atol=1e-4)
-  bad = helpers.tiny_config("semantic_softmax")
-  bad.model.grouped_conv_impl = "im2col"
-  with pytest.raises(ValueError, match="config.model.grouped_conv_impl='im2col' must be one"):
-    config_lib.validate(bad)
-  with pytest.raises(ValueError, match="VisionTransformer has no grouped convolutions"):
-    models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl="matmul")
 
 
 @pytest.mark.parametrize("name,platform,dtype,kernel", [

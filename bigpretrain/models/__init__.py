@@ -48,14 +48,12 @@ def accepts(name: str, option: str) -> bool:
 
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
-              attention_impl: str = "xla", head_dtype: str = "float32",
-              grouped_conv_impl: str = "xla", **kw) -> nnx.Module:
+              attention_impl: str = "xla", head_dtype: str = "float32", **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
-  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
-  `head_dtype` and `grouped_conv_impl` (config.model's) pick kernels, not weights
-  (base.set_kernels; attention_impl='auto':
+  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
+  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
   base.auto_attention's pick for JAX's default backend and the model's `dtype`). Raises
   ValueError for an unknown name (listing the registered ones) and TypeError for an option the
   model does not take or one fixed by its architecture.
@@ -74,7 +72,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   if attention_impl == "auto":
     attention_impl = base.auto_attention(model, jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
-  model = base.set_kernels(model, attention_impl, head_dtype, grouped_conv_impl)
+  model = base.set_kernels(model, attention_impl, head_dtype)
   return base.remat_blocks(model, remat)
 
 
@@ -112,8 +110,7 @@ class ModelDef:
     if auto:
       kwargs["attention_impl"] = base.auto_attention(
           abstract, platform or jax.default_backend(), compute_dtype)
-      base.set_kernels(abstract, kwargs["attention_impl"], kwargs.get("head_dtype", "float32"),
-                       kwargs.get("grouped_conv_impl", "xla"))
+      base.set_kernels(abstract, kwargs["attention_impl"], kwargs.get("head_dtype", "float32"))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     return cls(model_cfg["name"], kwargs, graphdef, params, extra)
 
@@ -128,10 +125,9 @@ class ModelDef:
 
   def config(self) -> dict:
     """The `config.model` mapping that rebuilds this model (a checkpoint's meta). Without
-    the run's compute settings (`remat` and the kernels of base.set_kernels): how a run
-    trades compute for memory or picks kernels is not part of its weights."""
-    runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype",
-               "grouped_conv_impl")
+    the run's compute settings (`remat`, `attention_impl`, `head_dtype`): how a run trades
+    compute for memory or picks kernels is not part of its weights."""
+    runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype")
     return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
   def abstract_module(self) -> nnx.Module:

@@ -18,7 +18,6 @@ REMAT_OFF = layers.REMAT_OFF
 # The attention kernels and classifier-head precisions models accept (config.model).
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
-GROUPED_CONV_IMPLS = layers.GROUPED_CONV_IMPLS
 # config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
 ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
 
@@ -123,22 +122,17 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   return "cudnn" if fused else "xla"
 
 
-def set_kernels(model: nnx.Module, attention_impl: str = "xla", head_dtype: str = "float32",
-                grouped_conv_impl: str = "xla") -> nnx.Module:
+def set_kernels(model: nnx.Module, attention_impl: str = "xla",
+                head_dtype: str = "float32") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
-  layers.ATTENTION_IMPLS), the classifier head's matmul dtype (`head_dtype`,
-  layers.HEAD_DTYPES) and how grouped convolutions run (`grouped_conv_impl`,
-  layers.GROUPED_CONV_IMPLS). Parameters are unchanged, so checkpoints load either way.
-  Raises ValueError for an unknown value, or a kernel other than 'xla' for a model without
-  the layers it is for."""
+  layers.ATTENTION_IMPLS) and the classifier head's matmul dtype (`head_dtype`,
+  layers.HEAD_DTYPES). Parameters are unchanged, so checkpoints load either way. Raises
+  ValueError for an unknown value or an attention kernel for a model without attention."""
   if attention_impl not in layers.ATTENTION_IMPLS:
     raise ValueError(f"attention_impl={attention_impl!r} must be one of "
                      f"{layers.ATTENTION_IMPLS}.")
   if head_dtype not in layers.HEAD_DTYPES:
     raise ValueError(f"head_dtype={head_dtype!r} must be one of {layers.HEAD_DTYPES}.")
-  if grouped_conv_impl not in layers.GROUPED_CONV_IMPLS:
-    raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r} must be one of "
-                     f"{layers.GROUPED_CONV_IMPLS}.")
   modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
   # Attention layers (vit.Attention; not imported here, vit imports base) carry the attribute.
   attention = [m for m in modules if hasattr(type(m), "attention_impl")]
@@ -147,14 +141,6 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla", head_dtype: str 
                      "attention layers.")
   for m in attention:
     m.attention_impl = attention_impl
-  # The grouped convolutions that run per batch shard (layers.CONVS: every model's here).
-  grouped = [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
-             and m.conv_general_dilated in layers.CONVS.values()]
-  if grouped_conv_impl != "xla" and not grouped:
-    raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r}: {type(model).__name__} has "
-                     "no grouped convolutions.")
-  for m in grouped:
-    m.conv_general_dilated = layers.CONVS[grouped_conv_impl]
   for m in modules:
     if isinstance(m, layers.ClassifierHead):
       m.head_dtype = head_dtype

@@ -44,12 +44,6 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 # Tensor Core / MXU rate for a head of 11k-27k classes, whose share of the step grows with the
 # class count.
 HEAD_DTYPES = ("float32", "bfloat16")
-# config.model.grouped_conv_impl: how grouped convolutions (feature_group_count > 1: RegNet's,
-# ResNeXt's) run. 'xla' is one grouped convolution (cuDNN's grouped kernels on NVIDIA GPUs);
-# 'matmul' gathers each output pixel's window and multiplies it with each group's kernel in
-# one batched matmul (grouped_conv_matmul): the same products as GEMMs, for compilers whose
-# grouped convolution kernels are slow.
-GROUPED_CONV_IMPLS = ("xla", "matmul")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -217,8 +211,7 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes, *rest))
 
 
-def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, grouped: Callable | None = None,
-                     **kwargs) -> jax.Array:
+def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
   """`jax.lax.conv_general_dilated` (batch on lhs axis 0) computed on each device's own rows.
 
   XLA's SPMD partitioner all-gathers the batch-split input of a grouped convolution
@@ -236,13 +229,8 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, grouped: Callable | 
   miscompiled the input gradient of a 1x1 conv feeding a 3x3 conv and BatchNorm (the
   forward was right; RegNetY's early blocks got wrong gradients on a data:2,fsdp:2,tensor:2
   mesh). Kernels keep their sharded storage and are gathered whole, as FSDP intends.
-
-  `grouped`: what grouped convolutions run as (default jax.lax.conv_general_dilated; CONVS'
-  'matmul' entry passes grouped_conv_matmul).
   """
-  grouped = kwargs.get("feature_group_count", 1) > 1 and grouped
-  op = grouped or jax.lax.conv_general_dilated
-  conv = lambda x, k: op(x, k, *args, **kwargs)
+  conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
   if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
     return _pin_rows(conv(lhs, rhs))
@@ -254,43 +242,6 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, grouped: Callable | 
   return _pin_rows(jax.shard_map(
       local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
       axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
-
-
-def grouped_conv_matmul(lhs: jax.Array, rhs: jax.Array, window_strides, padding, *,
-                        lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-                        feature_group_count: int = 1, precision=None,
-                        preferred_element_type=None, out_sharding=None) -> jax.Array:
-  """jax.lax.conv_general_dilated of an NHWC input and an HWIO kernel (nnx.Conv's layout) as
-  one batched matmul: each output pixel's kh x kw window of the padded input, gathered by
-  strided slices, times each group's [kh * kw * C/G, O/G] kernel, the groups as the matmul's
-  batch. The same products as the convolution, summed in another order; the windows take
-  kh * kw times the input's memory."""
-  dims = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  nhwc = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
-  dilated = any(d != 1 for d in (*(lhs_dilation or ()), *(rhs_dilation or ())))
-  if dims != nhwc or dilated or isinstance(padding, str) or out_sharding is not None:
-    raise ValueError("grouped_conv_matmul takes NHWC inputs, HWIO kernels, explicit padding "
-                     f"and no dilation or output sharding; got {dims}, padding={padding!r}, "
-                     f"lhs_dilation={lhs_dilation}, rhs_dilation={rhs_dilation}, "
-                     f"out_sharding={out_sharding}.")
-  groups = feature_group_count
-  n, h, w, _ = lhs.shape
-  kh, kw, per_group, out_ch = rhs.shape
-  (sh, sw), ((top, bottom), (left, right)) = window_strides, padding
-  x = jnp.pad(lhs, ((0, 0), (top, bottom), (left, right), (0, 0)))
-  ho, wo = (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1
-  windows = jnp.stack([x[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw]
-                       for i in range(kh) for j in range(kw)], axis=3)  # [N, Ho, Wo, taps, C]
-  windows = windows.reshape(n, ho, wo, kh * kw, groups, per_group)
-  kernel = rhs.reshape(kh * kw, per_group, groups, out_ch // groups)
-  out = jnp.einsum("nhwtgc,tcgo->nhwgo", windows, kernel, precision=precision,
-                   preferred_element_type=preferred_element_type)
-  return out.reshape(n, ho, wo, out_ch)
-
-
-# nnx.Conv's `conv_general_dilated` per GROUPED_CONV_IMPLS entry (base.set_kernels sets it).
-CONVS = {"xla": batch_local_conv,
-         "matmul": functools.partial(batch_local_conv, grouped=grouped_conv_matmul)}
 
 
 def _pin_rows(x: jax.Array) -> jax.Array:
