@@ -126,7 +126,9 @@ def test_documented_command_is_valid(page, command):
     registered = set(re.findall(r"^\s+(\w+):", (ROOT / "pytest.ini").read_text(), re.M))
     assert markers <= registered
     return
-  if words[0] in ("sbatch", "bash") or words[0].startswith(("launch/", "BIGPRETRAIN_")):
+  while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # Environment settings first.
+    words = words[1:]
+  if words[0] in ("sbatch", "bash") or words[0].startswith("launch/"):
     script = next(w for w in words if w.startswith("launch/"))
     assert (ROOT / script).is_file(), script
     return
