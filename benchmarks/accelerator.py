@@ -34,7 +34,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   combined_vit_b16,      every lever above at the arm that won its figure in this run, at
-  combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings
+  combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings; its step's
+                         top ops and op families go in the profile tables
   xla_flags              ViT-B/16 under each gpu_flags.FLAG_SETS entry, each in a fresh
                          process (XLA reads XLA_FLAGS once) but the one this process runs
                          with (`this_process`: its vit_b16_train line)
@@ -354,15 +355,8 @@ class Suite:
     """The top device ops of each trained figure's step (ViT-B/16's at least), per step."""
     if not self.runners:
       self.vit_b16()
-    per_step = {}
-    for key, runner in self.runners.items():
-      with tempfile.TemporaryDirectory() as log_dir:
-        profile_ops.trace(lambda runner=runner: runner.run(PROFILE_STEPS), log_dir)
-        top = profile_ops.top_ops(log_dir)
-      for op in top["ops"] + top["families"]:
-        op["ms"] /= PROFILE_STEPS
-      self.profiles[f"{key} ({runner.config.model.name})"] = top
-      per_step[key] = top["total_ms"] / PROFILE_STEPS
+    per_step = {key: self.trace_ops(key, runner)["total_ms"]
+                for key, runner in self.runners.items()}
     self.emit("profile", per_step.get("vit_b16_train"), "ViT-B/16 traced op ms per step",
               traced_ms_per_step=per_step, steps=PROFILE_STEPS,
               source={k: p["source"] for k, p in self.profiles.items()},
@@ -373,6 +367,18 @@ class Suite:
       if key.startswith("tresnet_m_vs_resnet50"):
         del self.runners[key]
     gc.collect()
+
+  def trace_ops(self, key: str, runner) -> dict:
+    """The top device ops and op families of `runner`'s step, per step, from a jax.profiler
+    trace of PROFILE_STEPS steps (for the tables under `key`)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+      profile_ops.trace(lambda: runner.run(PROFILE_STEPS), log_dir)
+      top = profile_ops.top_ops(log_dir)
+    for op in top["ops"] + top["families"]:
+      op["ms"] /= PROFILE_STEPS
+    top["total_ms"] /= PROFILE_STEPS
+    self.profiles[f"{key} ({runner.config.model.name})"] = top
+    return top
 
   def attention(self):
     config = self.vit_config()
@@ -494,6 +500,7 @@ class Suite:
     row = self.measure(figure, runner, statistics.median(
         runner.run(self.steps) for _ in range(self.rounds)))
     base = next((l["value"] for l in self.lines if l["figure"] == trained), None)
+    self.trace_ops(figure, runner)  # Where the best configuration's step spends its time.
     self.emit(figure, row["images_per_sec"], "images/s", levers=picked,
               **{k: v for k, v in row.items() if k not in ("figure", "images_per_sec")},
               speedup_over_recipe=row["images_per_sec"] / base if base else None,

@@ -62,6 +62,9 @@ def test_dry_run_prints_every_figure_and_the_table(tmp_path):
   assert "| figure | value | unit | details |" in md
   assert "Top device ops of vit_b16_train (vit_demo) (host trace, per step):" in md
   assert "Top op families of vit_b16_train (vit_demo) (host trace, per step):" in md
+  # The best configuration of each model is profiled too (its combined figure's step).
+  assert "Top op families of combined_vit_b16 (vit_demo) (host trace, per step):" in md
+  assert "Top device ops of combined_regnety_16gf (regnety_demo) (host trace, per step):" in md
 
 
 def _check_levers(by):
