@@ -48,13 +48,15 @@ def accepts(name: str, option: str) -> bool:
 
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
-              attention_impl: str = "xla", head_dtype: str = "float32", **kw) -> nnx.Module:
+              attention_impl: str = "xla", head_dtype: str = "float32",
+              platform: str | None = None, **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
   rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
   `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
-  base.auto_attention's pick for JAX's default backend and the model's `dtype`). Raises
+  base.auto_attention's pick for `platform`, default JAX's default backend, and the model's
+  `dtype`). Raises
   ValueError for an unknown name (listing the registered ones) and TypeError for an option the
   model does not take or one fixed by its architecture.
   """
@@ -70,7 +72,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
                       f"accepted: {sorted(accepted)}")
   model = factory(num_classes=num_classes, rngs=rngs, **kw)
   if attention_impl == "auto":
-    attention_impl = base.auto_attention(model, jax.default_backend(),
+    attention_impl = base.auto_attention(model, platform or jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
   model = base.set_kernels(model, attention_impl, head_dtype)
   return base.remat_blocks(model, remat)
@@ -103,14 +105,12 @@ class ModelDef:
       kwargs["image_size"] = image_size
     kwargs["dtype"] = jnp.dtype(compute_dtype)
     kwargs["num_classes"] = num_classes
-    auto = kwargs.get("attention_impl", "auto") == "auto"
-    if auto:
-      kwargs["attention_impl"] = "xla"
-    abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0), **kwargs))
-    if auto:
+    kwargs.setdefault("attention_impl", "auto")
+    abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0),
+                                                platform=platform, **kwargs))
+    if kwargs["attention_impl"] == "auto":  # The kernel get_model picked, for create().
       kwargs["attention_impl"] = base.auto_attention(
           abstract, platform or jax.default_backend(), compute_dtype)
-      base.set_kernels(abstract, kwargs["attention_impl"], kwargs.get("head_dtype", "float32"))
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     return cls(model_cfg["name"], kwargs, graphdef, params, extra)
 
