@@ -40,7 +40,7 @@ setuptools.setup(
     extras_require={
         # beam: the data-preparation tests; faiss: the dedup tests. The weight-conversion
         # tests need the interop extra too (pytest -m interop); without it they skip.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "faiss-cpu>=1.8", "bigpretrain[beam]",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.8", "faiss-cpu>=1.8", "bigpretrain[beam]",
                  "bigpretrain[bench]"],
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],

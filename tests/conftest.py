@@ -25,6 +25,18 @@ from bigpretrain import train  # pylint: disable=g-import-not-at-top,wrong-impor
 
 
 
+# Files with tests of these marks take most of the suite's time.
+_HEAVY = ("slow", "multiprocess", "beam", "compile", "interop")
+
+
+def pytest_collection_modifyitems(items):
+  """The files holding tests of the _HEAVY marks first (pytest.ini keeps this order
+  across the workers, one file at a time): the light files come last and even out the
+  workers' finish, instead of one long file running alone at the end."""
+  heavy = {item.path for item in items if any(item.get_closest_marker(m) for m in _HEAVY)}
+  items.sort(key=lambda item: item.path not in heavy)  # Stable: test order within a file kept.
+
+
 @pytest.fixture(scope="session")
 def demo_run() -> str:
   """A 2-step semantic-softmax demo run (vit_demo, tests.helpers.tiny_config), trained once for

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from PIL import Image
+from tensorflow_datasets.core import hashing
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -30,12 +31,12 @@ import pytest
 from bigpretrain.semisup import dedup
 from bigpretrain.semisup import pool_predictions
 from bigpretrain import models
-from bigpretrain.semantic import tree as tree_lib
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
 from input_pipeline import exclusions
 from input_pipeline.jobs import selection_job
+from input_pipeline.sources import demo
 from tests import helpers
 
 pytestmark = pytest.mark.slow  # end-to-end recipe runs
@@ -60,24 +61,26 @@ def _reencode(data: bytes, side, quality) -> bytes:
 
 
 class _DedupDataset:
-  """'dedup_test:v1': 'validation' = the first NUM_EVAL demo validation images below the
-  roots; 'unlabeled' = the first NUM_OTHERS such demo unlabeled images with PLANTED copies
-  inserted at their pool positions. Demo class list (a teacher's pool)."""
+  """'dedup_test:v1': 'validation' = NUM_EVAL demo validation images of classes below the
+  roots; 'unlabeled' = NUM_OTHERS such demo unlabeled images with PLANTED copies inserted at
+  their pool positions. Demo class list (a teacher's pool)."""
 
   def __init__(self, name, data_dir):
-    # The earlier look: in 'demo' an inner class's images repeat leaf looks, so the pool holds
-    # natural near-duplicates of validation images besides the planted ones.
-    demo = datasets.get_dataset({"name": "demo_plain", "dir": data_dir})
-    depth = tree_lib.SemanticTree.from_wnids(demo.info.class_names).class_depth
+    info = datasets.get_dataset({"name": "demo", "dir": data_dir}).info
+    # The earlier look: in 'demo' an inner class's images repeat leaf looks, so the pool would
+    # hold natural near-duplicates of validation images. The images are those a prepared
+    # 'demo_plain' holds first, rendered on their own (demo.DemoClasses.example) in the order
+    # tfds stores a split (by the md5 of each example's key, salted with the split's name),
+    # instead of generating all 27,500 of that dataset.
+    classes = demo.DemoClasses(info.class_names)
+    depth = classes.tree.class_depth
 
     def below_roots(split, n):
-      source, out, i = demo.source(split), [], 0
-      while len(out) < n:
-        record = source[i]
-        if depth[record["true_label"]] >= 1:
-          out.append({"image": record["image"], "label": record["label"]})
-        i += 1
-      return out
+      per_class = demo.SPLIT_SIZES[split]  # Example i is of class i // per_class.
+      order = sorted(range(per_class * classes.num_classes), key=hashing.Hasher(split).hash_key)
+      kept = [i for i in order if depth[i // per_class] >= 1][:n]
+      return [{"image": r["image"], "label": r["label"]}
+              for r in (classes.example(split, i, look="plain") for i in kept)]
 
     val = below_roots("validation", NUM_EVAL)
     pool = below_roots("unlabeled", NUM_OTHERS)
@@ -86,7 +89,7 @@ class _DedupDataset:
                       "label": val[v]["label"]})
     self.records = {"validation": val, "unlabeled": pool}
     self.info = dataclasses.replace(
-        demo.info, name=name, splits=("unlabeled", "validation"),
+        info, name=name, splits=("unlabeled", "validation"),
         num_examples={s: len(r) for s, r in self.records.items()}, features={"label": 0})
 
   def source(self, split):
