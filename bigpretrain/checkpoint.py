@@ -377,6 +377,20 @@ class Checkpointer:
         "use another --workdir, or start a new run from its weights with "
         "--config.model_init=<this workdir>.")
 
+  def refuse_another_configuration(self) -> None:
+    """Raises CheckpointMismatch if the newest checkpoint with a readable 'meta' was written
+    for another configuration: the check restore() makes first, early enough that a refusal
+    costs no state to build. Unreadable checkpoints are passed over here; restore() sets them
+    aside and says so."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        self._check_meta(step)
+      except CheckpointMismatch:
+        raise
+      except Exception:  # pylint: disable=broad-except
+        continue
+      return
+
   def _check_meta(self, step: int) -> None:
     """Raises CheckpointMismatch if the checkpoint's 'meta' names another model, class list
     or objective than this run's; any other error means the checkpoint is unreadable."""

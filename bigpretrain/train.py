@@ -455,17 +455,17 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
   evaluators = evaluators_lib.build(config, exp)
-  state = exp.init_state()
-  # Rebuilt by the restore at the checkpoint's stream position (on any topology).
-  num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
-  train_iter = stream_position.TrainStream(lambda pos: make_train_iterator(exp, pos),
-                                           num_workers)
-
   meta = ckpt_lib.run_meta(config, exp.model_def.config(), dataset.info.class_names,
                            dataset.info.num_classes)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
   cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))
+  checkpointer.refuse_another_configuration()  # Before the state is built and compiled.
+  state = exp.init_state()
+  # Rebuilt by the restore at the checkpoint's stream position (on any topology).
+  num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
+  train_iter = stream_position.TrainStream(lambda pos: make_train_iterator(exp, pos),
+                                           num_workers)
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "
