@@ -97,7 +97,8 @@ def _check_xy(x, y, l2, what: str) -> np.ndarray:
 def logistic_loss_and_grad(w_flat, xb, y, num_classes: int, l2: float):
   """The 'logistic' objective and its gradient at W (flattened [D + 1, C]); xb holds the
   whitened features with the bias column last (not penalised)."""
-  # scipy is imported where it is used: it is a quarter of every trainer process's imports.
+  # scipy is imported where it is used: it is a large share of every trainer process's
+  # start-up, and most runs never fit a probe.
   import scipy.special  # pylint: disable=import-outside-toplevel
   w = w_flat.reshape(xb.shape[1], num_classes)
   logits = xb @ w
@@ -121,7 +122,8 @@ def logistic_fit(x, y, num_classes: int, l2: float = LOGISTIC_L2,
   # Bias column 1 (not BIAS_CONSTANT): it is not penalised, so its scale does not matter.
   xb = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=1.0)
   w0 = np.zeros(xb.shape[1] * num_classes)
-  import scipy.optimize  # pylint: disable=import-outside-toplevel  # As scipy.special above.
+  # As scipy.special in logistic_loss_and_grad: imported where it is used.
+  import scipy.optimize  # pylint: disable=import-outside-toplevel
   res = scipy.optimize.minimize(logistic_loss_and_grad, w0, args=(xb, y, num_classes, l2),
                                 jac=True, method="L-BFGS-B",
                                 options={"maxiter": max_iter, "gtol": 1e-6})

@@ -239,8 +239,8 @@ def platt_fit(probs, *, tol: float = 1e-5, max_iter: int = 1000) -> tuple[np.nda
     return loss, np.concatenate([(d * s).sum(axis=0), d.sum(axis=0)])
 
   x0 = np.concatenate([std, mean])  # w = 1, b = 0.
-  # Imported here: scipy is a quarter of every trainer process's imports, which reach this
-  # module through the hashtag zero-shot evaluator.
+  # Imported here: scipy is a large share of every trainer process's start-up (they import
+  # this module through the hashtag zero-shot evaluator), and most never fit Platt.
   import scipy.optimize  # pylint: disable=import-outside-toplevel
   result = scipy.optimize.minimize(loss_and_grad, x0, jac=True, method="L-BFGS-B",
                                    options={"maxiter": max_iter, "gtol": tol / c, "ftol": 0.0})
