@@ -484,13 +484,14 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
       config.profile_steps, os.path.join(workdir, "profile", f"process_{jax.process_index()}"),
       total_steps)
   input_delay = goodput_lib.input_delay()
+  preemption.setting_up(False)
+  # Drawn once the set-up is over: a signal during the set-up leaves its one line alone.
   bar = metric_writers.progress_bar(total_steps, start, enabled=is_main)
   cleanup.callback(bar.close)  # Before an error line, not redrawn after it at exit.
   out = _StepOutputs(config=config, total_steps=total_steps, evaluators=evaluators,
                      writer=writer, checkpointer=checkpointer, train_iter=train_iter,
                      perf=perf, profiler=profiler, bar=bar,
                      pending=_Pending(divergence.Monitor(config, checkpointer)))
-  preemption.setting_up(False)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):
