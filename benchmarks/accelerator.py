@@ -99,6 +99,11 @@ _FIGURES = flags.DEFINE_list("figures", [], "Only these figures, in this order (
 _QUICK = flags.DEFINE_bool("quick", False, "Only QUICK_FIGURES (ViT-B/16 and its levers).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "", "Also write accelerator.jsonl and accelerator.md "
                                "here (again after each figure, so a run cut short keeps them).")
+_PER_DEVICE = flags.DEFINE_integer(
+    "per_device", None, "Images per device of the trained figures and the first arm of the "
+    "batch figures (default: the papers' 64; dry run 2); the xla_flags children get it too.")
+_FLAG_SETS = flags.DEFINE_list("flag_sets", [], "xla_flags: only these of FLAG_SETS (default: "
+                                "all on a GPU, else and with --quick the first two).")
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "Start no figure after this many seconds; the "
                                "ones left are listed as skipped (a device lease's time).")
 
@@ -128,7 +133,8 @@ BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
 # The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
-FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm")
+FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm",
+             "cudnn_layer_norm")
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -208,7 +214,7 @@ class Suite:
 
   def __init__(self, dry_run: bool, steps: int, rounds: int):
     self.dry_run, self.steps, self.rounds = dry_run, steps, rounds
-    self.per_device = 2 if dry_run else PAPER_PER_DEVICE
+    self.per_device = _PER_DEVICE.value or (2 if dry_run else PAPER_PER_DEVICE)
     self.image_size = 32 if dry_run else 224
     # The dry run's classes: the demo's (a small WordNet tree) and 100 hashtags.
     self.ss_data = "dataset=demo" if dry_run else "dataset=imagenet21k_p"
@@ -300,6 +306,7 @@ class Suite:
   def train_figure(self, figure: str, config, num_classes=None) -> dict:
     dataset = standin_dataset(config, num_classes)
     runner = common.Runner(config, dataset)
+    runner.run(1)  # The first call's one-time costs (buffers, library handles) left out.
     step_s = runner.run(self.steps)
     rep = common.report(config, step_s, runner.compile_s)
     flops = runner.flops
@@ -699,6 +706,7 @@ def run_flag_sets(names, steps: int | None) -> dict:
     env = {**os.environ, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
     args = [sys.executable, os.path.abspath(__file__), "--figures=vit_b16_train"]
     args += [f"--steps={steps}"] if steps else []
+    args += [f"--per_device={_PER_DEVICE.value}"] if _PER_DEVICE.value else []
     args += [] if _DRY_RUN.value is None else [f"--dry_run={_DRY_RUN.value}"]
     r = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     found = [json.loads(l) for l in r.stdout.splitlines()
@@ -721,7 +729,11 @@ def main(argv):
   flag_lines = None
   if "xla_flags" in figures:  # Before this process's backend starts (run_flag_sets).
     every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
-    flag_lines = run_flag_sets(FLAG_SETS if every else FLAG_SETS[:2], _STEPS.value)
+    names = _FLAG_SETS.value or (FLAG_SETS if every else FLAG_SETS[:2])
+    if set(names) - set(FLAG_SETS):
+      raise app.UsageError(f"--flag_sets: unknown {sorted(set(names) - set(FLAG_SETS))}; "
+                           f"known: {FLAG_SETS}.")
+    flag_lines = run_flag_sets(names, _STEPS.value)
   gpu_flags.apply()  # The settings training runs with (bigpretrain.runtime.distributed applies them).
   flag_set = ("bigpretrain" if gpu_flags.target_platform() == "gpu"
               and os.environ.get(gpu_flags.OFF_VARIABLE, "").lower() != "off" else "none")
