@@ -33,6 +33,7 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          counted on the jaxpr (`head_flops_share`)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
+  patch_embed            ViT-B/16, model.patch_embed_impl 'matmul' vs 'conv'
   combined_vit_b16,      every lever above at the arm that won its figure in this run, at
   combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings; its step's
                          top ops and op families go in the profile tables
@@ -115,20 +116,21 @@ KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_ru
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
            "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
-           "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
+           "patch_embed", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
-                 "batch_vit_b16", "combined_vit_b16", "xla_flags")
+                 "batch_vit_b16", "patch_embed", "combined_vit_b16", "xla_flags")
 # Per combined figure: its model's lever figures and the settings each one's winning arm sets.
 LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16": ("head_dtype",),
-                               "batch_vit_b16": ("batch_per_device", "remat")},
+                               "batch_vit_b16": ("batch_per_device", "remat"),
+                               "patch_embed": ("patch_embed_impl",)},
           "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
 # The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
-# at most per model (64 -> 512 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
+# at most per model (64 -> 1,024 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
 # policies it tries, in turn until one fits, at the first size that does not fit.
-BATCH_DOUBLINGS = {"vit_b16": 3, "regnety_16gf": 2}
+BATCH_DOUBLINGS = {"vit_b16": 4, "regnety_16gf": 2}
 BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
@@ -190,6 +192,7 @@ def settings(config, model_def=None) -> dict:
                else config.model.get("attention_impl", "xla"))
   return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
+          "patch_embed_impl": config.model.get("patch_embed_impl", "matmul"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -393,6 +396,14 @@ class Suite:
     self.ab("attention", {impl: with_model_options(config, attention_impl=impl)
                           for impl in layers.ATTENTION_IMPLS},
             built={trained.exp.model_def.kwargs["attention_impl"]: trained} if trained else {})
+
+  def patch_embed(self):
+    """ViT-B/16's patch embedding as one matmul (the default) against the convolution."""
+    config = self.vit_config()
+    trained = self.runners.get("vit_b16_train")
+    self.ab("patch_embed", {impl: with_model_options(config, patch_embed_impl=impl)
+                            for impl in layers.PATCH_EMBED_IMPLS},
+            built={"matmul": trained} if trained else {})
 
   def attention_loss(self):
     """vit_demo trained LOSS_STEPS steps on one fixed batch from one seed with each attention
@@ -649,10 +660,11 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
       best[row["model"]] = row
   if best:
     rows += ["", "Best configuration per model:", "",
-             "| model | batch/device | attention | head | remat | XLA flags | images/s | "
-             "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/device | attention | head | patch embed | remat | XLA flags | "
+             "images/s | step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
+             f"{r['patch_embed_impl']} | {r['remat']} | {r['xla_flags']} | "
+             f"{fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
@@ -750,7 +762,7 @@ def main(argv):
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
-         "batch_regnety_16gf": suite.batch_regnety_16gf,
+         "batch_regnety_16gf": suite.batch_regnety_16gf, "patch_embed": suite.patch_embed,
          "combined_vit_b16": suite.combined_vit_b16,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}
   failed, skipped = {}, []

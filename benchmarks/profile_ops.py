@@ -9,10 +9,14 @@ summary lines that would count the time twice); on the CPU, where every op runs 
 the XLA runtime's events that name an HLO op. Several kernels of one op (a cuDNN convolution's
 launches) add up under the op's name; `kernel` is the first kernel name seen.
 
+A kernel that an XLA command buffer (a CUDA graph: XLA:GPU's default) launches is tagged with
+the command buffer's op, which holds most of a step: such a kernel counts under its own name
+(`input_transpose_fusion_234`, a cuBLAS GEMM's kernel), GEMM kernels under one family.
+
 `families` sums the ops by their name without XLA's numeric suffix (`cudnn-conv-bw-filter.80`
--> `cudnn-conv-bw-filter`, `loop_add_fusion.3` -> `loop_add_fusion`): a ViT step's time is
-spread over hundreds of GEMMs and fusions of a few ms each, so its top ops alone say little of
-where the time goes.
+-> `cudnn-conv-bw-filter`, `loop_add_fusion.3` -> `loop_add_fusion`, a kernel's `_234`): a ViT
+step's time is spread over hundreds of GEMMs and fusions of a few ms each, so its top ops alone
+say little of where the time goes.
 """
 import collections
 import gzip
@@ -66,6 +70,8 @@ def top_ops(log_dir, n: int = 10) -> dict:
   kernel = {}
   for e in ops:
     op = e.get("args", {}).get("hlo_op", e["name"])  # A device event without one: its kernel.
+    if op.startswith("command_buffer"):
+      op = e["name"]
     time_us[op] += float(e.get("dur", 0.0))
     count[op] += 1
     kernel.setdefault(op, e["name"])
@@ -84,5 +90,8 @@ def top_ops(log_dir, n: int = 10) -> dict:
 
 
 def family_of(op: str) -> str:
-  """An HLO op's name without XLA's numeric suffix (`.N`), which numbers its instances."""
-  return re.sub(r"\.\d+$", "", op)
+  """An HLO op's name without XLA's numeric suffix (`.N`, a kernel's `_N`), which numbers its
+  instances; every GEMM kernel launched by name (cuBLAS's `..._gemm_...`) as 'gemm kernels'."""
+  if "gemm" in op.lower() and not op.startswith(("cublas", "gemm_fusion")):
+    return "gemm kernels"
+  return re.sub(r"[._]\d+$", "", op)
