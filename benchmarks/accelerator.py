@@ -33,7 +33,9 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          counted on the jaxpr (`head_flops_share`)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
-  patch_embed            ViT-B/16, model.patch_embed_impl 'matmul' vs 'conv'
+  gelu                   the exact GELU's forward and backward on ViT-B/16's MLP activations
+                         ([images, 197, 3,072] bf16 per device), as layers.gelu computes it
+                         (erf) vs jax.nn.gelu (erfc), and the step time it saves (12 blocks)
   combined_vit_b16,      every lever above at the arm that won its figure in this run, at
   combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings; its step's
                          top ops and op families go in the profile tables
@@ -116,13 +118,12 @@ KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_ru
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
            "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
-           "patch_embed", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
+           "gelu", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
-                 "batch_vit_b16", "patch_embed", "combined_vit_b16", "xla_flags")
+                 "batch_vit_b16", "gelu", "combined_vit_b16", "xla_flags")
 # Per combined figure: its model's lever figures and the settings each one's winning arm sets.
 LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16": ("head_dtype",),
-                               "batch_vit_b16": ("batch_per_device", "remat"),
-                               "patch_embed": ("patch_embed_impl",)},
+                               "batch_vit_b16": ("batch_per_device", "remat")},
           "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
@@ -135,8 +136,7 @@ BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
 # The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
-FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm",
-             "cudnn_layer_norm")
+FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm")
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -192,7 +192,6 @@ def settings(config, model_def=None) -> dict:
                else config.model.get("attention_impl", "xla"))
   return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
-          "patch_embed_impl": config.model.get("patch_embed_impl", "matmul"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -397,14 +396,6 @@ class Suite:
                           for impl in layers.ATTENTION_IMPLS},
             built={trained.exp.model_def.kwargs["attention_impl"]: trained} if trained else {})
 
-  def patch_embed(self):
-    """ViT-B/16's patch embedding as one matmul (the default) against the convolution."""
-    config = self.vit_config()
-    trained = self.runners.get("vit_b16_train")
-    self.ab("patch_embed", {impl: with_model_options(config, patch_embed_impl=impl)
-                            for impl in layers.PATCH_EMBED_IMPLS},
-            built={"matmul": trained} if trained else {})
-
   def attention_loss(self):
     """vit_demo trained LOSS_STEPS steps on one fixed batch from one seed with each attention
     implementation: the largest relative difference of the per-step losses."""
@@ -562,6 +553,20 @@ class Suite:
               this_process=this_process,
               flags={n: gpu_flags.flags_string(gpu_flags.FLAG_SETS[n]) for n in self.flag_lines})
 
+  def gelu(self):
+    """layers.gelu (erf) against jax.nn.gelu(approximate=False) (erfc): the same function;
+    forward and backward of one block's MLP activations, alternated."""
+    tokens, hidden, depth = (17, 256, 4) if self.dry_run else (197, 3072, 12)
+    x = jax.random.normal(jax.random.key(0), (self.per_device, tokens, hidden), "bfloat16")
+    arms = {"erfc": lambda v: jax.nn.gelu(v, approximate=False), "erf": layers.gelu}
+    runners = {name: ElementwiseRunner(f, x) for name, f in arms.items()}
+    times = self.alternate(runners)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    self.emit("gelu", statistics.median(a / b for a, b in zip(times["erfc"], times["erf"])),
+              "speed-up of erf over erfc", shape=list(x.shape), dtype="bfloat16",
+              ms_per_block=ms, step_ms_saved=depth * (ms["erfc"] - ms["erf"]),
+              blocks=depth, rounds=self.rounds, steps=self.steps)
+
   def esd_memory(self):
     model = "vit_demo" if self.dry_run else "vit_b16"
     # ESD drops whole rows of each device's batch: 2 rows would keep as much as masking.
@@ -627,6 +632,22 @@ class Suite:
               plan_compile_s=plan_s)
 
 
+class ElementwiseRunner:
+  """`run(steps)` as common.Runner's, for an activation `f`'s forward and backward on `x`."""
+
+  def __init__(self, f, x):
+    self.x = x
+    self.step = jax.jit(jax.value_and_grad(lambda v: f(v).astype("float32").sum()))
+    jax.block_until_ready(self.step(x))  # Compiled and run once.
+
+  def run(self, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      out = self.step(self.x)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / steps
+
+
 def versions() -> dict:
   """The software the figures ran on: jax, jaxlib and, on GPUs, CUDA and cuDNN."""
   out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
@@ -660,11 +681,10 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
       best[row["model"]] = row
   if best:
     rows += ["", "Best configuration per model:", "",
-             "| model | batch/device | attention | head | patch embed | remat | XLA flags | "
-             "images/s | step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/device | attention | head | remat | XLA flags | images/s | "
+             "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['patch_embed_impl']} | {r['remat']} | {r['xla_flags']} | "
-             f"{fmt(r['images_per_sec'])} | "
+             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
@@ -762,8 +782,8 @@ def main(argv):
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
-         "batch_regnety_16gf": suite.batch_regnety_16gf, "patch_embed": suite.patch_embed,
-         "combined_vit_b16": suite.combined_vit_b16,
+         "batch_regnety_16gf": suite.batch_regnety_16gf,
+         "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}
   failed, skipped = {}, []
   start = time.perf_counter()

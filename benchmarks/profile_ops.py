@@ -11,7 +11,8 @@ launches) add up under the op's name; `kernel` is the first kernel name seen.
 
 A kernel that an XLA command buffer (a CUDA graph: XLA:GPU's default) launches is tagged with
 the command buffer's op, which holds most of a step: such a kernel counts under its own name
-(`input_transpose_fusion_234`, a cuBLAS GEMM's kernel), GEMM kernels under one family.
+(`input_transpose_fusion_234`, `nvjet_sm90_tst_128x128_...`), and its family is its name
+without the `_N` suffix, or one of KERNEL_FAMILIES (every cuBLAS GEMM kernel as one family).
 
 `families` sums the ops by their name without XLA's numeric suffix (`cudnn-conv-bw-filter.80`
 -> `cudnn-conv-bw-filter`, `loop_add_fusion.3` -> `loop_add_fusion`, a kernel's `_234`): a ViT
@@ -68,10 +69,12 @@ def top_ops(log_dir, n: int = 10) -> dict:
   time_us = collections.Counter()
   count = collections.Counter()
   kernel = {}
+  graphed = set()  # Ops named by their kernel: launched by a command buffer.
   for e in ops:
     op = e.get("args", {}).get("hlo_op", e["name"])  # A device event without one: its kernel.
     if op.startswith("command_buffer"):
       op = e["name"]
+      graphed.add(op)
     time_us[op] += float(e.get("dur", 0.0))
     count[op] += 1
     kernel.setdefault(op, e["name"])
@@ -79,7 +82,7 @@ def top_ops(log_dir, n: int = 10) -> dict:
   share = lambda us: us / total if total else None
   family_us, family_ops = collections.Counter(), collections.Counter()
   for op, us in time_us.items():
-    family = family_of(op)
+    family = kernel_family(op) if op in graphed else family_of(op)
     family_us[family] += us
     family_ops[family] += 1
   return {"total_ms": total / 1e3, "source": source,
@@ -90,8 +93,21 @@ def top_ops(log_dir, n: int = 10) -> dict:
 
 
 def family_of(op: str) -> str:
-  """An HLO op's name without XLA's numeric suffix (`.N`, a kernel's `_N`), which numbers its
-  instances; every GEMM kernel launched by name (cuBLAS's `..._gemm_...`) as 'gemm kernels'."""
-  if "gemm" in op.lower() and not op.startswith(("cublas", "gemm_fusion")):
-    return "gemm kernels"
-  return re.sub(r"[._]\d+$", "", op)
+  """An HLO op's name without XLA's numeric suffix (`.N`), which numbers its instances."""
+  return re.sub(r"\.\d+$", "", op)
+
+
+# (substring of a kernel's name, its family): cuBLAS's GEMM kernels (`nvjet_...` on Hopper,
+# `..._gemm_...`), cuDNN's fused attention (`..._sdpa_...`, `..._fmha_...`).
+KERNEL_FAMILIES = (("nvjet", "cublas gemm kernels"), ("gemm", "cublas gemm kernels"),
+                   ("sdpa", "cudnn attention kernels"), ("fmha", "cudnn attention kernels"))
+
+
+def kernel_family(kernel: str) -> str:
+  """A kernel's family: KERNEL_FAMILIES' where its name matches, else the name without the
+  `_N` suffix XLA numbers its fusion kernels with."""
+  lower = kernel.lower()
+  for part, family in KERNEL_FAMILIES:
+    if part in lower:
+      return family
+  return re.sub(r"_\d+$", "", kernel)

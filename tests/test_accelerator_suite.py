@@ -138,7 +138,8 @@ def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypat
 def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
   """A GPU trace: kernels on the device's stream lines, summed per HLO op (a cuDNN call's two
   kernels as one op) and per op family (two cuDNN convolutions as one); the device's summary
-  line and the host's events left out."""
+  line and the host's events left out. Kernels a command buffer (CUDA graph) launches count
+  under their own names, in the families of their kind."""
   run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
   run.mkdir(parents=True)
   meta = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind,
@@ -155,18 +156,27 @@ def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
             span(1, 7, "cudnn_conv_kernel_b", 150.0, "cudnn-conv.2"),
             span(1, 7, "cudnn_conv_kernel_c", 100.0, "cudnn-conv.5"),
             span(1, 7, "loop_add_fusion", 50.0, "loop_add_fusion"),
+            span(1, 7, "nvjet_sm90_tst_128x128_64x6", 40.0, "command_buffer_3"),
+            span(1, 7, "sm90_xmma_gemm_bf16bf16_tn", 30.0, "command_buffer_3"),
+            span(1, 7, "input_add_fusion_12", 20.0, "command_buffer_3"),
+            span(1, 7, "input_add_fusion_7", 10.0, "command_buffer_9"),
             span(1, 9, "jit_train_step", 600.0),
             span(2, 3, "ExecuteHelper", 900.0, "cublas-gemm.1")]
   (run / "host.trace.json.gz").write_bytes(gzip.compress(json.dumps(
       {"traceEvents": events}).encode()))
   top = profile_ops.top_ops(tmp_path, n=2)
-  assert top["source"] == "device" and top["total_ms"] == 0.7
+  assert top["source"] == "device" and top["total_ms"] == 0.8
   assert top["ops"] == [
-      {"op": "cublas-gemm.1", "ms": 0.3, "share": 300 / 700, "count": 1,
+      {"op": "cublas-gemm.1", "ms": 0.3, "share": 300 / 800, "count": 1,
        "kernel": "sm90_xmma_gemm_bf16"},
-      {"op": "cudnn-conv.2", "ms": 0.25, "share": 250 / 700, "count": 2,
+      {"op": "cudnn-conv.2", "ms": 0.25, "share": 250 / 800, "count": 2,
        "kernel": "cudnn_conv_kernel_a"}]
   # By family, the two cuDNN convolutions (0.35 ms) come before the one GEMM.
   assert top["families"] == [
-      {"family": "cudnn-conv", "ms": 0.35, "share": 350 / 700, "ops": 2},
-      {"family": "cublas-gemm", "ms": 0.3, "share": 300 / 700, "ops": 1}]
+      {"family": "cudnn-conv", "ms": 0.35, "share": 350 / 800, "ops": 2},
+      {"family": "cublas-gemm", "ms": 0.3, "share": 300 / 800, "ops": 1}]
+  every = {f["family"]: (round(f["ms"], 6), f["ops"])
+           for f in profile_ops.top_ops(tmp_path, n=10)["families"]}
+  assert every == {"cudnn-conv": (0.35, 2), "cublas-gemm": (0.3, 1),
+                   "loop_add_fusion": (0.05, 1), "cublas gemm kernels": (0.07, 2),
+                   "input_add_fusion": (0.03, 2)}

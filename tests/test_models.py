@@ -534,6 +534,23 @@ def _gelu_np(x):
   return 0.5 * x * (1 + erf(x / np.sqrt(2)))
 
 
+def test_gelu_is_the_exact_gelu_and_its_gradient():
+  """layers.gelu (erf) is x * Phi(x) with Phi's derivative in the backward pass, in float32 to
+  float32 rounding (absolute: 1 + erf(x / sqrt 2) cancels in the negative tail, as in
+  PyTorch's nn.GELU), and in bfloat16 within bfloat16 rounding of jax.nn.gelu's erfc form."""
+  x = np.linspace(-8, 8, 2001)
+  got = layers.gelu(jnp.asarray(x, jnp.float32))
+  np.testing.assert_allclose(got, _gelu_np(x), rtol=1e-6, atol=1e-6)
+  grad = jax.vmap(jax.grad(layers.gelu))(jnp.asarray(x, jnp.float32))
+  from scipy.special import erf  # pylint: disable=g-import-not-at-top
+  want = 0.5 * (1 + erf(x / np.sqrt(2))) + x * np.exp(-x * x / 2) / np.sqrt(2 * np.pi)
+  np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-6)
+  xb = jnp.asarray(x[np.abs(x) < 4], jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(layers.gelu(xb), np.float32),
+                             np.asarray(jax.nn.gelu(xb, approximate=False), np.float32),
+                             rtol=2 ** -7, atol=1e-6)
+
+
 def test_mixer_block_matches_numpy():
   from bigpretrain.models import mixer  # pylint: disable=g-import-not-at-top
   block = mixer.MixerBlock(4, 6, 5, 7, dtype=jnp.float32, param_dtype=jnp.float32,

@@ -49,13 +49,12 @@ def accepts(name: str, option: str) -> bool:
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
               attention_impl: str = "xla", head_dtype: str = "float32",
-              patch_embed_impl: str = "matmul", platform: str | None = None,
-              **kw) -> nnx.Module:
+              platform: str | None = None, **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
-  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
-  `head_dtype` and `patch_embed_impl` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
+  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
+  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
   base.auto_attention's pick for `platform`, default JAX's default backend, and the model's
   `dtype`). Raises
   ValueError for an unknown name (listing the registered ones) and TypeError for an option the
@@ -75,7 +74,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   if attention_impl == "auto":
     attention_impl = base.auto_attention(model, platform or jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
-  model = base.set_kernels(model, attention_impl, head_dtype, patch_embed_impl)
+  model = base.set_kernels(model, attention_impl, head_dtype)
   return base.remat_blocks(model, remat)
 
 

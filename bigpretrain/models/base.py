@@ -18,7 +18,6 @@ REMAT_OFF = layers.REMAT_OFF
 # The attention kernels and classifier-head precisions models accept (config.model).
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
-PATCH_EMBED_IMPLS = layers.PATCH_EMBED_IMPLS
 # config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
 ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
 
@@ -123,21 +122,17 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   return "cudnn" if fused else "xla"
 
 
-def set_kernels(model: nnx.Module, attention_impl: str = "xla", head_dtype: str = "float32",
-                patch_embed_impl: str = "matmul") -> nnx.Module:
+def set_kernels(model: nnx.Module, attention_impl: str = "xla",
+                head_dtype: str = "float32") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
-  layers.ATTENTION_IMPLS), the classifier head's matmul dtype (`head_dtype`,
-  layers.HEAD_DTYPES) and the patch embedding's form (`patch_embed_impl`,
-  layers.PATCH_EMBED_IMPLS). Parameters are unchanged, so checkpoints load either way. Raises
+  layers.ATTENTION_IMPLS) and the classifier head's matmul dtype (`head_dtype`,
+  layers.HEAD_DTYPES). Parameters are unchanged, so checkpoints load either way. Raises
   ValueError for an unknown value or an attention kernel for a model without attention."""
   if attention_impl not in layers.ATTENTION_IMPLS:
     raise ValueError(f"attention_impl={attention_impl!r} must be one of "
                      f"{layers.ATTENTION_IMPLS}.")
   if head_dtype not in layers.HEAD_DTYPES:
     raise ValueError(f"head_dtype={head_dtype!r} must be one of {layers.HEAD_DTYPES}.")
-  if patch_embed_impl not in layers.PATCH_EMBED_IMPLS:
-    raise ValueError(f"patch_embed_impl={patch_embed_impl!r} must be one of "
-                     f"{layers.PATCH_EMBED_IMPLS}.")
   modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
   # Attention layers (vit.Attention; not imported here, vit imports base) carry the attribute.
   attention = [m for m in modules if hasattr(type(m), "attention_impl")]
@@ -149,6 +144,4 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla", head_dtype: str 
   for m in modules:
     if isinstance(m, layers.ClassifierHead):
       m.head_dtype = head_dtype
-    if isinstance(m, layers.PatchEmbed):
-      m.impl = patch_embed_impl
   return model

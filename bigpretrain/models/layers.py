@@ -17,8 +17,13 @@ Dtype = jnp.dtype | type
 
 
 def gelu(x: jax.Array) -> jax.Array:
-  """Exact (erf) GELU, as in the ViT/DeiT/Mixer reference models."""
-  return jax.nn.gelu(x, approximate=False)
+  """Exact GELU, x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))): PyTorch's nn.GELU, as in the
+  ViT / DeiT / Mixer reference models. jax.nn.gelu(approximate=False) is the same function
+  through erfc, which XLA expands per element into two exponentials, two divisions and three
+  branches; erf is one HLO op. 1 + erf is summed in float32, so a bfloat16 step keeps the
+  negative tail's relative precision as the erfc form does."""
+  z = (x * jnp.asarray(math.sqrt(0.5), x.dtype)).astype(jnp.float32)
+  return x * ((1 + jax.lax.erf(z)) / 2).astype(x.dtype)
 
 
 def partitioned(init, names: Sequence[str | None]):
@@ -44,12 +49,6 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 # Tensor Core / MXU rate for a head of 11k-27k classes, whose share of the step grows with the
 # class count.
 HEAD_DTYPES = ("float32", "bfloat16")
-# config.model.patch_embed_impl: how a patch embedding (a convolution whose stride is its
-# window) computes, with the same parameters. 'matmul' (the default): each patch flattened and
-# multiplied by the flattened kernel, one GEMM. 'conv': the convolution, which XLA:GPU hands to
-# cuDNN, whose kernels for a 3-channel input ran ~30 times slower than that GEMM on an H200
-# (the patch_embed figure, docs/benchmarks.md).
-PATCH_EMBED_IMPLS = ("matmul", "conv")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -82,29 +81,6 @@ def _bf16_matmul_bwd(x_dtype, w_dtype, res, g):
 
 
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
-
-
-class PatchEmbed(nnx.Conv):
-  """Non-overlapping patches of `patch_size` pixels embedded to `out_features`: nnx.Conv's
-  parameters (kernel [p, p, in, out], bias), computed as `impl` says (PATCH_EMBED_IMPLS)."""
-  impl = "matmul"
-
-  def __init__(self, in_features: int, out_features: int, patch_size: int, **kwargs):
-    super().__init__(in_features, out_features, (patch_size, patch_size), strides=patch_size,
-                     padding="VALID", **kwargs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    if self.impl == "conv":
-      return super().__call__(x)
-    (p, q), (b, h, w, c) = self.kernel_size, x.shape
-    # [B, H, W, C] -> [B, H/p, W/q, p*q*C] in the kernel's (row, column, channel) order.
-    x = x.reshape(b, h // p, p, w // q, q, c).transpose(0, 1, 3, 2, 4, 5)
-    x = x.reshape(b, h // p, w // q, p * q * c)
-    kernel = self.kernel[...].reshape(p * q * c, -1)
-    bias = self.bias[...] if self.bias is not None else None
-    x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-    y = jnp.dot(x, kernel, precision=self.precision)
-    return y if bias is None else y + bias
 
 
 class ClassifierHead(nnx.Linear):

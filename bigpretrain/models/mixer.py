@@ -58,8 +58,8 @@ class MlpMixer(base.Classifier):
     self.width = width
     self.dtype = dtype
     num_tokens = (h // patch_size) * (w // patch_size)
-    self.patch_embed = layers.PatchEmbed(
-        3, width, patch_size,
+    self.patch_embed = nnx.Conv(
+        3, width, (patch_size, patch_size), strides=patch_size, padding="VALID",
         kernel_init=layers.partitioned(nnx.initializers.lecun_normal(),
                                        (None, None, None, "embed")),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)

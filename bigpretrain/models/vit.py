@@ -178,8 +178,8 @@ class VisionTransformer(base.Classifier):
     self.drop_path_rates = layers.drop_path_rates(drop_path_rate, depth, drop_path_schedule)
     self.stochastic_depth = layers.check_stochastic_depth_mode(stochastic_depth)
 
-    self.patch_embed = layers.PatchEmbed(
-        3, width, patch_size,
+    self.patch_embed = nnx.Conv(
+        3, width, (patch_size, patch_size), strides=patch_size, padding="VALID",
         kernel_init=layers.partitioned(nnx.initializers.lecun_normal(),
                                        (None, None, None, "embed")),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
