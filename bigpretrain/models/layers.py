@@ -23,7 +23,8 @@ def gelu(x: jax.Array) -> jax.Array:
   1 + erf in float32 (the sum's cancellation in the negative tail is far below the 16-bit
   rounding; jax.nn.gelu rounds x / sqrt(2) to 16 bits, a few % off there). erf is one
   HLO op, where jax.nn.gelu's erfc is expanded per element into two exponentials, two
-  divisions and three branches: 8% of ViT-B/16's bfloat16 step on an H200. In float32 and
+  divisions and three branches: the largest fusion of ViT-B/16's bfloat16 step on an H200
+  (docs/benchmarks.md). In float32 and
   wider: jax.nn.gelu(approximate=False), whose erfc keeps the tail's relative precision.
   """
   if jnp.dtype(x.dtype).itemsize > 2:
