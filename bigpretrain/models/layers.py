@@ -24,8 +24,8 @@ def gelu(x: jax.Array) -> jax.Array:
   rounding; jax.nn.gelu rounds x / sqrt(2) to 16 bits, a few % off there). erf is one
   HLO op, where jax.nn.gelu's erfc is expanded per element into two exponentials, two
   divisions and three branches: the largest fusion of ViT-B/16's bfloat16 step on an H200
-  (docs/benchmarks.md). In float32 and
-  wider: jax.nn.gelu(approximate=False), whose erfc keeps the tail's relative precision.
+  (docs/benchmarks.md). In float32 and wider: jax.nn.gelu(approximate=False), whose erfc
+  keeps the tail's relative precision.
   """
   if jnp.dtype(x.dtype).itemsize > 2:
     return jax.nn.gelu(x, approximate=False)
