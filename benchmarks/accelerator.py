@@ -308,7 +308,6 @@ class Suite:
   def train_figure(self, figure: str, config, num_classes=None) -> dict:
     dataset = standin_dataset(config, num_classes)
     runner = common.Runner(config, dataset)
-    runner.run(1)  # The first call's one-time costs (buffers, library handles) left out.
     step_s = runner.run(self.steps)
     rep = common.report(config, step_s, runner.compile_s)
     flops = runner.flops
