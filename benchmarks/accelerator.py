@@ -31,6 +31,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   head_vit_b16,          model.head_dtype 'float32' vs 'bfloat16' (float32 accumulation) for
   head_regnety_16gf      11,221 / 27,000 classes, with the head's share of the step's FLOPs
                          counted on the jaxpr (`head_flops_share`)
+  grouped_conv           RegNetY-16GF, model.grouped_conv_impl 'xla' (cuDNN's grouped kernels on
+                         a GPU) vs 'gemm' (one batched GEMM over the groups per convolution)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   gelu                   the exact GELU's forward and backward on ViT-B/16's MLP activations
@@ -117,14 +119,15 @@ _KEEP_UP_DATA_DIR = flags.DEFINE_string(
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
-           "head_vit_b16", "head_regnety_16gf", "batch_vit_b16", "batch_regnety_16gf",
-           "gelu", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
+           "head_vit_b16", "head_regnety_16gf", "grouped_conv", "batch_vit_b16",
+           "batch_regnety_16gf", "gelu", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
                  "batch_vit_b16", "gelu", "combined_vit_b16", "xla_flags")
 # Per combined figure: its model's lever figures and the settings each one's winning arm sets.
 LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16": ("head_dtype",),
                                "batch_vit_b16": ("batch_per_device", "remat")},
           "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
+                                    "grouped_conv": ("grouped_conv_impl",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
@@ -192,6 +195,7 @@ def settings(config, model_def=None) -> dict:
                else config.model.get("attention_impl", "xla"))
   return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
+          "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -440,6 +444,14 @@ class Suite:
     self.head("head_regnety_16gf", "regnety_16gf_train", self.regnety_config(),
               self.swag_classes)
 
+  def grouped_conv(self):
+    """RegNetY-16GF's grouped convolutions as XLA lowers them against batched GEMMs (the
+    regnety_16gf_train figure's runner, if it ran, is the 'xla' arm)."""
+    config = self.regnety_config()
+    self.ab("grouped_conv", {impl: with_model_options(config, grouped_conv_impl=impl)
+                             for impl in layers.GROUPED_CONV_IMPLS}, self.swag_classes,
+            built={"xla": self.runners.get("regnety_16gf_train")})
+
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
     size that does not fit (or the largest tried), the remat policies until one fits. One
@@ -680,10 +692,11 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
       best[row["model"]] = row
   if best:
     rows += ["", "Best configuration per model:", "",
-             "| model | batch/device | attention | head | remat | XLA flags | images/s | "
-             "step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/device | attention | head | grouped convs | remat | XLA flags | "
+             "images/s | step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['remat']} | {r['xla_flags']} | {fmt(r['images_per_sec'])} | "
+             f"{r['grouped_conv_impl']} | {r['remat']} | {r['xla_flags']} | "
+             f"{fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
   dev = lines[0] if lines else {"device_kind": jax.devices()[0].device_kind, "devices": 0}
@@ -780,7 +793,8 @@ def main(argv):
          "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured,
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
-         "head_regnety_16gf": suite.head_regnety_16gf, "batch_vit_b16": suite.batch_vit_b16,
+         "head_regnety_16gf": suite.head_regnety_16gf, "grouped_conv": suite.grouped_conv,
+         "batch_vit_b16": suite.batch_vit_b16,
          "batch_regnety_16gf": suite.batch_regnety_16gf,
          "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}

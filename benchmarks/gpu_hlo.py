@@ -88,7 +88,8 @@ def main(argv):
   out = {"model": config.model.name, "topology": f.topology, "batch_size": config.batch_size,
          "image_size": config.data.image_size, "compute_dtype": config.compute_dtype,
          "attention_impl": config.model.get("attention_impl", "xla"),
-         "head_dtype": config.model.get("head_dtype", "float32")}
+         "head_dtype": config.model.get("head_dtype", "float32"),
+         "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla")}
   hlo = compile_hlo(config, f.topology, f.num_classes)
   if f.hlo_out:
     with open(f.hlo_out, "w") as out_file:

@@ -32,7 +32,8 @@ _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema', 'divergence')
 # (config.evals entries are checked by the evaluators they name.)
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
 # Base keys of open sections that may be left out (their default applies).
-_OPTIONAL_KEYS = ('model.remat', 'model.attention_impl', 'model.head_dtype')
+_OPTIONAL_KEYS = ('model.remat', 'model.attention_impl', 'model.head_dtype',
+                  'model.grouped_conv_impl')
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
 
 
@@ -92,11 +93,13 @@ def base_config() -> ml_collections.ConfigDict:
   # model.attention_impl: the attention kernel ('xla'; 'cudnn' for cuDNN's fused flash
   # attention on NVIDIA GPUs; 'auto': cudnn where it runs, on GPUs in bf16, else xla: the same
   # losses up to bf16 rounding, and a faster ViT step); model.head_dtype: what the classifier's
-  # matmul reads ('float32', or 'bfloat16' with float32 accumulation). Both pick kernels, not
-  # weights (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES; their A/B figures:
-  # benchmarks/accelerator.py, docs/benchmarks.md).
+  # matmul reads ('float32', or 'bfloat16' with float32 accumulation);
+  # model.grouped_conv_impl: how grouped convolutions run ('xla', or 'gemm': one batched
+  # matrix product over the groups). All pick kernels, not weights
+  # (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS; their A/B
+  # figures: benchmarks/accelerator.py, docs/benchmarks.md).
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='auto',
-                                           head_dtype='float32'))
+                                           head_dtype='float32', grouped_conv_impl='xla'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
@@ -301,7 +304,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
                      "(the jax.checkpoint_policies policy each residual block is "
                      "rematerialised with), or '' / 'none' for off.")
   for key, allowed in (('attention_impl', model_base.ATTENTION_CHOICES),
-                       ('head_dtype', model_base.HEAD_DTYPES)):
+                       ('head_dtype', model_base.HEAD_DTYPES),
+                       ('grouped_conv_impl', model_base.GROUPED_CONV_IMPLS)):
     value = config.model.get(key, allowed[0])
     if value not in allowed:
       raise ValueError(f'config.model.{key}={value!r} must be one of {allowed}.')

@@ -1,6 +1,8 @@
 """The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
 needs gives the unpadded attention) and config.model.head_dtype (a bfloat16 matmul summed in
 float32), both kernels only: the same parameters, refused where they do not apply."""
+import functools
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,70 @@ def test_levers_are_config_values_that_pick_kernels_only():
       config_lib.validate(bad_config)
   with pytest.raises(ValueError, match="RegNet has no attention layers"):
     models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
+
+
+@pytest.mark.parametrize("groups,per_group,out_per_group,kernel,stride,padding", [
+    (3, 4, 5, 3, 1, ((1, 1), (1, 1))),  # RegNet's 3x3 grouped conv.
+    (2, 8, 8, 3, 2, ((1, 1), (1, 1))),  # Its strided first block.
+    (1, 3, 6, 1, 1, ((0, 0), (0, 0))),  # Ungrouped 1x1.
+    (4, 2, 2, 3, 2, "SAME")])
+def test_conv_as_gemm_is_the_grouped_convolution(groups, per_group, out_per_group, kernel,
+                                                 stride, padding):
+  """grouped_conv_impl 'gemm': values and both gradients of jax.lax.conv_general_dilated's
+  grouped convolution, to float32 rounding."""
+  x = jax.random.normal(jax.random.key(0), (2, 9, 7, groups * per_group))
+  w = jax.random.normal(jax.random.key(1), (kernel, kernel, per_group, groups * out_per_group))
+  g = jax.random.normal(jax.random.key(2), (2, 9 // stride + 9 % stride, 7 // stride
+                                            + 7 % stride, groups * out_per_group))
+
+  def loss(conv, x, w):
+    y = conv(x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+             feature_group_count=groups, precision="highest")
+    return jnp.sum(g * y), y
+
+  (_, want), want_grads = jax.value_and_grad(
+      functools.partial(loss, jax.lax.conv_general_dilated), (0, 1), has_aux=True)(x, w)
+  (_, got), got_grads = jax.value_and_grad(
+      functools.partial(loss, layers.conv_as_gemm), (0, 1), has_aux=True)(x, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for a, b in zip(got_grads, want_grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
+    layers.conv_as_gemm(x, w, (1, 1), padding, rhs_dilation=(2, 2),
+                        feature_group_count=groups)
+
+
+def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
+  """model.grouped_conv_impl 'gemm' on regnety_demo: its grouped 3x3 convs (and no other
+  conv) compute as GEMMs, with the same logits and gradients as 'xla' and the same
+  parameters; a model without grouped convs refuses it."""
+  def build(impl):
+    return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
+                            grouped_conv_impl=impl)
+
+  xla, gemm = build("xla"), build("gemm")
+  convs = lambda m: [c for _, c in nnx.iter_graph(m) if isinstance(c, nnx.Conv)]
+  picked = [c.conv_general_dilated is layers.batch_local_gemm_conv for c in convs(gemm)]
+  assert picked == [c.feature_group_count > 1 for c in convs(xla)] and any(picked)
+  images = jax.random.normal(jax.random.key(3), (4, 32, 32, 3))
+
+  def loss(model):
+    logits = model(images, train=False)
+    return jnp.sum(logits * jnp.arange(5.0)), logits
+
+  (_, want), want_grads = nnx.value_and_grad(loss, has_aux=True)(xla)
+  (_, got), got_grads = nnx.value_and_grad(loss, has_aux=True)(gemm)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
+               nnx.to_pure_dict(got_grads), nnx.to_pure_dict(want_grads))
+  with pytest.raises(ValueError, match="no grouped convolutions of more than one channel"):
+    models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl="gemm")
+  bad = helpers.tiny_config("semantic_softmax")
+  bad.model.grouped_conv_impl = "im2col"
+  with pytest.raises(ValueError, match="config.model.grouped_conv_impl='im2col' must be one"):
+    config_lib.validate(bad)
+  assert models.ModelDef.from_config({"name": "regnety_demo", "grouped_conv_impl": "gemm"},
+                                     5).config() == {"name": "regnety_demo"}
 
 
 @pytest.mark.parametrize("name,platform,dtype,kernel", [

@@ -49,16 +49,17 @@ def accepts(name: str, option: str) -> bool:
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
               attention_impl: str = "xla", head_dtype: str = "float32",
-              platform: str | None = None, **kw) -> nnx.Module:
+              grouped_conv_impl: str = "xla", platform: str | None = None,
+              **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
-  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl` and
-  `head_dtype` (config.model's) pick kernels, not weights (base.set_kernels; 'auto':
-  base.auto_attention's pick for `platform`, default JAX's default backend, and the model's
-  `dtype`). Raises
-  ValueError for an unknown name (listing the registered ones) and TypeError for an option the
-  model does not take or one fixed by its architecture.
+  rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
+  `head_dtype` and `grouped_conv_impl` (config.model's) pick kernels, not weights
+  (base.set_kernels; attention 'auto': base.auto_attention's pick for `platform`, default
+  JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
+  (listing the registered ones) and TypeError for an option the model does not take or one
+  fixed by its architecture.
   """
   factory = base.MODELS.get(name)
   accepted, fixed = _accepted_kwargs(factory)
@@ -74,7 +75,7 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   if attention_impl == "auto":
     attention_impl = base.auto_attention(model, platform or jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
-  model = base.set_kernels(model, attention_impl, head_dtype)
+  model = base.set_kernels(model, attention_impl, head_dtype, grouped_conv_impl)
   return base.remat_blocks(model, remat)
 
 
@@ -125,9 +126,11 @@ class ModelDef:
 
   def config(self) -> dict:
     """The `config.model` mapping that rebuilds this model (a checkpoint's meta). Without
-    the run's compute settings (`remat`, `attention_impl`, `head_dtype`): how a run trades
-    compute for memory or picks kernels is not part of its weights."""
-    runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype")
+    the run's compute settings (`remat`, `attention_impl`, `head_dtype`,
+    `grouped_conv_impl`): how a run trades compute for memory or picks kernels is not part
+    of its weights."""
+    runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype",
+               "grouped_conv_impl")
     return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
   def abstract_module(self) -> nnx.Module:

@@ -15,9 +15,11 @@ MODELS = registry.Registry("model", "config.model.name")
 # name, or one of REMAT_OFF for no rematerialisation.
 REMAT_POLICIES = layers.REMAT_POLICIES
 REMAT_OFF = layers.REMAT_OFF
-# The attention kernels and classifier-head precisions models accept (config.model).
+# The attention kernels, classifier-head precisions and grouped-convolution kernels models
+# accept (config.model).
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
+GROUPED_CONV_IMPLS = layers.GROUPED_CONV_IMPLS
 # config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
 ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
 
@@ -123,16 +125,20 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
 
 
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",
-                head_dtype: str = "float32") -> nnx.Module:
+                head_dtype: str = "float32", grouped_conv_impl: str = "xla") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
-  layers.ATTENTION_IMPLS) and the classifier head's matmul dtype (`head_dtype`,
-  layers.HEAD_DTYPES). Parameters are unchanged, so checkpoints load either way. Raises
-  ValueError for an unknown value or an attention kernel for a model without attention."""
-  if attention_impl not in layers.ATTENTION_IMPLS:
-    raise ValueError(f"attention_impl={attention_impl!r} must be one of "
-                     f"{layers.ATTENTION_IMPLS}.")
-  if head_dtype not in layers.HEAD_DTYPES:
-    raise ValueError(f"head_dtype={head_dtype!r} must be one of {layers.HEAD_DTYPES}.")
+  layers.ATTENTION_IMPLS), the classifier head's matmul dtype (`head_dtype`,
+  layers.HEAD_DTYPES) and how its grouped convolutions of more than one channel per group
+  are computed (`grouped_conv_impl`, layers.GROUPED_CONV_IMPLS). Parameters are unchanged,
+  so checkpoints load either way. Raises ValueError for an unknown value, an attention
+  kernel for a model without attention or a grouped one for a model without such
+  convolutions."""
+  for key, value, allowed in (("attention_impl", attention_impl, layers.ATTENTION_IMPLS),
+                              ("head_dtype", head_dtype, layers.HEAD_DTYPES),
+                              ("grouped_conv_impl", grouped_conv_impl,
+                               layers.GROUPED_CONV_IMPLS)):
+    if value not in allowed:
+      raise ValueError(f"{key}={value!r} must be one of {allowed}.")
   modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
   # Attention layers (vit.Attention; not imported here, vit imports base) carry the attribute.
   attention = [m for m in modules if hasattr(type(m), "attention_impl")]
@@ -144,4 +150,14 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
   for m in modules:
     if isinstance(m, layers.ClassifierHead):
       m.head_dtype = head_dtype
+  grouped = [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
+             and m.in_features > m.feature_group_count
+             and m.conv_general_dilated in (layers.batch_local_conv,
+                                            layers.batch_local_gemm_conv)]
+  if grouped_conv_impl != "xla" and not grouped:
+    raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r}: {type(model).__name__} has "
+                     "no grouped convolutions of more than one channel per group.")
+  for m in grouped:
+    m.conv_general_dilated = (layers.batch_local_gemm_conv if grouped_conv_impl == "gemm"
+                              else layers.batch_local_conv)
   return model

@@ -56,6 +56,11 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 # Tensor Core / MXU rate for a head of 11k-27k classes, whose share of the step grows with the
 # class count.
 HEAD_DTYPES = ("float32", "bfloat16")
+# config.model.grouped_conv_impl: how grouped convolutions with more than one channel per
+# group (RegNet's, ResNeXt's; depthwise ones stay convolutions) are computed. 'xla' hands
+# them to XLA as they are (on GPUs cuDNN's grouped kernels); 'gemm' computes each as one
+# batched matrix product over its groups (conv_as_gemm), the kernels a GPU runs fastest.
+GROUPED_CONV_IMPLS = ("xla", "gemm")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -223,7 +228,8 @@ def constrain_batch(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes, *rest))
 
 
-def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args,
+                     conv_fn=jax.lax.conv_general_dilated, **kwargs) -> jax.Array:
   """`jax.lax.conv_general_dilated` (batch on lhs axis 0) computed on each device's own rows.
 
   XLA's SPMD partitioner all-gathers the batch-split input of a grouped convolution
@@ -232,7 +238,8 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   its rows with the whole kernel (all-gathered, as FSDP intends) and the kernel's gradient is
   summed over the batch axes, in float32 (a bfloat16 sum loses precision, and XLA:CPU aborts
   compiling one). Ungrouped convolutions, which XLA partitions by rows itself, and batches
-  that are not split run as they are. Pass it as nnx.Conv's `conv_general_dilated`.
+  that are not split run as they are. `conv_fn` computes it (conv_general_dilated's arguments;
+  conv_as_gemm for grouped_conv_impl 'gemm'). Pass it as nnx.Conv's `conv_general_dilated`.
 
   Under a multi-device mesh the output (and so its cotangent) is pinned to rows: batch on
   the batch axes, channels whole (see _pin_rows). Left free, XLA may split conv activations
@@ -242,7 +249,7 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   forward was right; RegNetY's early blocks got wrong gradients on a data:2,fsdp:2,tensor:2
   mesh). Kernels keep their sharded storage and are gathered whole, as FSDP intends.
   """
-  conv = lambda x, k: jax.lax.conv_general_dilated(x, k, *args, **kwargs)
+  conv = lambda x, k: conv_fn(x, k, *args, **kwargs)
   axes = _auto_batch_axes(lhs.shape[0])
   if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
     return _pin_rows(conv(lhs, rhs))
@@ -254,6 +261,49 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Arr
   return _pin_rows(jax.shard_map(
       local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
       axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
+
+
+def conv_as_gemm(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
+                 lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                 feature_group_count: int = 1, precision=None, preferred_element_type=None,
+                 out_sharding=None) -> jax.Array:
+  """jax.lax.conv_general_dilated of 2-D NHWC images with an HWIO kernel (nnx.Conv's
+  layout), computed as one matrix product batched over the groups: each output pixel's
+  window is gathered into a row of window x channels-per-group values (im2col), so a 3x3
+  grouped convolution of group width g is a [pixels, 9 g] x [9 g, g] product per group. The
+  same function up to the order of the sums; its gradients are products and pads of
+  slices. Dilated convolutions and other layouts raise ValueError."""
+  del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
+      or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
+          lhs.shape, rhs.shape, dimension_numbers) != jax.lax.conv_dimension_numbers(
+              lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))):
+    raise ValueError("conv_as_gemm takes undilated 2-D convolutions of NHWC images with "
+                     f"HWIO kernels; got dimension_numbers={dimension_numbers}, "
+                     f"lhs_dilation={lhs_dilation}, rhs_dilation={rhs_dilation}.")
+  kh, kw, per_group, out_ch = rhs.shape
+  groups = feature_group_count
+  if isinstance(padding, str):
+    padding = jax.lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
+  x = jnp.pad(lhs, ((0, 0), *padding, (0, 0)))
+  batch, height, width, _ = x.shape
+  (sh, sw) = window_strides
+  out_h, out_w = (height - kh) // sh + 1, (width - kw) // sw + 1
+  x = x.reshape(batch, height, width, groups, per_group)
+  taps = [x[:, i:i + sh * (out_h - 1) + 1:sh, j:j + sw * (out_w - 1) + 1:sw]
+          for i in range(kh) for j in range(kw)]
+  patches = jnp.stack(taps, axis=4)  # [batch, out_h, out_w, groups, taps, per_group]
+  kernel = rhs.reshape(kh * kw, per_group, groups, out_ch // groups)
+  y = jax.lax.dot_general(patches, kernel, (((4, 5), (0, 1)), ((3,), (2,))),
+                          precision=precision, preferred_element_type=preferred_element_type)
+  # dot_general puts the batch (group) axis first: [groups, batch, out_h, out_w, out / groups].
+  return jnp.moveaxis(y, 0, 3).reshape(batch, out_h, out_w, out_ch)
+
+
+def batch_local_gemm_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+  """batch_local_conv computing the convolution with conv_as_gemm (grouped_conv_impl
+  'gemm')."""
+  return batch_local_conv(lhs, rhs, *args, conv_fn=conv_as_gemm, **kwargs)
 
 
 def _pin_rows(x: jax.Array) -> jax.Array:
