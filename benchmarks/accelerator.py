@@ -374,9 +374,9 @@ class Suite:
               source={k: p["source"] for k, p in self.profiles.items()},
               top_ops={k: p["ops"] for k, p in self.profiles.items()},
               top_families={k: p["families"] for k, p in self.profiles.items()})
-    # The levers' first arms stay; the TResNet-M / ResNet-50 pair is done.
+    # The levers' first arms (the trained figures') stay; other runners ('figure:arm') are done.
     for key in list(self.runners):
-      if key.startswith("tresnet_m_vs_resnet50"):
+      if ":" in key:
         del self.runners[key]
     gc.collect()
 
@@ -448,9 +448,15 @@ class Suite:
     """RegNetY-16GF's grouped convolutions as XLA lowers them against batched GEMMs (the
     regnety_16gf_train figure's runner, if it ran, is the 'xla' arm)."""
     config = self.regnety_config()
-    self.ab("grouped_conv", {impl: with_model_options(config, grouped_conv_impl=impl)
-                             for impl in layers.GROUPED_CONV_IMPLS}, self.swag_classes,
-            built={"xla": self.runners.get("regnety_16gf_train")})
+    arms = {impl: with_model_options(config, grouped_conv_impl=impl)
+            for impl in layers.GROUPED_CONV_IMPLS}
+    dataset = standin_dataset(config, self.swag_classes)
+    xla = self.runners.get("regnety_16gf_train") or common.Runner(arms["xla"], dataset)
+    gemm = common.Runner(arms["gemm"], dataset)
+    # MFU counts the model's FLOPs; the GEMMs' input gradients also multiply the padding.
+    gemm.flops = xla.flops
+    self.ab("grouped_conv", arms, self.swag_classes, built={"xla": xla, "gemm": gemm})
+    self.runners["grouped_conv:gemm"] = gemm  # The profile's tables: its step beside 'xla's.
 
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
