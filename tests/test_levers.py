@@ -44,6 +44,56 @@ def test_padded_attention_is_the_unpadded_one():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _eqns(jaxpr, primitive: str) -> list:
+  """The equations of `primitive` in `jaxpr` and the jaxprs it calls."""
+  found = []
+  for eqn in jaxpr.eqns:
+    found += [eqn] if eqn.primitive.name == primitive else []
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        found += _eqns(inner, primitive)
+  return found
+
+
+def test_cudnn_vit_pads_its_tokens_once_with_the_unpadded_values(monkeypatch):
+  """attention_impl='cudnn' pads ViT's odd token sequence (vit_demo at 32 px: 17 tokens) to
+  an even length once, before the first block: every attention call sees 18 tokens and
+  masks the pad as a key, and the logits and parameter gradients are those of the unpadded
+  model. cuDNN needs a GPU, so its calls run XLA's kernel here, shapes recorded."""
+  seen = []
+  real = jax.nn.dot_product_attention
+
+  def recording(q, k, v, *, implementation=None, **kw):
+    seen.append((q.shape[1], implementation, kw.get("key_value_seq_lengths") is not None))
+    return real(q, k, v, implementation="xla", **kw)
+
+  def logits_and_grads(impl):
+    model = models.get_model("vit_demo", num_classes=5, rngs=nnx.Rngs(0),
+                             attention_impl=impl, drop_path_rate=0.1)
+    images = jax.random.normal(jax.random.key(3), (4, 32, 32, 3))
+
+    def loss(model):
+      logits = model(images, train=True, rng=jax.random.key(4))
+      return jnp.sum(logits * jnp.arange(5.0)), logits
+
+    (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    forward = jax.make_jaxpr(lambda x: model(x, train=False))(images)
+    pads = _eqns(forward.jaxpr, "pad")
+    return logits, nnx.to_pure_dict(grads), pads
+
+  monkeypatch.setattr(vit.jax.nn, "dot_product_attention", recording)
+  want, want_grads, pads = logits_and_grads("xla")
+  assert set(seen) == {(17, "xla", False)} and not pads
+  seen.clear()
+  got, got_grads, pads = logits_and_grads("cudnn")
+  assert set(seen) == {(18, "cudnn", True)} and len(seen) == 2 * 4  # 4 blocks, traced twice.
+  assert len(pads) == 1 and pads[0].outvars[0].aval.shape == (4, 18, 128)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               got_grads, want_grads)
+
+
 def test_bf16_head_rounds_its_inputs_and_sums_in_float32():
   rngs = nnx.Rngs(0)
   head = layers.classifier_head(64, 11, param_dtype=jnp.float32, rngs=rngs,

@@ -52,25 +52,28 @@ def _pair(x) -> tuple[int, int]:
   return (int(h), int(w))
 
 
-def attention(q, k, v, implementation: str = "xla", pad_to: int = 1) -> jax.Array:
+def attention(q, k, v, implementation: str = "xla", pad_to: int = 1,
+              tokens: int | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(head_dim)) v over [B, N, heads, head_dim] (jax.nn's layout).
 
-  pad_to > 1 pads the sequence with zero tokens to a multiple of `pad_to` and masks them out
-  as keys (key_value_seq_lengths; the padded queries' rows are dropped): the same result as
-  unpadded. cuDNN needs it for ViTs' odd token counts (197 at 224 px, patch 16): in training,
-  JAX's cuDNN rule checks its bias-only "even sequence length" condition with a zero-size
-  placeholder bias that counts as present, so every odd length is refused ("Unsupported
-  sequence length Q 197, KV 197"), bias or not.
+  `tokens` < N: only the first `tokens` positions are keys (key_value_seq_lengths); the rest
+  are padding the caller added (their rows are computed, attending to the real keys). pad_to
+  > 1 pads the sequence with zero tokens to a multiple of `pad_to`, masked alike, and drops
+  their rows: the same result as unpadded. cuDNN needs even lengths for ViTs' odd token
+  counts (197 at 224 px, patch 16): in training, JAX's cuDNN rule checks its bias-only "even
+  sequence length" condition with a zero-size placeholder bias that counts as present, so
+  every odd length is refused ("Unsupported sequence length Q 197, KV 197"), bias or not.
   """
   n = q.shape[1]
   extra = -n % pad_to
-  if not extra:
+  tokens = n if tokens is None else tokens
+  if not extra and tokens == n:
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
-  pad = ((0, 0), (0, extra), (0, 0), (0, 0))
-  q, k, v = (jnp.pad(t, pad) for t in (q, k, v))
-  lengths = jnp.full((q.shape[0],), n, jnp.int32)
-  out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
-                                     key_value_seq_lengths=lengths,
+  if extra:
+    pad = ((0, 0), (0, extra), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(t, pad) for t in (q, k, v))
+  lengths = jnp.full((q.shape[0],), tokens, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                      implementation=implementation)
   return out[:, :n]
 
@@ -93,12 +96,18 @@ class Attention(nnx.Module):
     self.proj = nnx.Linear(dim, dim, kernel_init=layers.partitioned(init, ("heads", "embed")),
                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, tokens: int | None = None) -> jax.Array:
+    """`tokens`: how many leading tokens of `x` are real (the rest padding, masked as keys;
+    default all)."""
     b, n, d = x.shape
     qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, d // self.num_heads)
-    pad_to = 2 if self.attention_impl == "cudnn" else 1  # See attention().
-    out = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.attention_impl, pad_to)
+    out = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.attention_impl,
+                    self.pad_to(), tokens)
     return self.proj(out.reshape(b, n, d))
+
+  def pad_to(self) -> int:
+    """The multiple of which the kernel takes sequence lengths (see attention())."""
+    return 2 if self.attention_impl == "cudnn" else 1
 
 
 class Block(nnx.Module):
@@ -131,17 +140,20 @@ class Block(nnx.Module):
       y = layers.drop_path(y, self.drop_path_rate, rng)
     return x + y
 
-  def _attn_branch(self, x):
-    y = self.attn(self.norm1(x))
+  def _attn_branch(self, x, tokens=None):
+    y = self.attn(self.norm1(x), tokens)
     return y if self.ls1 is None else self.ls1(y)
 
   def _mlp_branch(self, x):
     y = self.mlp(self.norm2(x))
     return y if self.ls2 is None else self.ls2(y)
 
-  def __call__(self, x: jax.Array, *, train: bool = False, rng: jax.Array | None = None):
-    """`rng` is this block's key; the two branches fold in 0 (attention) and 1 (MLP)."""
-    x = self._residual(x, self._attn_branch, train, layers.fold_rng(rng, 0))
+  def __call__(self, x: jax.Array, *, train: bool = False, rng: jax.Array | None = None,
+               tokens: int | None = None):
+    """`rng` is this block's key; the two branches fold in 0 (attention) and 1 (MLP).
+    `tokens`: how many leading tokens are real, the rest padding (Attention)."""
+    attn = functools.partial(self._attn_branch, tokens=tokens)
+    x = self._residual(x, attn, train, layers.fold_rng(rng, 0))
     x = self._residual(x, self._mlp_branch, train, layers.fold_rng(rng, 1))
     return x
 
@@ -259,9 +271,17 @@ class VisionTransformer(base.Classifier):
     layers.check_rng(train, self.drop_path_rates, rng, "VisionTransformer")
     # Activations stay split by rows under FSDP (see layers.constrain_batch).
     x = layers.constrain_batch(self._tokens(images))
+    # Padded once for every block when their attention kernel needs it (Attention.pad_to),
+    # not in each block: the pad tokens only ever attend (they are no key), and are dropped.
+    tokens = x.shape[1]
+    pad_to = max((m.pad_to() for _, m in nnx.iter_graph(self.blocks)
+                  if isinstance(m, Attention)), default=1)
+    if tokens % pad_to:
+      x = jnp.pad(x, ((0, 0), (0, -tokens % pad_to), (0, 0)))
     for i, block in enumerate(self.blocks):
-      x = layers.constrain_batch(block(x, train=train, rng=layers.fold_rng(rng, i)))
-    x = self.norm(x)
+      x = layers.constrain_batch(block(x, train=train, rng=layers.fold_rng(rng, i),
+                                       tokens=tokens))
+    x = self.norm(x[:, :tokens])
     x = x[:, 0] if self.head_type == "token" else jnp.mean(x, axis=1)
     x = layers.constrain_batch(x.astype(jnp.float32))
     return x if self.pre_logits is None else jnp.tanh(self.pre_logits(x))
