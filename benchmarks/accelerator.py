@@ -190,12 +190,12 @@ def accelerator(device, compute_dtype: str) -> dict:
 
 def settings(config, model_def=None) -> dict:
   """The lever values of `config` a figure's arm is known by; with its built `model_def`, the
-  kernels it runs ('auto' resolved)."""
-  kernel = lambda key: (model_def.kwargs[key] if model_def
-                        else config.model.get(key, "xla"))
-  return {"attention_impl": kernel("attention_impl"),
+  attention kernel it runs ('auto' resolved)."""
+  attention = (model_def.kwargs["attention_impl"] if model_def
+               else config.model.get("attention_impl", "xla"))
+  return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
-          "grouped_conv_impl": kernel("grouped_conv_impl"),
+          "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -446,19 +446,17 @@ class Suite:
 
   def grouped_conv(self):
     """RegNetY-16GF's grouped convolutions as XLA lowers them against batched GEMMs (the
-    regnety_16gf_train figure's runner, if it ran, is the arm 'auto' picked; the other one
-    joins the profile's tables)."""
+    regnety_16gf_train figure's runner, if it ran, is the 'xla' arm)."""
     config = self.regnety_config()
     arms = {impl: with_model_options(config, grouped_conv_impl=impl)
             for impl in layers.GROUPED_CONV_IMPLS}
-    trained = self.runners.get("regnety_16gf_train")
-    built = {trained.exp.model_def.kwargs["grouped_conv_impl"]: trained} if trained else {}
     dataset = standin_dataset(config, self.swag_classes)
-    built = {impl: built.get(impl) or common.Runner(arm, dataset) for impl, arm in arms.items()}
-    self.ab("grouped_conv", arms, self.swag_classes, built=built)
-    for impl, runner in built.items():
-      if runner is not trained:
-        self.runners[f"grouped_conv:{impl}"] = runner
+    xla = self.runners.get("regnety_16gf_train") or common.Runner(arms["xla"], dataset)
+    gemm = common.Runner(arms["gemm"], dataset)
+    # MFU counts the model's FLOPs; the GEMMs' input gradients also multiply the padding.
+    gemm.flops = xla.flops
+    self.ab("grouped_conv", arms, self.swag_classes, built={"xla": xla, "gemm": gemm})
+    self.runners["grouped_conv:gemm"] = gemm  # The profile's tables: its step beside 'xla's.
 
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first

@@ -95,11 +95,11 @@ def base_config() -> ml_collections.ConfigDict:
   # losses up to bf16 rounding, and a faster ViT step); model.head_dtype: what the classifier's
   # matmul reads ('float32', or 'bfloat16' with float32 accumulation);
   # model.grouped_conv_impl: how grouped convolutions run ('xla', or 'gemm': one batched
-  # matrix product over the groups; 'auto': gemm on GPUs, else xla). All pick kernels, not
-  # weights (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_CHOICES;
-  # their A/B figures: benchmarks/accelerator.py, docs/benchmarks.md).
+  # matrix product over the groups). All pick kernels, not weights
+  # (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS; their A/B
+  # figures: benchmarks/accelerator.py, docs/benchmarks.md).
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='auto',
-                                           head_dtype='float32', grouped_conv_impl='auto'))
+                                           head_dtype='float32', grouped_conv_impl='xla'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
@@ -305,7 +305,7 @@ def _check_values(config: Mapping[str, Any]) -> None:
                      "rematerialised with), or '' / 'none' for off.")
   for key, allowed in (('attention_impl', model_base.ATTENTION_CHOICES),
                        ('head_dtype', model_base.HEAD_DTYPES),
-                       ('grouped_conv_impl', model_base.GROUPED_CONV_CHOICES)):
+                       ('grouped_conv_impl', model_base.GROUPED_CONV_IMPLS)):
     value = config.model.get(key, allowed[0])
     if value not in allowed:
       raise ValueError(f'config.model.{key}={value!r} must be one of {allowed}.')

@@ -1,7 +1,6 @@
 """The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
-needs gives the unpadded attention), config.model.head_dtype (a bfloat16 matmul summed in
-float32) and config.model.grouped_conv_impl (batched GEMMs give the grouped convolution), all
-kernels only: the same parameters, refused where they do not apply."""
+needs gives the unpadded attention) and config.model.head_dtype (a bfloat16 matmul summed in
+float32), both kernels only: the same parameters, refused where they do not apply."""
 import functools
 
 from flax import nnx
@@ -207,12 +206,6 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
     config_lib.validate(bad)
   assert models.ModelDef.from_config({"name": "regnety_demo", "grouped_conv_impl": "gemm"},
                                      5).config() == {"name": "regnety_demo"}
-  # The configs' default, 'auto': GEMMs on GPUs for a model with grouped convs, else XLA's.
-  assert config_lib.base_config().model.grouped_conv_impl == "auto"
-  for name, platform, kernel in (("regnety_demo", "gpu", "gemm"), ("regnety_demo", "cpu", "xla"),
-                                 ("regnety_demo", "tpu", "xla"), ("vit_demo", "gpu", "xla")):
-    model_def = models.ModelDef.from_config({"name": name}, 5, platform=platform)
-    assert model_def.kwargs["grouped_conv_impl"] == kernel, (name, platform)
 
 
 @pytest.mark.parametrize("name,platform,dtype,kernel", [

@@ -56,8 +56,8 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
   rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
   `head_dtype` and `grouped_conv_impl` (config.model's) pick kernels, not weights
-  (base.set_kernels; 'auto': base.auto_attention's / auto_grouped_conv's pick for
-  `platform`, default JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
+  (base.set_kernels; attention 'auto': base.auto_attention's pick for `platform`, default
+  JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
   (listing the registered ones) and TypeError for an option the model does not take or one
   fixed by its architecture.
   """
@@ -75,8 +75,6 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   if attention_impl == "auto":
     attention_impl = base.auto_attention(model, platform or jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
-  if grouped_conv_impl == "auto":
-    grouped_conv_impl = base.auto_grouped_conv(model, platform or jax.default_backend())
   model = base.set_kernels(model, attention_impl, head_dtype, grouped_conv_impl)
   return base.remat_blocks(model, remat)
 
@@ -99,9 +97,9 @@ class ModelDef:
                   image_size: int | None = None, platform: str | None = None):
     """From a `config.model`-style mapping: 'name' plus the model's keyword options.
     `image_size` (config.data.image_size) fills the model's image_size option if unset.
-    attention_impl and grouped_conv_impl 'auto' (also where the mapping has none, as the
-    configs' default) become base.auto_attention's / auto_grouped_conv's kernels for
-    `platform` (the devices' platform, e.g. a mesh's; default: JAX's default backend)."""
+    attention_impl='auto' (also where the mapping has none, as the configs' default) becomes
+    base.auto_attention's kernel for `platform` (the devices' platform, e.g. a mesh's;
+    default: JAX's default backend)."""
     kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
     if image_size is not None and "image_size" not in kwargs and accepts(model_cfg["name"],
                                                                          "image_size"):
@@ -109,16 +107,11 @@ class ModelDef:
     kwargs["dtype"] = jnp.dtype(compute_dtype)
     kwargs["num_classes"] = num_classes
     kwargs.setdefault("attention_impl", "auto")
-    kwargs.setdefault("grouped_conv_impl", "auto")
     abstract = nnx.eval_shape(lambda: get_model(model_cfg["name"], rngs=nnx.Rngs(0),
                                                 platform=platform, **kwargs))
-    # The kernels get_model picked, for create().
-    if kwargs["attention_impl"] == "auto":
+    if kwargs["attention_impl"] == "auto":  # The kernel get_model picked, for create().
       kwargs["attention_impl"] = base.auto_attention(
           abstract, platform or jax.default_backend(), compute_dtype)
-    if kwargs["grouped_conv_impl"] == "auto":
-      kwargs["grouped_conv_impl"] = base.auto_grouped_conv(
-          abstract, platform or jax.default_backend())
     graphdef, params, extra = nnx.split(abstract, nnx.Param, ...)
     return cls(model_cfg["name"], kwargs, graphdef, params, extra)
 

@@ -20,10 +20,8 @@ REMAT_OFF = layers.REMAT_OFF
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
 GROUPED_CONV_IMPLS = layers.GROUPED_CONV_IMPLS
-# config.model.attention_impl and grouped_conv_impl also take 'auto' (the configs' default):
-# auto_attention's / auto_grouped_conv's pick.
+# config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
 ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
-GROUPED_CONV_CHOICES = GROUPED_CONV_IMPLS + ("auto",)
 
 
 class Classifier(nnx.Module):
@@ -126,22 +124,6 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   return "cudnn" if fused else "xla"
 
 
-def auto_grouped_conv(model: nnx.Module, platform: str) -> str:
-  """grouped_conv_impl='auto': 'gemm' for a model with grouped convolutions on NVIDIA GPUs
-  ('gpu' or 'cuda' devices), where cuDNN runs them group by group and the batched GEMMs are
-  faster (benchmarks/accelerator.py's grouped_conv figure); 'xla' anywhere else."""
-  modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
-  return "gemm" if platform in ("gpu", "cuda") and _grouped_convs(modules) else "xla"
-
-
-def _grouped_convs(modules) -> list:
-  """The grouped convolutions of more than one channel per group that grouped_conv_impl
-  picks the kernel of: the models' own (layers.batch_local_conv)."""
-  return [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
-          and m.in_features > m.feature_group_count
-          and m.conv_general_dilated in (layers.batch_local_conv, layers.batch_local_gemm_conv)]
-
-
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",
                 head_dtype: str = "float32", grouped_conv_impl: str = "xla") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
@@ -168,7 +150,10 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
   for m in modules:
     if isinstance(m, layers.ClassifierHead):
       m.head_dtype = head_dtype
-  grouped = _grouped_convs(modules)
+  grouped = [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
+             and m.in_features > m.feature_group_count
+             and m.conv_general_dilated in (layers.batch_local_conv,
+                                            layers.batch_local_gemm_conv)]
   if grouped_conv_impl != "xla" and not grouped:
     raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r}: {type(model).__name__} has "
                      "no grouped convolutions of more than one channel per group.")
