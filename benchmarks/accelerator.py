@@ -721,7 +721,7 @@ def profile_tables(profiles: dict) -> str:
   for name, top in profiles.items():
     out += [f"\nTop op families of {name} ({top['source']} trace, per step):", "",
             "| family | ms | share | ops |", "|---|---|---|---|"]
-    out += [f"| {f['family']} | {f['ms']:.3f} | {f['share']:.1%} | {f['ops']} |"
+    out += [f"| {f['family'][:60]} | {f['ms']:.3f} | {f['share']:.1%} | {f['ops']} |"
             for f in top["families"]]
     out += [f"\nTop device ops of {name} ({top['source']} trace, per step):", "",
             "| op | ms | share | calls | first kernel |", "|---|---|---|---|---|"]
