@@ -453,8 +453,6 @@ class Suite:
     dataset = standin_dataset(config, self.swag_classes)
     xla = self.runners.get("regnety_16gf_train") or common.Runner(arms["xla"], dataset)
     gemm = common.Runner(arms["gemm"], dataset)
-    # MFU counts the model's FLOPs; the GEMMs' input gradients also multiply the padding.
-    gemm.flops = xla.flops
     self.ab("grouped_conv", arms, self.swag_classes, built={"xla": xla, "gemm": gemm})
     if not self.profiles:  # A profile still to come traces it beside the 'xla' arm.
       self.runners["grouped_conv:gemm"] = gemm

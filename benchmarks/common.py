@@ -5,7 +5,6 @@ import time
 import jax
 import numpy as np
 
-from bigpretrain.plan import flops
 from bigpretrain import sharding
 from bigpretrain import train
 
@@ -46,7 +45,7 @@ class Runner:
       traced = self.exp.train_step().trace(self.state, self.batch, self.exp.frozen)
       self.step = traced.lower().compile()
     self.compile_s = time.perf_counter() - t0
-    self.flops = flops.traced_flops_per_device(traced, self.exp.mesh.size)  # Per device.
+    self.flops = self.exp.model_flops_per_device(self.state, self.batch, traced)
     self.run(1)  # Warm-up.
 
   def run(self, steps: int) -> float:

@@ -283,6 +283,17 @@ class Experiment(ModelSetup):
       state["ema"] = jax.tree.map(jnp.copy, {"params": params, "extra": extra})
     return state
 
+  def model_flops_per_device(self, state, batch, traced=None) -> float:
+    """FLOPs per device of one train step on `batch` as the model defines them: the step
+    traced with XLA's kernels (ModelDef.with_reference_kernels; `traced`, this step's own
+    trace, is counted where the kernels are those already)."""
+    reference = self.model_def.with_reference_kernels()
+    if traced is None or reference is not self.model_def:
+      with jax.set_mesh(self.mesh):
+        traced = dataclasses.replace(self, model_def=reference).train_step().trace(
+            state, batch, self.frozen)
+    return flops.traced_flops_per_device(traced, self.mesh.size)
+
   def init_state(self) -> dict:
     """The train state, created directly with its shardings (no host copy of the params)."""
     return jax.jit(self._init, out_shardings=self.shardings)(jax.random.key(self.config.seed))
@@ -506,7 +517,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
         with timer.excluded():
           t0 = time.perf_counter()
           traced = step_fn.trace(state, batch, exp.frozen)
-          perf.set_flops(flops.traced_flops_per_device(traced, mesh.size))
+          perf.set_flops(exp.model_flops_per_device(state, batch, traced))
           traced.lower().compile()
           out.compile_s = time.perf_counter() - t0
       state, step_metrics = step_fn(state, batch, exp.frozen)

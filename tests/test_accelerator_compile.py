@@ -97,7 +97,8 @@ def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
   """model.attention_impl='auto' (the configs' default) on an H100 in bfloat16 is cuDNN's:
   each block's attention is one cuDNN flash attention call forward and one backward
   (vit_demo, 4 blocks; 5 tokens at 16 px, padded to an even 6), not GEMMs and a softmax; its
-  FLOPs are those of XLA's attention (bigpretrain/plan/flops.py)."""
+  FLOPs are the model's: those of XLA's attention on the unpadded tokens
+  (train.Experiment.model_flops_per_device)."""
   devices = _devices("gpu:h100:1x1")
   from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
   try:
@@ -114,5 +115,5 @@ def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
   assert counts["custom_calls"]["__cudnn$fmhaSoftmaxBackward"] == 4, counts
   config.model.attention_impl = "xla"
   unfused = aot_plan.step_flops(config, devices=devices)["flops_per_device"]
-  # The fused kernel runs 6 tokens where XLA's attention runs 5; nothing else differs.
-  assert 0 < fused_flops - unfused < 0.05 * unfused
+  # The cuDNN step runs 6 tokens through every block, XLA's 5: the FLOPs are the model's.
+  assert fused_flops == unfused

@@ -133,6 +133,20 @@ class ModelDef:
                "grouped_conv_impl")
     return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
+  def with_reference_kernels(self) -> "ModelDef":
+    """This model with XLA's kernels (attention_impl and grouped_conv_impl 'xla'): the same
+    function and parameters. Its step's FLOPs are the model's; another kernel may compute
+    more (cuDNN's attention runs ViT's pad token, a GEMM grouped convolution multiplies the
+    padding in its input gradient). Itself where it has them already."""
+    reference = {"attention_impl": "xla", "grouped_conv_impl": "xla"}
+    if all(self.kwargs.get(k, "xla") == v for k, v in reference.items()):
+      return self
+    module = base.set_kernels(self.abstract_module(), head_dtype=self.kwargs.get(
+        "head_dtype", "float32"), **reference)
+    graphdef, params, extra = nnx.split(module, nnx.Param, ...)
+    return dataclasses.replace(self, kwargs={**self.kwargs, **reference}, graphdef=graphdef,
+                               abstract_params=params, abstract_extra=extra)
+
   def abstract_module(self) -> nnx.Module:
     """The model with shapes in place of arrays: its hooks (layer order, parameter
     adaptation) without weights."""

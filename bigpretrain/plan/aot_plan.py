@@ -182,10 +182,13 @@ def _compile(exp, traced):
 def compile_step(config, num_classes: int | None = None, devices=None,
                  teacher_model: str | None = None, step: str = "train", top_p: int = 10):
   """trace_step's (experiment, abstract state), the compiled step and its FLOPs per device
-  (bigpretrain/plan/flops.py)."""
+  (bigpretrain/plan/flops.py; a train step's as its model defines them:
+  train.Experiment.model_flops_per_device)."""
   exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
-  return (exp, state, _compile(exp, traced),
-          flops.traced_flops_per_device(traced, exp.mesh.size))
+  flops_per_device = (
+      exp.model_flops_per_device(state, abstract_batch(exp), traced) if step == "train"
+      else flops.traced_flops_per_device(traced, exp.mesh.size))
+  return exp, state, _compile(exp, traced), flops_per_device
 
 
 def step_flops(config, num_classes: int | None = None, devices=None,
