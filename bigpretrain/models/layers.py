@@ -59,7 +59,8 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # config.model.grouped_conv_impl: how grouped convolutions with more than one channel per
 # group (RegNet's, ResNeXt's; depthwise ones stay convolutions) are computed. 'xla' hands
 # them to XLA as they are (on GPUs cuDNN's grouped kernels); 'gemm' computes each as one
-# batched matrix product over its groups (conv_as_gemm), the kernels a GPU runs fastest.
+# batched matrix product over its groups (conv_as_gemm): GEMM kernels, at the cost of moving
+# each window through memory (faster on an H200, slower on an H100: docs/benchmarks.md).
 GROUPED_CONV_IMPLS = ("xla", "gemm")
 
 
