@@ -60,8 +60,8 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # group (RegNet's, ResNeXt's; depthwise ones stay convolutions) are computed. 'xla' hands
 # them to XLA as they are (on GPUs cuDNN's grouped kernels); 'gemm' computes each as one
 # batched matrix product over its groups (conv_as_gemm): GEMM kernels, at the cost of moving
-# each window through memory (RegNetY-16GF 1.15x on an H200, an earlier form 0.91x on an
-# H100: docs/benchmarks.md).
+# each window through memory (faster than cuDNN's on an H200, not on an H100 in an earlier
+# form: docs/benchmarks.md).
 GROUPED_CONV_IMPLS = ("xla", "gemm")
 
 
