@@ -342,10 +342,14 @@ def test_regnet_batch_norm_statistics_are_global_under_a_sharded_batch():
                              rtol=1e-4, atol=1e-5)
 
 
-def test_grouped_convolution_computes_only_each_devices_rows():
-  """layers.batch_local_conv (grouped convs): under an 8-device batch split, value and
-  kernel gradient equal the unsharded convolution's, and each device does an eighth of the
-  work (XLA's own partitioning of grouped convs convolves the global batch everywhere)."""
+@pytest.mark.parametrize("conv,one_device", [
+    (layers.batch_local_conv, jax.lax.conv_general_dilated),
+    (layers.batch_local_gemm_conv, layers.conv_as_gemm)])
+def test_grouped_convolution_computes_only_each_devices_rows(conv, one_device):
+  """layers.batch_local_conv (grouped convs; also as GEMMs, grouped_conv_impl 'gemm'): under
+  an 8-device batch split, value and kernel gradient equal the unsharded convolution's, and
+  each device does an eighth of the work (XLA's own partitioning of grouped convs convolves
+  the global batch everywhere)."""
   rs = np.random.RandomState(0)
   x = rs.randn(16, 6, 6, 64).astype(np.float32)
   k = rs.randn(3, 3, 32, 64).astype(np.float32) / 16
@@ -361,12 +365,12 @@ def test_grouped_convolution_computes_only_each_devices_rows():
 
   want_value, want_grad = jax.value_and_grad(
       functools.partial(loss, jax.lax.conv_general_dilated), argnums=1)(x, k)
-  one_device_flops = compiled(jax.lax.conv_general_dilated, x, k).cost_analysis()["flops"]
+  one_device_flops = compiled(one_device, x, k).cost_analysis()["flops"]
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, jax.sharding.PartitionSpec(("data", "fsdp")))
     ks = jax.device_put(k, jax.sharding.PartitionSpec(None, None, "fsdp"))
-    step = compiled(layers.batch_local_conv, xs, ks)
+    step = compiled(conv, xs, ks)
     value, grad = step(xs, ks)
   np.testing.assert_allclose(value, want_value, rtol=1e-4)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-3)
