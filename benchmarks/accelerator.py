@@ -112,6 +112,10 @@ _FLAG_SETS = flags.DEFINE_list("flag_sets", [], "xla_flags: only these of FLAG_S
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "Start no figure after this many seconds; the "
                                "ones left are listed as skipped (a device lease's time).")
 
+_GROUPED_CONV_IMPL = flags.DEFINE_enum(
+    "grouped_conv_impl", None, list(layers.GROUPED_CONV_IMPLS), "RegNetY-16GF's grouped "
+    "convolutions in its figures but grouped_conv's (default: the recipe's).")
+
 _KEEP_UP_DATA_DIR = flags.DEFINE_string(
     "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
     "(224-px JPEGs; e.g. benchmarks/photo_set.py's crops) instead of the demo's PNGs.")
@@ -338,7 +342,10 @@ class Suite:
 
   def regnety_config(self):
     config = swag_regnety.get_config("dataset=hashtags:ig,model=regnety_16gf")
-    return self.sized(config, "regnety_demo" if self.dry_run else "regnety_16gf")
+    config = self.sized(config, "regnety_demo" if self.dry_run else "regnety_16gf")
+    if _GROUPED_CONV_IMPL.value:
+      config = with_model_options(config, grouped_conv_impl=_GROUPED_CONV_IMPL.value)
+    return config
 
   def vit_b16(self):
     config = self.vit_config()
@@ -446,16 +453,19 @@ class Suite:
 
   def grouped_conv(self):
     """RegNetY-16GF's grouped convolutions as XLA lowers them against batched GEMMs (the
-    regnety_16gf_train figure's runner, if it ran, is the 'xla' arm)."""
+    regnety_16gf_train figure's runner, if it ran, is its arm; a profile still to come
+    traces the other beside it)."""
     config = self.regnety_config()
     arms = {impl: with_model_options(config, grouped_conv_impl=impl)
             for impl in layers.GROUPED_CONV_IMPLS}
+    trained = self.runners.get("regnety_16gf_train")
+    built = {trained.config.model.get("grouped_conv_impl", "xla"): trained} if trained else {}
     dataset = standin_dataset(config, self.swag_classes)
-    xla = self.runners.get("regnety_16gf_train") or common.Runner(arms["xla"], dataset)
-    gemm = common.Runner(arms["gemm"], dataset)
-    self.ab("grouped_conv", arms, self.swag_classes, built={"xla": xla, "gemm": gemm})
-    if not self.profiles:  # A profile still to come traces it beside the 'xla' arm.
-      self.runners["grouped_conv:gemm"] = gemm
+    built = {impl: built.get(impl) or common.Runner(arm, dataset) for impl, arm in arms.items()}
+    self.ab("grouped_conv", arms, self.swag_classes, built=built)
+    if not self.profiles:
+      self.runners.update({f"grouped_conv:{impl}": runner for impl, runner in built.items()
+                           if runner is not trained})
 
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
