@@ -1,6 +1,8 @@
 """The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
-needs gives the unpadded attention) and config.model.head_dtype (a bfloat16 matmul summed in
-float32), both kernels only: the same parameters, refused where they do not apply."""
+needs gives the unpadded attention), config.model.head_dtype (a bfloat16 matmul summed in
+float32) and config.model.grouped_conv_impl (batched GEMMs give the grouped convolution), all
+kernels only: the same parameters, refused where they do not apply; MFU counts the model's
+FLOPs whatever the kernels compute."""
 import functools
 
 from flax import nnx
