@@ -667,11 +667,7 @@ class ElementwiseRunner:
     jax.block_until_ready(self.step(x))  # Compiled and run once.
 
   def run(self, steps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      out = self.step(self.x)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / steps
+    return common.seconds_per_call(lambda: self.step(self.x), steps)
 
 
 def versions() -> dict:

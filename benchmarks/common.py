@@ -50,11 +50,20 @@ class Runner:
 
   def run(self, steps: int) -> float:
     """Seconds per step over `steps` steps."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      self.state, m = self.step(self.state, self.batch, self.exp.frozen)
-    jax.block_until_ready(m)
-    return (time.perf_counter() - t0) / steps
+    return seconds_per_call(self._step, steps)
+
+  def _step(self):
+    self.state, metrics = self.step(self.state, self.batch, self.exp.frozen)
+    return metrics
+
+
+def seconds_per_call(fn, calls: int) -> float:
+  """Seconds per call of `fn` over `calls` calls in a row, the last one's result waited for."""
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / calls
 
 
 def report(config, step_s: float, compile_s: float) -> dict:

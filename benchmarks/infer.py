@@ -22,7 +22,6 @@ import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import json  # pylint: disable=g-import-not-at-top
-import time
 
 from absl import app
 from absl import flags
@@ -45,14 +44,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps of each kind (after one 
 
 def _time(fn, steps: int) -> tuple[float, float]:
   """(compile + first call seconds, seconds per call after it)."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    out = fn()
-  jax.block_until_ready(out)
-  return first, (time.perf_counter() - t0) / steps
+  first = common.seconds_per_call(fn, 1)
+  return first, common.seconds_per_call(fn, steps)
 
 
 def measure(config, stage: str, batch_size: int, steps: int) -> dict:
