@@ -24,7 +24,9 @@ used: it runs a scan's body once, counts no branch of a cond and only the last s
 Fused attention (jax.nn.dot_product_attention's cuDNN kernels, one primitive forward and one
 backward) counts what the unfused ops count, so MFU does not depend on the kernel: q k^T and
 the weighted values forward (2 products), their gradients backward (4; not the scores the
-kernel computes again). Its sequence is the padded one the kernel runs (vit.attention).
+kernel computes again). Its sequence is the padded one the kernel runs (vit.attention); MFU
+counts the model's FLOPs instead, the step traced with XLA's kernels
+(train.Experiment.model_flops_per_device).
 
 Op classes (CLASSES): 'matmul' (matrix products without batch dimensions and convolutions),
 'attention' (matrix products with batch dimensions: attention's scores and weighted values;
