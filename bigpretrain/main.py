@@ -77,6 +77,7 @@ def main(argv):
     train.train_and_evaluate(_CONFIG.value, workdir, on_locked=log_to_workdir)
   except preemption.Interrupted as e:
     print(str(e), file=sys.stderr, flush=True)
+    preemption.exit_interrupted()
   except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
           workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnwritable,
           checkpoint.CheckpointSaveError, metric_writers.MetricWriteError,

@@ -105,6 +105,26 @@ def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once(capsys):
   assert capsys.readouterr().err == ""
 
 
+def test_an_error_raised_on_the_way_out_of_a_stopped_set_up_is_the_stop(capsys):
+  def library_call():  # Code that cleans up after any exception and fails doing it.
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+      raise ValueError()  # pylint: disable=lost-exception
+
+  with pytest.raises(preemption.Interrupted, match="^SIGTERM received while the run was "
+                     "being set up: nothing new to save; exiting.$") as e:
+    with preemption.Preemption(in_set_up=True) as p:
+      p.setting_up(True)
+      library_call()
+  assert type(e.value.__cause__) is ValueError  # pylint: disable=unidiomatic-typecheck
+  with pytest.raises(ValueError, match="^a real error$"):  # An error of its own goes through.
+    with preemption.Preemption(in_set_up=True) as p:
+      p.setting_up(True)
+      raise ValueError("a real error")
+  capsys.readouterr()
+
+
 class _Saver:
   """A checkpointer whose save of step 8 is in flight."""
 

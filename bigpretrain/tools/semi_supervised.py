@@ -39,6 +39,8 @@ def main(argv):
       semi_supervised.run(f.config, f.workdir)
     except (semi_supervised.Interrupted, preemption.Interrupted) as e:  # Nothing lost.
       print(str(e), flush=True)
+      if isinstance(e, preemption.Interrupted):
+        preemption.exit_interrupted()
       return
   if semi_supervised.is_main():
     print(f"All stages done in {time.time() - started:.0f} s.", flush=True)
