@@ -313,12 +313,20 @@ def test_a_compiler_that_does_not_match_jax_says_what_to_install(monkeypatch):
   assert "libtpu is not installed" in accelerators.compiler_problem("tpu")
 
 
-def test_max_batch_is_the_largest_per_device_batch_whose_plan_fits():
+def test_max_batch_is_the_largest_per_device_batch_whose_plan_fits(monkeypatch):
   """Doubling then bisection on the compiled memory: with a cap between the plans of 3 and 4
   images per device, the search plans 1, 2, 4, then 3, and answers 3; below the plan of one
   image, 0."""
   config = _config(batch_size=1, mesh=(1, 1, 1))
   one = jax.devices()[:1]
+  plans, real_plan = {}, plan_lib.plan
+
+  def plan_once(c, *args, **kwargs):  # Each batch's plan compiled once in this test.
+    if c.batch_size not in plans:
+      plans[c.batch_size] = real_plan(c, *args, **kwargs)
+    return plans[c.batch_size]
+
+  monkeypatch.setattr(plan_lib, "plan", plan_once)
   totals = {b: plan_lib.plan(_config(b, mesh=(1, 1, 1)), devices=one)["total_bytes"]
             for b in (3, 4)}
   cap = (totals[3] + totals[4]) // 2

@@ -221,6 +221,7 @@ model_base.MODELS.register("my_mean_pixels", MeanPixels)
 '''
 
 
+@pytest.mark.slow  # Four commands end to end.
 def test_a_plugin_outside_the_repo_trains_from_the_command_line(tmp_path):
   plugins = tmp_path / "user_code"
   plugins.mkdir()

@@ -48,6 +48,7 @@ def reference(tmp_path_factory):
   return workdir, _losses(workdir)
 
 
+@pytest.mark.slow  # Two runs end to end, one killed.
 def test_resume_after_sigkill_gives_identical_losses(reference, tmp_path):
   _, ref = reference
   args = helpers.main_args(tmp_path, total_steps=10, ckpt_every_steps=3)
@@ -76,6 +77,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
   assert max(saved) >= 3 and max(saved) == max(_losses(tmp_path))
 
 
+@pytest.mark.slow  # Two runs end to end (the reference fixture's and the resumed one).
 def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
   ref_dir, ref = reference
   shutil.copytree(ref_dir, tmp_path, dirs_exist_ok=True)
@@ -105,6 +107,7 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path):
     assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-6), step
 
 
+@pytest.mark.slow  # Two runs end to end (the reference fixture's and the fresh one).
 def test_fresh_start_after_a_failed_restore_is_a_fresh_run(reference, tmp_path):
   ref_dir, ref = reference
   shutil.copytree(ref_dir / "checkpoints", tmp_path / "checkpoints")
