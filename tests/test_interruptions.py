@@ -106,18 +106,26 @@ def test_a_signal_while_set_up_stops_it_and_one_before_stops_it_at_once(capsys):
 
 
 def test_an_error_raised_on_the_way_out_of_a_stopped_set_up_is_the_stop(capsys):
-  def library_call():  # Code that cleans up after any exception and fails doing it.
+  def fails_on_the_way_out():  # Code that cleans up after any exception and fails doing it.
     try:
       os.kill(os.getpid(), signal.SIGTERM)
     finally:
       raise ValueError()  # pylint: disable=lost-exception
 
-  with pytest.raises(preemption.Interrupted, match="^SIGTERM received while the run was "
-                     "being set up: nothing new to save; exiting.$") as e:
-    with preemption.Preemption(in_set_up=True) as p:
-      p.setting_up(True)
-      library_call()
-  assert type(e.value.__cause__) is ValueError  # pylint: disable=unidiomatic-typecheck
+  def swallows_it_and_fails_later():
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+    except BaseException:  # pylint: disable=broad-exception-caught
+      pass
+    raise TypeError()
+
+  for library_call in (fails_on_the_way_out, swallows_it_and_fails_later):
+    with pytest.raises(preemption.Interrupted, match="^SIGTERM received while the run was "
+                       "being set up: nothing new to save; exiting.$") as e:
+      with preemption.Preemption(in_set_up=True) as p:
+        p.setting_up(True)
+        library_call()
+    assert isinstance(e.value.__cause__, (ValueError, TypeError))
   with pytest.raises(ValueError, match="^a real error$"):  # An error of its own goes through.
     with preemption.Preemption(in_set_up=True) as p:
       p.setting_up(True)

@@ -23,9 +23,9 @@ save yet: the signal stops the set-up at once (raises Interrupted; the lock is r
 way out) and the command exits 0; one that comes while the lock is taken stops it where it
 starts. Python drops an exception raised where it cannot propagate (a garbage-collection
 callback, a `__del__`); such an Interrupted is raised again when the set-up ends, and its
-"Exception ignored" report is not printed. Code the Interrupted lands in may raise an error
-of its own on the way out (one whose context holds it): the run's context reports that as the
-stop too. The Interrupted may land in XLA's wait for a compile that goes on in XLA's threads:
+"Exception ignored" report is not printed. Code the Interrupted lands in may fail on its way
+out with an error of its own (or swallow it and fail later): once a signal came in the set-up,
+the run's context reports any error as that stop. The Interrupted may land in XLA's wait for a compile that goes on in XLA's threads:
 the commands end with `exit_interrupted`, never through Python's finalization. Ctrl-C (SIGINT)
 is a SIGTERM the first time (several processes: forwarded to the runtime's handler as one),
 and a second Ctrl-C stops the process at once, releasing the lock (`on_abort`) and abandoning the save in flight.
@@ -65,17 +65,6 @@ class Interrupted(BaseException):
 
   Not an Exception (as KeyboardInterrupt is not): a handler of Exception, such as the restore's
   fallback from an unreadable checkpoint, must not take it for that checkpoint's fault."""
-
-
-def _interrupted_in(exc: BaseException) -> Interrupted | None:
-  """The Interrupted that `exc` was raised while handling (its context chain), if any."""
-  seen = set()
-  while exc is not None and id(exc) not in seen:
-    if isinstance(exc, Interrupted):
-      return exc
-    seen.add(id(exc))
-    exc = exc.__cause__ or exc.__context__
-  return None
 
 
 def exit_interrupted() -> None:
@@ -175,11 +164,11 @@ class Preemption:
     if self._unraisablehook is not None:
       sys.unraisablehook = self._unraisablehook
       self._unraisablehook = None
-    stop = _interrupted_in(exc) if isinstance(exc, Exception) else None
-    if stop is not None:  # Code the stop landed in raised its own error on the way out.
+    if isinstance(exc, Exception) and self._set_up_stop is not None:
+      # The code the stop landed in failed on its way out: the stop it is, logged.
       logging.warning("The set-up's stop surfaced as %s: %s", type(exc).__name__, exc,
                       exc_info=(exc_type, exc, tb))
-      raise Interrupted(str(stop)) from exc
+      raise Interrupted(self._set_up_stop) from exc
 
   def agreed(self, log_step: bool) -> bool:
     """Whether to save and stop after the step just dispatched; call once per step on every
