@@ -25,10 +25,11 @@ starts. Python drops an exception raised where it cannot propagate (a garbage-co
 callback, a `__del__`); such an Interrupted is raised again when the set-up ends, and its
 "Exception ignored" report is not printed. Code the Interrupted lands in may fail on its way
 out with an error of its own (or swallow it and fail later): once a signal came in the set-up,
-the run's context reports any error as that stop. The Interrupted may land in XLA's wait for a compile that goes on in XLA's threads:
-the commands end with `exit_interrupted`, never through Python's finalization. Ctrl-C (SIGINT)
-is a SIGTERM the first time (several processes: forwarded to the runtime's handler as one),
-and a second Ctrl-C stops the process at once, releasing the lock (`on_abort`) and abandoning the save in flight.
+the run's context reports any error as that stop. The Interrupted may land in XLA's wait for
+a compile that goes on in XLA's threads: the commands end with `exit_interrupted`, never
+through Python's finalization. Ctrl-C (SIGINT) is a SIGTERM the first time (several
+processes: forwarded to the runtime's handler as one), and a second Ctrl-C stops the process
+at once, releasing the lock (`on_abort`) and abandoning the save in flight.
 """
 import os
 import signal
