@@ -273,6 +273,7 @@ def test_imagenet21k_p_tree_is_hash_seed_independent_with_11_levels(tmp_path, mo
                           cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   wnids = _WNIDS_21K_P.read_text().split()
   monkeypatch.setattr(tree_lib, "_stored_tree", lambda wnids: tmp_path / "tree.json")
+  tree_lib._parents_from_wnids.cache_clear()  # pylint: disable=protected-access
   tree = SemanticTree.from_wnids(wnids)
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err
