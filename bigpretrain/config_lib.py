@@ -94,10 +94,10 @@ def base_config() -> ml_collections.ConfigDict:
   # attention on NVIDIA GPUs; 'auto': cudnn where it runs, on GPUs in bf16, else xla: the same
   # losses up to bf16 rounding, and a faster ViT step); model.head_dtype: what the classifier's
   # matmul reads ('float32', or 'bfloat16' with float32 accumulation);
-  # model.grouped_conv_impl: how grouped convolutions run ('xla', or 'gemm': one batched
-  # matrix product over the groups). All pick kernels, not weights
-  # (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS; their A/B
-  # figures: benchmarks/accelerator.py, docs/benchmarks.md).
+  # model.grouped_conv_impl: how grouped convolutions run ('xla'; 'gemm': one batched
+  # matrix product over the groups; 'split': one convolution per group). All pick kernels,
+  # not weights (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS;
+  # their A/B figures: benchmarks/accelerator.py, docs/benchmarks.md).
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='auto',
                                            head_dtype='float32', grouped_conv_impl='xla'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))

@@ -1,8 +1,8 @@
 """The step's levers as config values: config.model.attention_impl (the padded sequence cuDNN
 needs gives the unpadded attention), config.model.head_dtype (a bfloat16 matmul summed in
-float32) and config.model.grouped_conv_impl (batched GEMMs give the grouped convolution), all
-kernels only: the same parameters, refused where they do not apply; MFU counts the model's
-FLOPs whatever the kernels compute."""
+float32) and config.model.grouped_conv_impl (batched GEMMs, or a convolution per group, give
+the grouped convolution), all kernels only: the same parameters, refused where they do not
+apply; MFU counts the model's FLOPs whatever the kernels compute."""
 import functools
 
 from flax import nnx
@@ -147,15 +147,17 @@ def test_levers_are_config_values_that_pick_kernels_only():
     models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
 
 
+@pytest.mark.parametrize("conv", [layers.conv_as_gemm, layers.conv_per_group])
 @pytest.mark.parametrize("groups,per_group,out_per_group,kernel,stride,padding", [
     (3, 4, 5, 3, 1, ((1, 1), (1, 1))),  # RegNet's 3x3 grouped conv.
     (2, 8, 8, 3, 2, ((1, 1), (1, 1))),  # Its strided first block.
     (1, 3, 6, 1, 1, ((0, 0), (0, 0))),  # Ungrouped 1x1.
     (4, 2, 2, 3, 2, "SAME")])
-def test_conv_as_gemm_is_the_grouped_convolution(groups, per_group, out_per_group, kernel,
-                                                 stride, padding):
-  """grouped_conv_impl 'gemm': values and both gradients of jax.lax.conv_general_dilated's
-  grouped convolution, to float32 rounding."""
+def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_group,
+                                                            out_per_group, kernel, stride,
+                                                            padding):
+  """grouped_conv_impl 'gemm' (conv_as_gemm) and 'split' (conv_per_group): values and both
+  gradients of jax.lax.conv_general_dilated's grouped convolution, to float32 rounding."""
   x = jax.random.normal(jax.random.key(0), (2, 9, 7, groups * per_group))
   w = jax.random.normal(jax.random.key(1), (kernel, kernel, per_group, groups * out_per_group))
   g = jax.random.normal(jax.random.key(2), (2, 9 // stride + 9 % stride, 7 // stride
@@ -169,34 +171,41 @@ def test_conv_as_gemm_is_the_grouped_convolution(groups, per_group, out_per_grou
   (_, want), want_grads = jax.value_and_grad(
       functools.partial(loss, jax.lax.conv_general_dilated), (0, 1), has_aux=True)(x, w)
   (_, got), got_grads = jax.value_and_grad(
-      functools.partial(loss, layers.conv_as_gemm), (0, 1), has_aux=True)(x, w)
+      functools.partial(loss, conv), (0, 1), has_aux=True)(x, w)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   for a, b in zip(got_grads, want_grads):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
-  with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
-    layers.conv_as_gemm(x, w, (1, 1), padding, rhs_dilation=(2, 2),
-                        feature_group_count=groups)
+  with pytest.raises(ValueError, match="NHWC"):
+    conv(x, w, (1, 1), padding, dimension_numbers=("NCHW", "HWIO", "NHWC"),
+         feature_group_count=groups)
+  if conv is layers.conv_as_gemm:
+    with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
+      conv(x, w, (1, 1), padding, rhs_dilation=(2, 2), feature_group_count=groups)
 
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
-  """model.grouped_conv_impl 'gemm' on regnety_demo: its grouped 3x3 convs (and no other
-  conv) compute as GEMMs, with the same logits as 'xla' (the gradients: the test above) and
-  the same parameters; a model without grouped convs refuses it."""
+  """model.grouped_conv_impl 'gemm' / 'split' on regnety_demo: its grouped 3x3 convs (and no
+  other conv) compute as GEMMs / per group, with the same logits as 'xla' (the gradients: the
+  test above) and the same parameters; a model without grouped convs refuses them."""
   def build(impl):
     return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
                             grouped_conv_impl=impl)
 
-  xla, gemm = build("xla"), build("gemm")
+  xla = build("xla")
   convs = lambda m: [c for _, c in nnx.iter_graph(m) if isinstance(c, nnx.Conv)]
-  picked = [c.conv_general_dilated is layers.batch_local_gemm_conv for c in convs(gemm)]
-  assert picked == [c.feature_group_count > 1 for c in convs(xla)] and any(picked)
   images = jax.random.normal(jax.random.key(3), (4, 32, 32, 3))
-  np.testing.assert_allclose(gemm(images, train=False), xla(images, train=False), rtol=1e-4,
-                             atol=1e-5)
-  assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(gemm, nnx.Param)))
-          == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
-  with pytest.raises(ValueError, match="no grouped convolutions of more than one channel"):
-    models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl="gemm")
+  for impl, fn in (("gemm", layers.batch_local_gemm_conv),
+                   ("split", layers.batch_local_split_conv)):
+    other = build(impl)
+    picked = [c.conv_general_dilated is fn for c in convs(other)]
+    assert picked == [c.feature_group_count > 1 for c in convs(xla)] and any(picked), impl
+    np.testing.assert_allclose(other(images, train=False), xla(images, train=False),
+                               rtol=1e-4, atol=1e-5)
+    assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(other, nnx.Param)))
+            == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
+  for impl in ("gemm", "split"):
+    with pytest.raises(ValueError, match="no grouped convolutions of more than one channel"):
+      models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl=impl)
   bad = helpers.tiny_config("semantic_softmax")
   bad.model.grouped_conv_impl = "im2col"
   with pytest.raises(ValueError, match="config.model.grouped_conv_impl='im2col' must be one"):

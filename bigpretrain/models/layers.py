@@ -61,8 +61,10 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # them to XLA as they are (on GPUs cuDNN's grouped kernels); 'gemm' computes each as one
 # batched matrix product over its groups (conv_as_gemm): GEMM kernels, at the cost of moving
 # each window through memory (faster than cuDNN's on an H200, not on an H100 in an earlier
-# form: docs/benchmarks.md).
-GROUPED_CONV_IMPLS = ("xla", "gemm")
+# form: docs/benchmarks.md); 'split' as one ungrouped convolution per group
+# (conv_per_group): dense kernels of group-width channels, at the cost of copying each
+# group's channels out and the outputs back together.
+GROUPED_CONV_IMPLS = ("xla", "gemm", "split")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -241,7 +243,8 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args,
   summed over the batch axes, in float32 (a bfloat16 sum loses precision, and XLA:CPU aborts
   compiling one). Ungrouped convolutions, which XLA partitions by rows itself, and batches
   that are not split run as they are. `conv_fn` computes it (conv_general_dilated's arguments;
-  conv_as_gemm for grouped_conv_impl 'gemm'). Pass it as nnx.Conv's `conv_general_dilated`.
+  conv_as_gemm for grouped_conv_impl 'gemm', conv_per_group for 'split'). Pass it as
+  nnx.Conv's `conv_general_dilated`.
 
   Under a multi-device mesh the output (and so its cotangent) is pinned to rows: batch on
   the batch axes, channels whole (see _pin_rows). Left free, XLA may split conv activations
@@ -300,6 +303,37 @@ def conv_as_gemm(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], 
                           precision=precision, preferred_element_type=preferred_element_type)
   # dot_general puts the batch (group) axis first: [groups, batch, out_h, out_w, out / groups].
   return jnp.moveaxis(y, 0, 3).reshape(batch, out_h, out_w, out_ch)
+
+
+def conv_per_group(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
+                   lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                   feature_group_count: int = 1, precision=None, preferred_element_type=None,
+                   out_sharding=None) -> jax.Array:
+  """jax.lax.conv_general_dilated of NHWC images with an HWIO kernel, a grouped one computed
+  as one ungrouped convolution per group (its slice of the input's and of the kernel's output
+  channels), concatenated on the channels: the same sums. Other layouts raise ValueError."""
+  del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  if jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) != (
+      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))):
+    raise ValueError("conv_per_group takes NHWC images with HWIO kernels; got "
+                     f"dimension_numbers={dimension_numbers}.")
+  per_group = lhs.shape[-1] // feature_group_count
+  out_per_group = rhs.shape[-1] // feature_group_count
+  conv = functools.partial(
+      jax.lax.conv_general_dilated, window_strides=window_strides, padding=padding,
+      lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+      dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision,
+      preferred_element_type=preferred_element_type)
+  return jnp.concatenate(
+      [conv(lhs[..., g * per_group:(g + 1) * per_group],
+            rhs[..., g * out_per_group:(g + 1) * out_per_group])
+       for g in range(feature_group_count)], axis=-1)
+
+
+def batch_local_split_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+  """batch_local_conv computing the convolution with conv_per_group (grouped_conv_impl
+  'split')."""
+  return batch_local_conv(lhs, rhs, *args, conv_fn=conv_per_group, **kwargs)
 
 
 def batch_local_gemm_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
