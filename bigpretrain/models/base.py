@@ -124,6 +124,11 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   return "cudnn" if fused else "xla"
 
 
+# What nnx.Conv computes a grouped convolution with, per layers.GROUPED_CONV_IMPLS value.
+_GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
+                  "split": layers.batch_local_split_conv}
+
+
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",
                 head_dtype: str = "float32", grouped_conv_impl: str = "xla") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
@@ -159,8 +164,3 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
   for m in grouped:
     m.conv_general_dilated = _GROUPED_CONVS[grouped_conv_impl]
   return model
-
-
-# What nnx.Conv computes a grouped convolution with, per layers.GROUPED_CONV_IMPLS value.
-_GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
-                  "split": layers.batch_local_split_conv}
