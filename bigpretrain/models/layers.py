@@ -268,6 +268,12 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args,
       axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
 
 
+def _nhwc_hwio(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> bool:
+  """Whether `dimension_numbers` lay out `lhs` and `rhs` as NHWC images and an HWIO kernel."""
+  return jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == (
+      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC")))
+
+
 def conv_as_gemm(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
                  lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
                  feature_group_count: int = 1, precision=None, preferred_element_type=None,
@@ -280,9 +286,7 @@ def conv_as_gemm(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], 
   slices. Dilated convolutions and other layouts raise ValueError."""
   del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
   if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
-      or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
-          lhs.shape, rhs.shape, dimension_numbers) != jax.lax.conv_dimension_numbers(
-              lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))):
+      or lhs.ndim != 4 or not _nhwc_hwio(lhs, rhs, dimension_numbers)):
     raise ValueError("conv_as_gemm takes undilated 2-D convolutions of NHWC images with "
                      f"HWIO kernels; got dimension_numbers={dimension_numbers}, "
                      f"lhs_dilation={lhs_dilation}, rhs_dilation={rhs_dilation}.")
@@ -313,8 +317,7 @@ def conv_per_group(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int]
   as one ungrouped convolution per group (its slice of the input's and of the kernel's output
   channels), concatenated on the channels: the same sums. Other layouts raise ValueError."""
   del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
-  if jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) != (
-      jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))):
+  if not _nhwc_hwio(lhs, rhs, dimension_numbers):
     raise ValueError("conv_per_group takes NHWC images with HWIO kernels; got "
                      f"dimension_numbers={dimension_numbers}.")
   per_group = lhs.shape[-1] // feature_group_count
