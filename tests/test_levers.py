@@ -185,8 +185,8 @@ def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_gr
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   """model.grouped_conv_impl 'gemm' / 'split' on regnety_demo: its grouped 3x3 convs (and no
-  other conv) compute as GEMMs / per group, with the same logits as 'xla' (the gradients: the
-  test above) and the same parameters; a model without grouped convs refuses them."""
+  other conv) compute as GEMMs / per group, with the same logits and gradients as 'xla' and
+  the same parameters; a model without grouped convs refuses them."""
   def build(impl):
     return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
                             grouped_conv_impl=impl)
@@ -194,13 +194,21 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   xla = build("xla")
   convs = lambda m: [c for _, c in nnx.iter_graph(m) if isinstance(c, nnx.Conv)]
   images = jax.random.normal(jax.random.key(3), (4, 32, 32, 3))
+
+  def loss(model):
+    logits = model(images, train=False)
+    return jnp.sum(logits * jnp.arange(5.0)), logits
+
+  (_, want), want_grads = nnx.value_and_grad(loss, has_aux=True)(xla)
   for impl, fn in (("gemm", layers.batch_local_gemm_conv),
                    ("split", layers.batch_local_split_conv)):
     other = build(impl)
     picked = [c.conv_general_dilated is fn for c in convs(other)]
     assert picked == [c.feature_group_count > 1 for c in convs(xla)] and any(picked), impl
-    np.testing.assert_allclose(other(images, train=False), xla(images, train=False),
-                               rtol=1e-4, atol=1e-5)
+    (_, got), got_grads = nnx.value_and_grad(loss, has_aux=True)(other)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
+                 nnx.to_pure_dict(got_grads), nnx.to_pure_dict(want_grads))
     assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(other, nnx.Param)))
             == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
   for impl in ("gemm", "split"):
