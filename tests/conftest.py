@@ -6,6 +6,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("BIGPRETRAIN_CACHE", str(_ROOT / ".cache" / "bigpretrain"))
 
 from tests import helpers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests import scheduling  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {helpers.TEST_XLA_FLAGS}".strip()
 
@@ -25,16 +26,11 @@ from bigpretrain import train  # pylint: disable=g-import-not-at-top,wrong-impor
 
 
 
-# Files with tests of these marks take most of the suite's time.
-_HEAVY = ("slow", "multiprocess", "beam", "compile", "interop")
-
-
-def pytest_collection_modifyitems(items):
-  """The files holding tests of the _HEAVY marks first (pytest.ini keeps this order
-  across the workers, one file at a time): the light files come last and even out the
-  workers' finish, instead of one long file running alone at the end."""
-  heavy = {item.path for item in items if any(item.get_closest_marker(m) for m in _HEAVY)}
-  items.sort(key=lambda item: item.path not in heavy)  # Stable: test order within a file kept.
+def pytest_xdist_make_scheduler(config, log):
+  """pytest.ini's `--dist loadfile`, with a worker's crash costing its test, not a hung run."""
+  if config.getvalue("dist") == "loadfile":
+    return scheduling.CrashSafeLoadFileScheduling(config, log)
+  return None
 
 
 @pytest.fixture(scope="session")
