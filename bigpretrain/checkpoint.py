@@ -53,22 +53,31 @@ def _abstract(tree):
 
 
 _READ_ERROR = "Encountered error while reading array index"
+# The step folders `Checkpointer.restore` reported unreadable, each ending in "/": the storage
+# layer's errors name the files they failed on.
+_REPORTED: set[str] = set()
+
+
+def _echo(text: str) -> bool:
+  """Whether `text` is the storage layer's error of a checkpoint already reported."""
+  return _READ_ERROR in text or any(folder in text for folder in _REPORTED)
 
 
 class _DropFailedReads(logging_std.Filter):
-  """Drops the log records of a failed restore's other array reads: Orbax raises one
-  `Encountered error while reading array index` (or a TensorStore open error) per array, the
-  restore reports the first, and asyncio logs each of the rest when its task is collected
-  ('Task exception was never retrieved' for an Orbax coroutine), a traceback each."""
+  """Drops the log records of a failed restore's other reads: Orbax raises one error per
+  array (`Encountered error while reading array index`, or a TensorStore error naming the
+  file), the restore reports the first, and asyncio logs each of the rest when its task is
+  collected ('Task exception was never retrieved'), a traceback each, possibly after the
+  log's files are closed at exit."""
 
   def filter(self, record):
     text = record.getMessage()
     if "Task exception was never retrieved" in text and "orbax" in text:
       return False
     error = record.exc_info[1] if record.exc_info else None
-    while error is not None and _READ_ERROR not in text:
+    while error is not None and not _echo(text):
       text, error = str(error), error.__cause__ or error.__context__
-    return _READ_ERROR not in text
+    return not _echo(text)
 
 
 def _quiet_storage_noise() -> None:
@@ -88,7 +97,7 @@ def _quiet_storage_noise() -> None:
     value = unraisable.exc_value
     if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
       return
-    if _READ_ERROR in str(value):
+    if _echo(str(value)):
       return
     previous(unraisable)
 
@@ -453,6 +462,7 @@ class Checkpointer:
     return position, False
 
   def _unreadable(self, step: int, e: Exception) -> None:
+    _REPORTED.add(os.path.join(self.directory, str(step), ""))
     logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
                  type(e).__name__, e)
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
