@@ -27,12 +27,13 @@ from bigpretrain import train  # pylint: disable=g-import-not-at-top,wrong-impor
 
 
 
-# The suite's longest test (a subprocess of several minutes) starts first instead of running
-# alone at the end; the other files follow largest first, as xdist orders them by default.
+# The file of the suite's longest test (the accelerator suite's dry run, a subprocess).
 _FIRST = "test_accelerator_suite.py"
 
 
 def pytest_collection_modifyitems(items):
+  """_FIRST's file first, so that its long test does not run alone at the end; then the
+  files with the most tests first, xdist's own order (pytest.ini keeps this one)."""
   count = collections.Counter(item.path for item in items)
   items.sort(key=lambda item: (item.path.name != _FIRST, -count[item.path]))  # Stable.
 
