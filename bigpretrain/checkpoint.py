@@ -72,12 +72,14 @@ class _DropFailedReads(logging_std.Filter):
 
   def filter(self, record):
     text = record.getMessage()
-    if "Task exception was never retrieved" in text and "orbax" in text:
+    if ("Task exception was never retrieved" in text and "orbax" in text) or _READ_ERROR in text:
       return False
-    error = record.exc_info[1] if record.exc_info else None
-    while error is not None and not _echo(text):
-      text, error = str(error), error.__cause__ or error.__context__
-    return not _echo(text)
+    error = record.exc_info[1] if record.exc_info else None  # restore's own lines have none.
+    while error is not None:
+      if _echo(str(error)):
+        return False
+      error = error.__cause__ or error.__context__
+    return True
 
 
 def _quiet_storage_noise() -> None:

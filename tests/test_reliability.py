@@ -132,14 +132,17 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
   # after the log's files are closed), echo that one warning: dropped; other errors are not.
   asyncio_log = logging.getLogger("asyncio")
 
-  def logged(path) -> bool:
+  def logged(path, message="Task exception was never retrieved") -> bool:
     error = ValueError(f'OUT_OF_RANGE: Error reading Byte range of local file "{path}"')
     return bool(asyncio_log.filter(asyncio_log.makeRecord(
-        "asyncio", logging.ERROR, __file__, 0, "Task exception was never retrieved\n"
-        "future: <Task finished coro=<read()>>", (), (ValueError, error, None))))
+        "asyncio", logging.ERROR, __file__, 0, message, (), (ValueError, error, None))))
 
   assert not logged(directory / "5" / "params" / "d" / "a1")
   assert logged(directory / "50" / "params" / "d" / "a1")
+  absl_log = logging.getLogger("absl")  # restore's own line naming the step is kept.
+  assert absl_log.filter(absl_log.makeRecord("absl", logging.INFO, __file__, 0,
+                                             f"{directory}/5/params cannot be restored", (),
+                                             None))
 
 
 def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
