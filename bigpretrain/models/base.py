@@ -126,7 +126,8 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
 
 # What nnx.Conv computes a grouped convolution with, per layers.GROUPED_CONV_IMPLS value.
 _GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
-                  "split": layers.batch_local_split_conv}
+                  "split": layers.batch_local_split_conv,
+                  "pallas": layers.batch_local_pallas_conv}
 
 
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import flax
 from flax import nnx
 
+from bigpretrain.models import pallas_conv
+
 # Parameters are created abstractly and placed by bigpretrain.sharding from logical axis
 # names; Flax's eager variable sharding would require a mesh at construction.
 flax.config.update("flax_always_shard_variable", False)
@@ -63,8 +65,10 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # each window through memory (faster than cuDNN's on an H200, not on an H100 in an earlier
 # form: docs/benchmarks.md); 'split' as one ungrouped convolution per group
 # (conv_per_group): dense kernels of group-width channels, at the cost of copying each
-# group's channels out and the outputs back together.
-GROUPED_CONV_IMPLS = ("xla", "gemm", "split")
+# group's channels out and the outputs back together; 'pallas' as implicit-GEMM kernels that
+# read each window straight from the activations (pallas_conv: Triton's on NVIDIA GPUs, Pallas's
+# interpreter elsewhere).
+GROUPED_CONV_IMPLS = ("xla", "gemm", "split", "pallas")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -343,6 +347,12 @@ def batch_local_gemm_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> ja
   """batch_local_conv computing the convolution with conv_as_gemm (grouped_conv_impl
   'gemm')."""
   return batch_local_conv(lhs, rhs, *args, conv_fn=conv_as_gemm, **kwargs)
+
+
+def batch_local_pallas_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+  """batch_local_conv computing the convolution with pallas_conv.conv_pallas
+  (grouped_conv_impl 'pallas')."""
+  return batch_local_conv(lhs, rhs, *args, conv_fn=pallas_conv.conv_pallas, **kwargs)
 
 
 def _pin_rows(x: jax.Array) -> jax.Array:

@@ -1,0 +1,242 @@
+"""Grouped 2-D convolutions as Pallas implicit-GEMM kernels (grouped_conv_impl 'pallas').
+
+A tile of output pixels times one group's output channels is a sum over the kernel's taps of
+[pixels, group width] x [group width, group width] products, each tap's rows read straight
+from the NHWC activations: each window is read once, with no im2col copy through memory (the
+cost of 'gemm', layers.conv_as_gemm) and no per-group slices and concatenation ('split').
+The input gradient is the same sum over taps of the output gradient's rows (the kernel
+transposed); the kernel's gradient, per group and tap, a sum over pixel tiles, split over
+pixels so that a few groups still fill the chip, the splits summed in float32 after.
+
+On NVIDIA GPUs the kernels are Triton's (the CUDA plugin compiles them deviceless too, for
+the plan and benchmarks/gpu_hlo.py); on other platforms Pallas's interpreter runs the same
+kernels (the tests, the CPU dry run of benchmarks/accelerator.py). Tiles are powers of two
+(Triton's), so a group width of 112 (RegNetY's) is computed as 128, masked.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Output pixels per tile (the products' M), and how many programs the kernel gradient's
+# pixel splits aim at (a few per streaming multiprocessor of an H100's 132).
+BLOCK_PIXELS = 128
+KERNEL_GRAD_PROGRAMS = 512
+_TRITON = pltriton.CompilerParams(num_warps=4, num_stages=3)
+
+
+class _Geometry(NamedTuple):
+  """Static shape of one convolution: NHWC input, HWIO kernel, explicit padding."""
+  n: int
+  h: int
+  w: int
+  kh: int
+  kw: int
+  stride: tuple[int, int]
+  pad: tuple[int, int]  # Top and left (bottom and right follow from the output size).
+  groups: int
+  per_group: int  # Input channels per group.
+  out_per_group: int
+  out_h: int
+  out_w: int
+
+  @property
+  def pixels(self) -> int:  # Output pixels.
+    return self.n * self.out_h * self.out_w
+
+
+def _pow2(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def _gather(ref, rows, cols, mask):
+  """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere (indices kept in bounds)."""
+  r = jnp.broadcast_to(jnp.clip(rows, 0, ref.shape[0] - 1)[:, None], mask.shape)
+  c = jnp.broadcast_to(jnp.clip(cols, 0, ref.shape[1] - 1)[None, :], mask.shape)
+  return pltriton.load(ref.at[r, c], mask=mask, other=0)
+
+
+def _scatter(ref, rows, cols, value, mask, interpret):
+  """ref[rows[:, None], cols[None, :]] = value where `mask`. Pallas's interpreter writes the
+  masked lanes too (their old values, in one scatter with the others), so there they go to
+  the extra last row that each output has under the interpreter, never to a written one."""
+  r = jnp.clip(rows, 0, ref.shape[0] - 1)[:, None]
+  r = jnp.where(mask, r, ref.shape[0] - 1) if interpret else jnp.broadcast_to(r, mask.shape)
+  c = jnp.broadcast_to(jnp.clip(cols, 0, ref.shape[1] - 1)[None, :], mask.shape)
+  pltriton.store(ref.at[r, c], value, mask=mask)
+
+
+def _call(kernel, out_rows, out_cols, dtype, grid, interpret, *args):
+  """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result."""
+  out = pl.pallas_call(
+      functools.partial(kernel, interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct((out_rows + interpret, out_cols), dtype), grid=grid,
+      interpret=interpret, compiler_params=None if interpret else _TRITON)(*args)
+  return out[:out_rows] if interpret else out
+
+
+def _on_platform(fn, *args):
+  """fn(*args, interpret=...) as Triton kernels when lowered for CUDA, interpreted elsewhere."""
+  return jax.lax.platform_dependent(
+      *args, cuda=functools.partial(fn, interpret=False),
+      default=functools.partial(fn, interpret=True))
+
+
+def _forward(x, w, geo: _Geometry, dtype, *, interpret):
+  """[pixels, groups x out_per_group]: the convolution of x [n h w, groups x per_group] with
+  w [kh kw per_group, groups x out_per_group]."""
+  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
+  cp, op = _pow2(c), _pow2(o)
+  (sh, sw), (pt, pl_) = geo.stride, geo.pad
+
+  def kernel(x_ref, w_ref, y_ref, *, interpret):
+    rows = pl.program_id(0) * bm + jnp.arange(bm)
+    g = pl.program_id(1)
+    b, r = rows // (geo.out_h * geo.out_w), rows % (geo.out_h * geo.out_w)
+    oy, ox = r // geo.out_w, r % geo.out_w
+    ci, co = jnp.arange(cp), jnp.arange(op)
+    cmask, omask = ci < c, co < o
+
+    def tap(t, acc):  # (t - i * kw, not t % kw: Triton's lowering fails on a loop index's %.)
+      i = t // geo.kw
+      iy, ix = oy * sh + i - pt, ox * sw + t - i * geo.kw - pl_
+      valid = (rows < geo.pixels) & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
+      xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
+                   valid[:, None] & cmask[None, :])
+      wt = _gather(w_ref, t * c + ci, g * o + co, cmask[:, None] & omask[None, :])
+      return acc + pl.dot(xt, wt)
+
+    acc = jax.lax.fori_loop(0, geo.kh * geo.kw, tap, jnp.zeros((bm, op), jnp.float32))
+    _scatter(y_ref, rows, g * o + co, acc.astype(y_ref.dtype),
+             (rows < geo.pixels)[:, None] & omask[None, :], interpret)
+
+  return _call(kernel, geo.pixels, geo.groups * o, dtype,
+               (pl.cdiv(geo.pixels, bm), geo.groups), interpret, x, w)
+
+
+def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
+  """[n h w, groups x per_group]: the gradient of x from dy [pixels, groups x
+  out_per_group]; an input pixel gets each tap's output pixel whose window holds it."""
+  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
+  cp, op = _pow2(c), _pow2(o)
+  (sh, sw), (pt, pl_) = geo.stride, geo.pad
+  inputs = geo.n * geo.h * geo.w
+
+  def kernel(dy_ref, w_ref, dx_ref, *, interpret):
+    rows = pl.program_id(0) * bm + jnp.arange(bm)
+    g = pl.program_id(1)
+    b, r = rows // (geo.h * geo.w), rows % (geo.h * geo.w)
+    iy, ix = r // geo.w, r % geo.w
+    ci, co = jnp.arange(cp), jnp.arange(op)
+    cmask, omask = ci < c, co < o
+
+    def tap(t, acc):
+      i = t // geo.kw
+      qy, qx = iy + pt - i, ix + pl_ - (t - i * geo.kw)  # = output pixel x stride.
+      oy, ox = qy // sh, qx // sw
+      valid = (rows < inputs) & (qy >= 0) & (qx >= 0) & (oy < geo.out_h) & (ox < geo.out_w)
+      if sh > 1:
+        valid &= qy % sh == 0
+      if sw > 1:
+        valid &= qx % sw == 0
+      dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
+                    valid[:, None] & omask[None, :])
+      wt = _gather(w_ref, t * c + ci, g * o + co, cmask[:, None] & omask[None, :])
+      return acc + pl.dot(dyt, wt, trans_b=True)
+
+    acc = jax.lax.fori_loop(0, geo.kh * geo.kw, tap, jnp.zeros((bm, cp), jnp.float32))
+    _scatter(dx_ref, rows, g * c + ci, acc.astype(dx_ref.dtype),
+             (rows < inputs)[:, None] & cmask[None, :], interpret)
+
+  return _call(kernel, inputs, geo.groups * c, dtype, (pl.cdiv(inputs, bm), geo.groups),
+               interpret, dy, w)
+
+
+def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
+  """[kh kw per_group, groups x out_per_group] float32: the gradient of w, per (group, tap)
+  a sum over the output pixels' tiles, in `splits` runs of tiles summed after."""
+  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
+  cp, op = _pow2(c), _pow2(o)
+  (sh, sw), (pt, pl_) = geo.stride, geo.pad
+  taps, tiles = geo.kh * geo.kw, pl.cdiv(geo.pixels, bm)
+  per_split = pl.cdiv(tiles, min(tiles, max(1, KERNEL_GRAD_PROGRAMS // (geo.groups * taps))))
+  splits = pl.cdiv(tiles, per_split)
+
+  def kernel(x_ref, dy_ref, dw_ref, *, interpret):
+    g, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j = t // geo.kw, t % geo.kw
+    ci, co = jnp.arange(cp), jnp.arange(op)
+    cmask, omask = ci < c, co < o
+
+    def tile(k, acc):
+      rows = k * bm + jnp.arange(bm)
+      b, r = rows // (geo.out_h * geo.out_w), rows % (geo.out_h * geo.out_w)
+      iy, ix = (r // geo.out_w) * sh + i - pt, (r % geo.out_w) * sw + j - pl_
+      live = rows < geo.pixels
+      valid = live & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
+      xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
+                   valid[:, None] & cmask[None, :])
+      dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :])
+      return acc + pl.dot(xt, dyt, trans_a=True)
+
+    acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, tiles), tile,
+                            jnp.zeros((cp, op), jnp.float32))
+    _scatter(dw_ref, (s * taps + t) * c + ci, g * o + co, acc,
+             cmask[:, None] & omask[None, :], interpret)
+
+  partial = _call(kernel, splits * taps * c, geo.groups * o, jnp.float32,
+                  (geo.groups, taps, splits), interpret, x, dy)
+  return partial.reshape(splits, taps * c, geo.groups * o).sum(0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv(x, w, geo: _Geometry, dtype):
+  return _on_platform(functools.partial(_forward, geo=geo, dtype=dtype), x, w)
+
+
+def _conv_fwd(x, w, geo, dtype):
+  return _conv(x, w, geo, dtype), (x, w)
+
+
+def _conv_bwd(geo, dtype, res, dy):
+  del dtype  # The output's; the gradients take their operands' dtypes.
+  x, w = res
+  dx = _on_platform(functools.partial(_input_grad, geo=geo, dtype=x.dtype), dy, w)
+  dw = _on_platform(functools.partial(_kernel_grad, geo=geo), x, dy.astype(x.dtype))
+  return dx, dw.astype(w.dtype)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dilation=None,
+                rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
+                precision=None, preferred_element_type=None, out_sharding=None) -> jax.Array:
+  """jax.lax.conv_general_dilated of 2-D NHWC images with an HWIO kernel (nnx.Conv's layout)
+  computed by this module's kernels: the same sums up to their order (products of float32
+  operands at the GPU's default matmul precision, as XLA's). Dilated convolutions and other
+  layouts raise ValueError."""
+  del precision, out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
+      or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
+          lhs.shape, rhs.shape, dimension_numbers) != jax.lax.conv_dimension_numbers(
+              lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))):
+    raise ValueError("conv_pallas takes undilated 2-D convolutions of NHWC images with "
+                     f"HWIO kernels; got dimension_numbers={dimension_numbers}, "
+                     f"lhs_dilation={lhs_dilation}, rhs_dilation={rhs_dilation}.")
+  n, h, w, channels = lhs.shape
+  kh, kw, per_group, out_channels = rhs.shape
+  if isinstance(padding, str):
+    padding = jax.lax.padtype_to_pads((h, w), (kh, kw), window_strides, padding)
+  (pt, pb), (pl_, pr) = padding
+  sh, sw = window_strides
+  geo = _Geometry(n, h, w, kh, kw, (sh, sw), (pt, pl_), feature_group_count, per_group,
+                  out_channels // feature_group_count, (h + pt + pb - kh) // sh + 1,
+                  (w + pl_ + pr - kw) // sw + 1)
+  rhs = rhs.astype(lhs.dtype)
+  y = _conv(lhs.reshape(n * h * w, channels), rhs.reshape(kh * kw * per_group, out_channels),
+            geo, jnp.dtype(preferred_element_type or lhs.dtype))
+  return y.reshape(n, geo.out_h, geo.out_w, out_channels)
