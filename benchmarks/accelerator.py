@@ -33,6 +33,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          counted on the jaxpr (`head_flops_share`)
   grouped_conv           RegNetY-16GF, model.grouped_conv_impl 'xla' (cuDNN's grouped kernels on
                          a GPU) vs 'gemm' (one batched GEMM over the groups per convolution)
+                         vs 'split' (a dense convolution per group) vs 'pallas' (implicit-GEMM
+                         Triton kernels, models/pallas_conv.py)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   gelu                   the exact GELU's forward and backward on ViT-B/16's MLP activations
@@ -452,9 +454,9 @@ class Suite:
               self.swag_classes)
 
   def grouped_conv(self):
-    """RegNetY-16GF's grouped convolutions as XLA lowers them against batched GEMMs (the
-    regnety_16gf_train figure's runner, if it ran, is its arm; a profile still to come
-    traces the other beside it)."""
+    """RegNetY-16GF's grouped convolutions as XLA lowers them against the other
+    layers.GROUPED_CONV_IMPLS (the regnety_16gf_train figure's runner, if it ran, is its
+    arm; a profile still to come traces the others beside it)."""
     config = self.regnety_config()
     arms = {impl: with_model_options(config, grouped_conv_impl=impl)
             for impl in layers.GROUPED_CONV_IMPLS}

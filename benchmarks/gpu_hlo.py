@@ -25,6 +25,7 @@ import re
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
 from bigpretrain.plan import accelerators
@@ -83,6 +84,7 @@ def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> str
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
+  jax.config.update("jax_platforms", "cpu")  # Compile-only devices: no CUDA device to start.
   f = flags.FLAGS
   config = f.config
   out = {"model": config.model.name, "topology": f.topology, "batch_size": config.batch_size,

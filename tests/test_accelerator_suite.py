@@ -82,8 +82,10 @@ def _check_levers(by):
     assert 0 < head["head_flops_share"] < 1
   assert by["head_regnety_16gf"]["classes"] == 100
   grouped = by["grouped_conv"]
-  assert grouped["model"] == "regnety_demo" and set(grouped["arms"]) == {"xla", "gemm", "split"}
-  assert all(grouped["arms"][impl]["grouped_conv_impl"] == impl for impl in ("gemm", "split"))
+  assert grouped["model"] == "regnety_demo" and set(grouped["arms"]) == {
+      "xla", "gemm", "split", "pallas"}
+  assert all(grouped["arms"][impl]["grouped_conv_impl"] == impl
+             for impl in ("gemm", "split", "pallas"))
   for figure in ("batch_vit_b16", "batch_regnety_16gf"):
     batch = by[figure]  # 2 per device, doubled once, then remat at the largest.
     assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]

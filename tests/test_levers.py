@@ -18,6 +18,7 @@ from bigpretrain.plan import flops
 from bigpretrain import config_lib
 from bigpretrain import models
 from bigpretrain.models import layers
+from bigpretrain.models import pallas_conv
 from bigpretrain.models import vit
 from tests import helpers
 
@@ -147,7 +148,8 @@ def test_levers_are_config_values_that_pick_kernels_only():
     models.get_model("regnety_demo", num_classes=3, rngs=nnx.Rngs(0), attention_impl="cudnn")
 
 
-@pytest.mark.parametrize("conv", [layers.conv_as_gemm, layers.conv_per_group])
+@pytest.mark.parametrize("conv", [layers.conv_as_gemm, layers.conv_per_group,
+                                  pallas_conv.conv_pallas])
 @pytest.mark.parametrize("groups,per_group,out_per_group,kernel,stride,padding", [
     (3, 4, 5, 3, 1, ((1, 1), (1, 1))),  # RegNet's 3x3 grouped conv.
     (2, 8, 8, 3, 2, ((1, 1), (1, 1))),  # Its strided first block.
@@ -156,8 +158,9 @@ def test_levers_are_config_values_that_pick_kernels_only():
 def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_group,
                                                             out_per_group, kernel, stride,
                                                             padding):
-  """grouped_conv_impl 'gemm' (conv_as_gemm) and 'split' (conv_per_group): values and both
-  gradients of jax.lax.conv_general_dilated's grouped convolution, to float32 rounding."""
+  """grouped_conv_impl 'gemm' (conv_as_gemm), 'split' (conv_per_group) and 'pallas'
+  (conv_pallas, its kernels interpreted): values and both gradients of
+  jax.lax.conv_general_dilated's grouped convolution, to float32 rounding."""
   x = jax.random.normal(jax.random.key(0), (2, 9, 7, groups * per_group))
   w = jax.random.normal(jax.random.key(1), (kernel, kernel, per_group, groups * out_per_group))
   g = jax.random.normal(jax.random.key(2), (2, 9 // stride + 9 % stride, 7 // stride
@@ -178,14 +181,14 @@ def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_gr
   with pytest.raises(ValueError, match="NHWC"):
     conv(x, w, (1, 1), padding, dimension_numbers=("NCHW", "HWIO", "NHWC"),
          feature_group_count=groups)
-  if conv is layers.conv_as_gemm:
+  if conv is not layers.conv_per_group:
     with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
       conv(x, w, (1, 1), padding, rhs_dilation=(2, 2), feature_group_count=groups)
 
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
-  """model.grouped_conv_impl 'gemm' / 'split' on regnety_demo: its grouped 3x3 convs (and no
-  other conv) compute as GEMMs / per group, with the same logits and gradients as 'xla' and
+  """model.grouped_conv_impl 'gemm' / 'split' / 'pallas' on regnety_demo: its grouped 3x3
+  convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the same logits and gradients as 'xla' and
   the same parameters; a model without grouped convs refuses them."""
   def build(impl):
     return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
@@ -201,7 +204,8 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
 
   (_, want), want_grads = nnx.value_and_grad(loss, has_aux=True)(xla)
   for impl, fn in (("gemm", layers.batch_local_gemm_conv),
-                   ("split", layers.batch_local_split_conv)):
+                   ("split", layers.batch_local_split_conv),
+                   ("pallas", layers.batch_local_pallas_conv)):
     other = build(impl)
     picked = [c.conv_general_dilated is fn for c in convs(other)]
     assert picked == [c.feature_group_count > 1 for c in convs(xla)] and any(picked), impl
@@ -211,7 +215,7 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
                  nnx.to_pure_dict(got_grads), nnx.to_pure_dict(want_grads))
     assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(other, nnx.Param)))
             == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
-  for impl in ("gemm", "split"):
+  for impl in ("gemm", "split", "pallas"):
     with pytest.raises(ValueError, match="no grouped convolutions of more than one channel"):
       models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl=impl)
   bad = helpers.tiny_config("semantic_softmax")

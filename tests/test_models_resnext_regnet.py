@@ -14,6 +14,7 @@ from flax import nnx
 
 from bigpretrain import models
 from bigpretrain.models import layers
+from bigpretrain.models import pallas_conv
 from bigpretrain.models import regnet
 from bigpretrain.models import resnet
 
@@ -345,10 +346,11 @@ def test_regnet_batch_norm_statistics_are_global_under_a_sharded_batch():
 @pytest.mark.parametrize("conv,one_device", [
     (layers.batch_local_conv, jax.lax.conv_general_dilated),
     (layers.batch_local_gemm_conv, layers.conv_as_gemm),
-    (layers.batch_local_split_conv, layers.conv_per_group)])
+    (layers.batch_local_split_conv, layers.conv_per_group),
+    (layers.batch_local_pallas_conv, pallas_conv.conv_pallas)])
 def test_grouped_convolution_computes_only_each_devices_rows(conv, one_device):
-  """layers.batch_local_conv (grouped convs; also as GEMMs or per group, grouped_conv_impl
-  'gemm' / 'split'): under an 8-device batch split, value and kernel gradient equal the
+  """layers.batch_local_conv (grouped convs; also as GEMMs, per group or by the Pallas
+  kernels, grouped_conv_impl 'gemm' / 'split' / 'pallas'): under an 8-device batch split, value and kernel gradient equal the
   unsharded convolution's, and each device does an eighth of the work (XLA's own partitioning
   of grouped convs convolves the global batch everywhere)."""
   rs = np.random.RandomState(0)
@@ -375,10 +377,17 @@ def test_grouped_convolution_computes_only_each_devices_rows(conv, one_device):
     value, grad = step(xs, ks)
   np.testing.assert_allclose(value, want_value, rtol=1e-4)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-3)
-  assert step.cost_analysis()["flops"] < 1.25 * one_device_flops / 8
+  if conv is layers.batch_local_pallas_conv:
+    # XLA counts an interpreted kernel's loop body once, whatever its trip count: check that
+    # the kernels read each device's 2 images' rows (2 x 6 x 6), never the 16 images'.
+    hlo = step.as_text()
+    assert "f32[72,64]" in hlo and "f32[576,64]" not in hlo
+  else:
+    assert step.cost_analysis()["flops"] < 1.25 * one_device_flops / 8
 
 
-def test_grouped_convolution_sums_bfloat16_kernel_gradients_in_float32():
+@pytest.mark.parametrize("conv", [layers.batch_local_conv, layers.batch_local_pallas_conv])
+def test_grouped_convolution_sums_bfloat16_kernel_gradients_in_float32(conv):
   """As nnx.Conv calls it in bfloat16 (kernel cast first): the cross-device sum of the kernel
   gradient is float32 (XLA:CPU aborted compiling a bfloat16 one) and matches one device's."""
   rs = np.random.RandomState(1)
@@ -394,7 +403,7 @@ def test_grouped_convolution_sums_bfloat16_kernel_gradients_in_float32():
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, jax.sharding.PartitionSpec("fsdp"))
-    step = jax.jit(jax.grad(functools.partial(loss, layers.batch_local_conv)))
+    step = jax.jit(jax.grad(functools.partial(loss, conv)))
     compiled = step.lower(k, xs).compile()
     grad = compiled(k, xs)
   sums = [line for line in compiled.as_text().splitlines() if "all-reduce(" in line]

@@ -263,13 +263,19 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args,
   if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
     return _pin_rows(conv(lhs, rhs))
 
+  # Pallas's interpreter (pallas_conv off GPUs) fails JAX's checks of what varies over the
+  # mesh; unchecked, shard_map sums a replicated input's gradient itself, as pcast's does.
+  check_vma = conv_fn is not pallas_conv.conv_pallas
+
   def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.
-    return conv(x, jax.lax.pcast(k, axes, to="varying").astype(rhs.dtype))
+    k = jax.lax.pcast(k, axes, to="varying") if check_vma else k
+    return conv(x, k.astype(rhs.dtype))
 
   rows = jax.sharding.PartitionSpec(axes)
   return _pin_rows(jax.shard_map(
       local, in_specs=(rows, jax.sharding.PartitionSpec()), out_specs=rows,
-      axis_names=set(axes))(lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
+      axis_names=set(axes), check_vma=check_vma)(
+          lhs, rhs.astype(jnp.promote_types(rhs.dtype, jnp.float32))))
 
 
 def _nhwc_hwio(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> bool:

@@ -70,10 +70,12 @@ def _scatter(ref, rows, cols, value, mask, interpret):
 
 
 def _call(kernel, out_rows, out_cols, dtype, grid, interpret, *args):
-  """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result."""
+  """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result, varying
+  over the manual mesh axes (in a shard_map) as its first operand does."""
+  out_shape = jax.ShapeDtypeStruct((out_rows + interpret, out_cols), dtype,
+                                   manual_axis_type=jax.typeof(args[0]).mat)
   out = pl.pallas_call(
-      functools.partial(kernel, interpret=interpret),
-      out_shape=jax.ShapeDtypeStruct((out_rows + interpret, out_cols), dtype), grid=grid,
+      functools.partial(kernel, interpret=interpret), out_shape=out_shape, grid=grid,
       interpret=interpret, compiler_params=None if interpret else _TRITON)(*args)
   return out[:out_rows] if interpret else out
 
