@@ -35,6 +35,9 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          a GPU) vs 'gemm' (one batched GEMM over the groups per convolution)
                          vs 'split' (a dense convolution per group) vs 'pallas' (implicit-GEMM
                          Triton kernels, models/pallas_conv.py)
+  grouped_conv_layers    each of RegNetY-16GF's grouped convolution shapes alone, forward and
+                         backward, per grouped_conv_impl and Pallas tiling (pallas_conv.Tiles):
+                         ms and TFLOP/s per layer, the model's grouped convolutions in all
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   gelu                   the exact GELU's forward and backward on ViT-B/16's MLP activations
@@ -66,7 +69,9 @@ import os
 import sys
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import gc  # pylint: disable=g-import-not-at-top
+import collections  # pylint: disable=g-import-not-at-top
+import functools
+import gc
 import importlib.metadata
 import json
 import math
@@ -79,7 +84,9 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+from flax import nnx
 import jax
+import jax.numpy as jnp
 
 from benchmarks import common
 from benchmarks import cosub
@@ -90,9 +97,11 @@ from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
 from bigpretrain.plan import gpu_flags
 from bigpretrain.runtime import goodput
+from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain.models import layers
+from bigpretrain.models import pallas_conv
 from configs import semantic_softmax
 from configs import swag_regnety
 
@@ -125,7 +134,8 @@ _KEEP_UP_DATA_DIR = flags.DEFINE_string(
 KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
-           "head_vit_b16", "head_regnety_16gf", "grouped_conv", "batch_vit_b16",
+           "head_vit_b16", "head_regnety_16gf", "grouped_conv", "grouped_conv_layers",
+           "batch_vit_b16",
            "batch_regnety_16gf", "gelu", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
                  "batch_vit_b16", "gelu", "combined_vit_b16", "xla_flags")
@@ -136,6 +146,11 @@ LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16":
                                     "grouped_conv": ("grouped_conv_impl",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
+# grouped_conv_layers' Pallas tilings beside pallas_conv.TILES, on GPUs (pixels, warps, stages).
+PALLAS_TILES = (pallas_conv.Tiles(64, 4, 3), pallas_conv.Tiles(128, 8, 3),
+                pallas_conv.Tiles(256, 8, 3))
+_GROUPED_CONV_FNS = {"xla": jax.lax.conv_general_dilated, "gemm": layers.conv_as_gemm,
+                     "split": layers.conv_per_group, "pallas": pallas_conv.conv_pallas}
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
 # The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
 # at most per model (64 -> 1,024 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
@@ -469,6 +484,37 @@ class Suite:
       self.runners.update({f"grouped_conv:{impl}": runner for impl, runner in built.items()
                            if runner is not trained})
 
+  def grouped_conv_layers(self):
+    """Each grouped convolution shape of RegNetY-16GF's step (the dry run: regnety_demo's
+    first two) alone: forward and both gradients per layers.GROUPED_CONV_IMPLS (on GPUs also
+    other PALLAS_TILES), alternated; the value is the best arm's speed-up over 'xla' on the
+    model's grouped convolutions in all (each shape's time times its layers)."""
+    config = self.regnety_config()
+    shapes = grouped_conv_shapes(config.model.name, self.per_device, self.image_size)
+    shapes = list(shapes.items())[:2] if self.dry_run else list(shapes.items())
+    impls = {impl: _GROUPED_CONV_FNS[impl] for impl in layers.GROUPED_CONV_IMPLS}
+    if jax.default_backend() == "gpu":
+      impls.update({f"pallas:{t.pixels}/{t.num_warps}/{t.num_stages}": functools.partial(
+          pallas_conv.conv_pallas, tiles=t) for t in PALLAS_TILES})
+    rows, total = [], dict.fromkeys(impls, 0.0)
+    for (lhs, rhs, strides, padding, groups), count in shapes:
+      runners = {name: ConvRunner(conv, lhs, rhs, strides, padding, groups)
+                 for name, conv in impls.items()}
+      ms = {name: 1e3 * statistics.median(t) for name, t in self.alternate(runners).items()}
+      n, h, w, _ = runners["xla"].y_shape
+      flops = 3 * 2 * n * h * w * rhs[3] * rhs[0] * rhs[1] * rhs[2]  # Forward, 2 gradients.
+      rows.append({"input": list(lhs), "kernel": list(rhs), "strides": list(strides),
+                   "groups": groups, "layers": count, "ms": ms,
+                   "tflops_per_sec": {k: flops / v / 1e9 for k, v in ms.items()}})
+      for name in impls:
+        total[name] += count * ms[name]
+    best = min(total, key=total.get)
+    self.emit("grouped_conv_layers", total["xla"] / total[best],
+              f"speed-up of {best} over xla", model=config.model.name,
+              batch_per_device=self.per_device, image_size=self.image_size, best=best,
+              total_ms=total, layers=rows, rounds=self.rounds, steps=self.steps)
+    gc.collect()
+
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
     size that does not fit (or the largest tried), the remat policies until one fits. One
@@ -672,6 +718,49 @@ class ElementwiseRunner:
     return common.seconds_per_call(lambda: self.step(self.x), steps)
 
 
+class ConvRunner:
+  """`run(steps)` as common.Runner's: a convolution's forward and both gradients (of half its
+  squared output's sum) on bfloat16 operands of the given shapes."""
+
+  def __init__(self, conv, lhs_shape, rhs_shape, strides, padding, groups):
+    self.args = (jax.random.normal(jax.random.key(0), lhs_shape, "bfloat16"),
+                 jax.random.normal(jax.random.key(1), rhs_shape, "bfloat16"))
+
+    def forward(x, w):
+      return conv(x, w, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                  feature_group_count=groups)
+
+    self.y_shape = jax.eval_shape(forward, *self.args).shape
+    self.step = jax.jit(jax.value_and_grad(
+        lambda x, w: jnp.sum(jnp.square(forward(x, w).astype("float32"))) / 2, (0, 1)))
+    jax.block_until_ready(self.step(*self.args))  # Compiled and run once.
+
+  def run(self, steps: int) -> float:
+    return common.seconds_per_call(lambda: self.step(*self.args), steps)
+
+
+def grouped_conv_shapes(model: str, batch: int, image_size: int) -> dict:
+  """{(input shape, kernel shape, strides, padding, groups): how many layers} of the grouped
+  convolutions (more than one channel per group) of `model` on `batch` images, as its
+  forward calls them (traced abstractly, nothing computed)."""
+  found = collections.Counter()
+
+  def record(lhs, rhs, strides, padding, **kwargs):
+    found[(lhs.shape, rhs.shape, tuple(strides), tuple(map(tuple, padding)),
+           kwargs["feature_group_count"])] += 1
+    return jax.lax.conv_general_dilated(lhs, rhs, strides, padding, **kwargs)
+
+  def forward():
+    net = models.get_model(model, num_classes=10, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    for _, m in nnx.iter_graph(net):
+      if isinstance(m, nnx.Conv) and 1 < m.feature_group_count < m.in_features:
+        m.conv_general_dilated = record
+    return net(jnp.zeros((batch, image_size, image_size, 3), jnp.bfloat16), train=False)
+
+  jax.eval_shape(forward)
+  return dict(found)
+
+
 def versions() -> dict:
   """The software the figures ran on: jax, jaxlib and, on GPUs, CUDA and cuDNN."""
   out = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
@@ -807,6 +896,7 @@ def main(argv):
          "profile": suite.profile, "attention": suite.attention,
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "grouped_conv": suite.grouped_conv,
+         "grouped_conv_layers": suite.grouped_conv_layers,
          "batch_vit_b16": suite.batch_vit_b16,
          "batch_regnety_16gf": suite.batch_regnety_16gf,
          "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,

@@ -86,6 +86,14 @@ def _check_levers(by):
       "xla", "gemm", "split", "pallas"}
   assert all(grouped["arms"][impl]["grouped_conv_impl"] == impl
              for impl in ("gemm", "split", "pallas"))
+  layers = by["grouped_conv_layers"]  # regnety_demo's first two shapes, every impl (CPU).
+  shapes = list(accelerator.grouped_conv_shapes("regnety_demo", 2, 32))[:2]
+  assert [(tuple(r["input"]), tuple(r["kernel"])) for r in layers["layers"]] == [
+      s[:2] for s in shapes]
+  assert all(set(r["ms"]) == set(accelerator.layers.GROUPED_CONV_IMPLS) for r in layers["layers"])
+  total = {k: sum(r["layers"] * r["ms"][k] for r in layers["layers"]) for k in layers["total_ms"]}
+  assert total == pytest.approx(layers["total_ms"])
+  assert layers["value"] == total["xla"] / min(total.values())
   for figure in ("batch_vit_b16", "batch_regnety_16gf"):
     batch = by[figure]  # 2 per device, doubled once, then remat at the largest.
     assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]
@@ -116,6 +124,23 @@ def _check_levers(by):
   assert set(prof["traced_ms_per_step"]) == {
       "vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50:vit_demo",
       "tresnet_m_vs_resnet50:regnety_demo"}
+
+
+def test_grouped_conv_shapes_are_regnety_16gfs_blocks():
+  """grouped_conv_layers' shapes: RegNetY-16GF's 3x3 convolutions of group width 112, one
+  per block (depths 2, 4, 11, 1; widths 224, 448, 1232, 3024: Radosavovic et al. 2020 /
+  torchvision), each stage's first strided, 224-px images halved by the stem."""
+  got = accelerator.grouped_conv_shapes("regnety_16gf", 4, 224)
+  want = {}
+  size = 112
+  for depth, width in zip((2, 4, 11, 1), (224, 448, 1232, 3024)):
+    want[((4, size, size, width), (3, 3, 112, width), (2, 2), ((1, 1), (1, 1)),
+          width // 112)] = 1
+    size //= 2
+    if depth > 1:
+      want[((4, size, size, width), (3, 3, 112, width), (1, 1), ((1, 1), (1, 1)),
+            width // 112)] = depth - 1
+  assert got == want
 
 
 def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypatch):

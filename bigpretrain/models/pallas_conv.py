@@ -21,11 +21,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Output pixels per tile (the products' M), and how many programs the kernel gradient's
-# pixel splits aim at (a few per streaming multiprocessor of an H100's 132).
-BLOCK_PIXELS = 128
+# How many programs the kernel gradient's pixel splits aim at (a few per streaming
+# multiprocessor of an H100's 132).
 KERNEL_GRAD_PROGRAMS = 512
-_TRITON = pltriton.CompilerParams(num_warps=4, num_stages=3)
+
+
+class Tiles(NamedTuple):
+  """The kernels' tiling: output (or input) pixels per tile, the products' M, and Triton's
+  warps per program and software-pipeline stages."""
+  pixels: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+TILES = Tiles()  # What grouped_conv_impl 'pallas' runs with.
 
 
 class _Geometry(NamedTuple):
@@ -37,6 +46,7 @@ class _Geometry(NamedTuple):
   kw: int
   stride: tuple[int, int]
   pad: tuple[int, int]  # Top and left (bottom and right follow from the output size).
+  tiles: Tiles
   groups: int
   per_group: int  # Input channels per group.
   out_per_group: int
@@ -48,8 +58,9 @@ class _Geometry(NamedTuple):
     return self.n * self.out_h * self.out_w
 
 
-def _pow2(n: int) -> int:
-  return 1 << (n - 1).bit_length()
+def _tile(n: int) -> int:
+  """A tile's width for n channels: Triton's tiles are powers of two, its products' >= 16."""
+  return max(16, 1 << (n - 1).bit_length())
 
 
 def _gather(ref, rows, cols, mask):
@@ -69,14 +80,15 @@ def _scatter(ref, rows, cols, value, mask, interpret):
   pltriton.store(ref.at[r, c], value, mask=mask)
 
 
-def _call(kernel, out_rows, out_cols, dtype, grid, interpret, *args):
+def _call(kernel, out_rows, out_cols, dtype, grid, tiles, interpret, *args):
   """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result, varying
   over the manual mesh axes (in a shard_map) as its first operand does."""
   out_shape = jax.ShapeDtypeStruct((out_rows + interpret, out_cols), dtype,
                                    manual_axis_type=jax.typeof(args[0]).mat)
   out = pl.pallas_call(
       functools.partial(kernel, interpret=interpret), out_shape=out_shape, grid=grid,
-      interpret=interpret, compiler_params=None if interpret else _TRITON)(*args)
+      interpret=interpret, compiler_params=None if interpret else pltriton.CompilerParams(
+          num_warps=tiles.num_warps, num_stages=tiles.num_stages))(*args)
   return out[:out_rows] if interpret else out
 
 
@@ -90,8 +102,8 @@ def _on_platform(fn, *args):
 def _forward(x, w, geo: _Geometry, dtype, *, interpret):
   """[pixels, groups x out_per_group]: the convolution of x [n h w, groups x per_group] with
   w [kh kw per_group, groups x out_per_group]."""
-  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
-  cp, op = _pow2(c), _pow2(o)
+  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
+  cp, op = _tile(c), _tile(o)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
 
   def kernel(x_ref, w_ref, y_ref, *, interpret):
@@ -116,14 +128,14 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
              (rows < geo.pixels)[:, None] & omask[None, :], interpret)
 
   return _call(kernel, geo.pixels, geo.groups * o, dtype,
-               (pl.cdiv(geo.pixels, bm), geo.groups), interpret, x, w)
+               (pl.cdiv(geo.pixels, bm), geo.groups), geo.tiles, interpret, x, w)
 
 
 def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
   """[n h w, groups x per_group]: the gradient of x from dy [pixels, groups x
   out_per_group]; an input pixel gets each tap's output pixel whose window holds it."""
-  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
-  cp, op = _pow2(c), _pow2(o)
+  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
+  cp, op = _tile(c), _tile(o)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
   inputs = geo.n * geo.h * geo.w
 
@@ -154,14 +166,14 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
              (rows < inputs)[:, None] & cmask[None, :], interpret)
 
   return _call(kernel, inputs, geo.groups * c, dtype, (pl.cdiv(inputs, bm), geo.groups),
-               interpret, dy, w)
+               geo.tiles, interpret, dy, w)
 
 
 def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
   """[kh kw per_group, groups x out_per_group] float32: the gradient of w, per (group, tap)
   a sum over the output pixels' tiles, in `splits` runs of tiles summed after."""
-  c, o, bm = geo.per_group, geo.out_per_group, BLOCK_PIXELS
-  cp, op = _pow2(c), _pow2(o)
+  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
+  cp, op = _tile(c), _tile(o)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
   taps, tiles = geo.kh * geo.kw, pl.cdiv(geo.pixels, bm)
   per_split = pl.cdiv(tiles, min(tiles, max(1, KERNEL_GRAD_PROGRAMS // (geo.groups * taps))))
@@ -190,7 +202,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
              cmask[:, None] & omask[None, :], interpret)
 
   partial = _call(kernel, splits * taps * c, geo.groups * o, jnp.float32,
-                  (geo.groups, taps, splits), interpret, x, dy)
+                  (geo.groups, taps, splits), geo.tiles, interpret, x, dy)
   return partial.reshape(splits, taps * c, geo.groups * o).sum(0)
 
 
@@ -216,11 +228,12 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dilation=None,
                 rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
-                precision=None, preferred_element_type=None, out_sharding=None) -> jax.Array:
+                precision=None, preferred_element_type=None, out_sharding=None,
+                tiles: Tiles = TILES) -> jax.Array:
   """jax.lax.conv_general_dilated of 2-D NHWC images with an HWIO kernel (nnx.Conv's layout)
-  computed by this module's kernels: the same sums up to their order (products of float32
-  operands at the GPU's default matmul precision, as XLA's). Dilated convolutions and other
-  layouts raise ValueError."""
+  computed by this module's kernels, tiled as `tiles` says: the same sums up to their order
+  (products of float32 operands at the GPU's default matmul precision, as XLA's). Dilated
+  convolutions and other layouts raise ValueError."""
   del precision, out_sharding  # The callers pin their outputs themselves (batch_local_conv).
   if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
       or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
@@ -235,7 +248,7 @@ def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dil
     padding = jax.lax.padtype_to_pads((h, w), (kh, kw), window_strides, padding)
   (pt, pb), (pl_, pr) = padding
   sh, sw = window_strides
-  geo = _Geometry(n, h, w, kh, kw, (sh, sw), (pt, pl_), feature_group_count, per_group,
+  geo = _Geometry(n, h, w, kh, kw, (sh, sw), (pt, pl_), tiles, feature_group_count, per_group,
                   out_channels // feature_group_count, (h + pt + pb - kh) // sh + 1,
                   (w + pl_ + pr - kw) // sw + 1)
   rhs = rhs.astype(lhs.dtype)
