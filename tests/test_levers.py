@@ -184,6 +184,30 @@ def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_gr
   if conv is not layers.conv_per_group:
     with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
       conv(x, w, (1, 1), padding, rhs_dilation=(2, 2), feature_group_count=groups)
+  if conv is pallas_conv.conv_pallas:
+    with pytest.raises(ValueError, match="a power of two >= 16"):
+      conv(x, w, (1, 1), padding, feature_group_count=groups, tiles=pallas_conv.Tiles(96))
+
+
+@pytest.mark.parametrize("programs", [512, 54])
+def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, programs):
+  """conv_pallas with 16-pixel tiles on 126 pixels (8 tiles, the last one short) and its
+  kernel gradient's pixel splits (2 groups x 9 taps: 512 programs give 8 splits of one tile,
+  54 give 3 splits of 3, 3 and 2 tiles): XLA's values and gradients."""
+  monkeypatch.setattr(pallas_conv, "KERNEL_GRAD_PROGRAMS", programs)
+  x = jax.random.normal(jax.random.key(0), (2, 9, 7, 8))
+  w = jax.random.normal(jax.random.key(1), (3, 3, 4, 8))
+
+  def loss(conv, x, w):
+    y = conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+             feature_group_count=2, precision="highest")
+    return jnp.sum(jnp.sin(y))
+
+  want = jax.grad(functools.partial(loss, jax.lax.conv_general_dilated), (0, 1))(x, w)
+  tiled = functools.partial(pallas_conv.conv_pallas, tiles=pallas_conv.Tiles(16))
+  got = jax.grad(functools.partial(loss, tiled), (0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():

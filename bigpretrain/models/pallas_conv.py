@@ -2,8 +2,8 @@
 
 A tile of output pixels times one group's output channels is a sum over the kernel's taps of
 [pixels, group width] x [group width, group width] products, each tap's rows read straight
-from the NHWC activations: each window is read once, with no im2col copy through memory (the
-cost of 'gemm', layers.conv_as_gemm) and no per-group slices and concatenation ('split').
+from the NHWC activations: no window is copied through memory (im2col, the cost of 'gemm',
+layers.conv_as_gemm), no group's channels sliced out and concatenated back ('split').
 The input gradient is the same sum over taps of the output gradient's rows (the kernel
 transposed); the kernel's gradient, per group and tap, a sum over pixel tiles, split over
 pixels so that a few groups still fill the chip, the splits summed in float32 after.
@@ -11,7 +11,7 @@ pixels so that a few groups still fill the chip, the splits summed in float32 af
 On NVIDIA GPUs the kernels are Triton's (the CUDA plugin compiles them deviceless too, for
 the plan and benchmarks/gpu_hlo.py); on other platforms Pallas's interpreter runs the same
 kernels (the tests, the CPU dry run of benchmarks/accelerator.py). Tiles are powers of two
-(Triton's), so a group width of 112 (RegNetY's) is computed as 128, masked.
+of at least 16 (Triton's), so a group width of 112 (RegNetY's) is computed as 128, masked.
 """
 import functools
 from typing import NamedTuple
@@ -235,6 +235,8 @@ def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dil
   (products of float32 operands at the GPU's default matmul precision, as XLA's). Dilated
   convolutions and other layouts raise ValueError."""
   del precision, out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  if tiles.pixels < 16 or tiles.pixels & (tiles.pixels - 1):
+    raise ValueError(f"{tiles}: pixels per tile must be a power of two >= 16 (Triton's).")
   if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
       or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
           lhs.shape, rhs.shape, dimension_numbers) != jax.lax.conv_dimension_numbers(
