@@ -212,8 +212,9 @@ def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, pro
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   """model.grouped_conv_impl 'gemm' / 'split' / 'pallas' on regnety_demo: its grouped 3x3
-  convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the same logits and gradients as 'xla' and
-  the same parameters; a model without grouped convs refuses them."""
+  convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the
+  same logits and gradients as 'xla' and the same parameters; a model without grouped convs
+  refuses them."""
   def build(impl):
     return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
                             grouped_conv_impl=impl)

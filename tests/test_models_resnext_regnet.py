@@ -350,9 +350,10 @@ def test_regnet_batch_norm_statistics_are_global_under_a_sharded_batch():
     (layers.batch_local_pallas_conv, pallas_conv.conv_pallas)])
 def test_grouped_convolution_computes_only_each_devices_rows(conv, one_device):
   """layers.batch_local_conv (grouped convs; also as GEMMs, per group or by the Pallas
-  kernels, grouped_conv_impl 'gemm' / 'split' / 'pallas'): under an 8-device batch split, value and kernel gradient equal the
-  unsharded convolution's, and each device does an eighth of the work (XLA's own partitioning
-  of grouped convs convolves the global batch everywhere)."""
+  kernels, grouped_conv_impl 'gemm' / 'split' / 'pallas'): under an 8-device batch split,
+  value and kernel gradient equal the unsharded convolution's, and each device does an
+  eighth of the work (XLA's own partitioning of grouped convs convolves the global batch
+  everywhere)."""
   rs = np.random.RandomState(0)
   x = rs.randn(16, 6, 6, 64).astype(np.float32)
   k = rs.randn(3, 3, 32, 64).astype(np.float32) / 16

@@ -66,8 +66,8 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # form: docs/benchmarks.md); 'split' as one ungrouped convolution per group
 # (conv_per_group): dense kernels of group-width channels, at the cost of copying each
 # group's channels out and the outputs back together; 'pallas' as implicit-GEMM kernels that
-# read each window straight from the activations (pallas_conv: Triton's on NVIDIA GPUs, Pallas's
-# interpreter elsewhere).
+# read each window straight from the activations (pallas_conv: Triton's on NVIDIA GPUs,
+# Pallas's interpreter elsewhere).
 GROUPED_CONV_IMPLS = ("xla", "gemm", "split", "pallas")
 
 
@@ -263,8 +263,9 @@ def batch_local_conv(lhs: jax.Array, rhs: jax.Array, *args,
   if kwargs.get("feature_group_count", 1) == 1 or not axes or data_shards() == 1:
     return _pin_rows(conv(lhs, rhs))
 
-  # Pallas's interpreter (pallas_conv off GPUs) fails JAX's checks of what varies over the
-  # mesh; unchecked, shard_map sums a replicated input's gradient itself, as pcast's does.
+  # Pallas's interpreter (pallas_conv's form off GPUs, traced on every platform) fails JAX's
+  # checks of what varies over the mesh; unchecked, shard_map sums a replicated input's
+  # gradient itself, as pcast's does.
   check_vma = conv_fn is not pallas_conv.conv_pallas
 
   def local(x, k):  # Marked per-device before the cast, so its gradient's sum is float32.
