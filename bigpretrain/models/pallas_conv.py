@@ -63,6 +63,11 @@ def _tile(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
+def _pixel(rows, h: int, w: int):
+  """(image, y, x) of each flat index `rows` into h x w NHWC images."""
+  return rows // (h * w), rows % (h * w) // w, rows % w
+
+
 def _gather(ref, rows, cols, mask):
   """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere (indices kept in bounds)."""
   r = jnp.broadcast_to(jnp.clip(rows, 0, ref.shape[0] - 1)[:, None], mask.shape)
@@ -109,8 +114,7 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
   def kernel(x_ref, w_ref, y_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     g = pl.program_id(1)
-    b, r = rows // (geo.out_h * geo.out_w), rows % (geo.out_h * geo.out_w)
-    oy, ox = r // geo.out_w, r % geo.out_w
+    b, oy, ox = _pixel(rows, geo.out_h, geo.out_w)
     ci, co = jnp.arange(cp), jnp.arange(op)
     cmask, omask = ci < c, co < o
 
@@ -142,8 +146,7 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
   def kernel(dy_ref, w_ref, dx_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     g = pl.program_id(1)
-    b, r = rows // (geo.h * geo.w), rows % (geo.h * geo.w)
-    iy, ix = r // geo.w, r % geo.w
+    b, iy, ix = _pixel(rows, geo.h, geo.w)
     ci, co = jnp.arange(cp), jnp.arange(op)
     cmask, omask = ci < c, co < o
 
@@ -187,8 +190,8 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
 
     def tile(k, acc):
       rows = k * bm + jnp.arange(bm)
-      b, r = rows // (geo.out_h * geo.out_w), rows % (geo.out_h * geo.out_w)
-      iy, ix = (r // geo.out_w) * sh + i - pt, (r % geo.out_w) * sw + j - pl_
+      b, oy, ox = _pixel(rows, geo.out_h, geo.out_w)
+      iy, ix = oy * sh + i - pt, ox * sw + j - pl_
       live = rows < geo.pixels
       valid = live & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
