@@ -221,8 +221,9 @@ def _conv_fwd(x, w, geo, dtype):
 def _conv_bwd(geo, dtype, res, dy):
   del dtype  # The output's; the gradients take their operands' dtypes.
   x, w = res
+  dy = dy.astype(x.dtype)  # conv_pallas casts w to x's dtype: products of one dtype.
   dx = _on_platform(functools.partial(_input_grad, geo=geo, dtype=x.dtype), dy, w)
-  dw = _on_platform(functools.partial(_kernel_grad, geo=geo), x, dy.astype(x.dtype))
+  dw = _on_platform(functools.partial(_kernel_grad, geo=geo), x, dy)
   return dx, dw.astype(w.dtype)
 
 
