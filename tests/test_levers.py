@@ -193,21 +193,23 @@ def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_gr
 def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, programs):
   """conv_pallas with 16-pixel tiles on 126 pixels (8 tiles, the last one short) and its
   kernel gradient's pixel splits (2 groups x 9 taps: 512 programs give 8 splits of one tile,
-  54 give 3 splits of 3, 3 and 2 tiles): XLA's values and gradients."""
+  54 give 3 splits of 3, 3 and 2 tiles); strided with SAME's uneven padding on 8 x 6 images
+  (the input gradient's 4 stride phases, 2 tiles each): XLA's values and gradients."""
   monkeypatch.setattr(pallas_conv, "KERNEL_GRAD_PROGRAMS", programs)
-  x = jax.random.normal(jax.random.key(0), (2, 9, 7, 8))
   w = jax.random.normal(jax.random.key(1), (3, 3, 4, 8))
-
-  def loss(conv, x, w):
-    y = conv(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-             feature_group_count=2, precision="highest")
-    return jnp.sum(jnp.sin(y))
-
-  want = jax.grad(functools.partial(loss, jax.lax.conv_general_dilated), (0, 1))(x, w)
   tiled = functools.partial(pallas_conv.conv_pallas, tiles=pallas_conv.Tiles(16))
-  got = jax.grad(functools.partial(loss, tiled), (0, 1))(x, w)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+  for shape, stride in (((2, 9, 7, 8), 1), ((2, 8, 6, 8), 2)):
+    x = jax.random.normal(jax.random.key(0), shape)
+
+    def loss(conv, x, w, stride=stride):
+      y = conv(x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+               feature_group_count=2, precision="highest")
+      return jnp.sum(jnp.sin(y))
+
+    want = jax.grad(functools.partial(loss, jax.lax.conv_general_dilated), (0, 1))(x, w)
+    got = jax.grad(functools.partial(loss, tiled), (0, 1))(x, w)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():

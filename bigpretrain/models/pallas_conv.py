@@ -137,39 +137,49 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
 
 def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
   """[n h w, groups x per_group]: the gradient of x from dy [pixels, groups x
-  out_per_group]; an input pixel gets each tap's output pixel whose window holds it."""
+  out_per_group]; an input pixel gets each tap's output pixel whose window holds it. Strided:
+  the input pixels come in stride-phase classes (y mod sh, x mod sw), each a program's rows,
+  since only the taps of a pixel's phase reach an output pixel: every product counts."""
   c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
   cp, op = _tile(c), _tile(o)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
-  inputs = geo.n * geo.h * geo.w
+  uh, uw = pl.cdiv(geo.h, sh), pl.cdiv(geo.w, sw)  # A phase's rows and columns (at most).
+  per_phase = geo.n * uh * uw
 
   def kernel(dy_ref, w_ref, dx_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
-    g = pl.program_id(1)
-    b, iy, ix = _pixel(rows, geo.h, geo.w)
+    g, phase = pl.program_id(1), pl.program_id(2)
+    py, px = phase // sw, phase % sw
+    b, u, v = _pixel(rows, uh, uw)
+    iy, ix = py + u * sh, px + v * sw
+    live = (rows < per_phase) & (iy < geo.h) & (ix < geo.w)
+    i0, j0 = (py + pt) % sh, (px + pl_) % sw  # The phase's first tap row and column.
     ci, co = jnp.arange(cp), jnp.arange(op)
     cmask, omask = ci < c, co < o
 
-    def tap(t, acc):
-      i = t // geo.kw
-      qy, qx = iy + pt - i, ix + pl_ - (t - i * geo.kw)  # = output pixel x stride.
-      oy, ox = qy // sh, qx // sw
-      valid = (rows < inputs) & (qy >= 0) & (qx >= 0) & (oy < geo.out_h) & (ox < geo.out_w)
-      if sh > 1:
-        valid &= qy % sh == 0
-      if sw > 1:
-        valid &= qx % sw == 0
-      dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
-                    valid[:, None] & omask[None, :])
-      wt = _gather(w_ref, t * c + ci, g * o + co, cmask[:, None] & omask[None, :])
-      return acc + pl.dot(dyt, wt, trans_b=True)
+    def tap_row(ki, acc):
+      i = i0 + ki * sh
+      oy = (iy + pt - i) // sh  # Exact: i is of iy's phase.
 
-    acc = jax.lax.fori_loop(0, geo.kh * geo.kw, tap, jnp.zeros((bm, cp), jnp.float32))
-    _scatter(dx_ref, rows, g * c + ci, acc.astype(dx_ref.dtype),
-             (rows < inputs)[:, None] & cmask[None, :], interpret)
+      def tap(kj, acc):
+        j = j0 + kj * sw
+        ox = (ix + pl_ - j) // sw
+        valid = live & (oy >= 0) & (oy < geo.out_h) & (ox >= 0) & (ox < geo.out_w)
+        dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
+                      valid[:, None] & omask[None, :])
+        wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
+                     cmask[:, None] & omask[None, :])
+        return acc + pl.dot(dyt, wt, trans_b=True)
 
-  return _call(kernel, inputs, geo.groups * c, dtype, (pl.cdiv(inputs, bm), geo.groups),
-               geo.tiles, interpret, dy, w)
+      return jax.lax.fori_loop(0, (geo.kw - j0 + sw - 1) // sw, tap, acc)
+
+    acc = jax.lax.fori_loop(0, (geo.kh - i0 + sh - 1) // sh, tap_row,
+                            jnp.zeros((bm, cp), jnp.float32))
+    _scatter(dx_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci, acc.astype(dx_ref.dtype),
+             live[:, None] & cmask[None, :], interpret)
+
+  return _call(kernel, geo.n * geo.h * geo.w, geo.groups * c, dtype,
+               (pl.cdiv(per_phase, bm), geo.groups, sh * sw), geo.tiles, interpret, dy, w)
 
 
 def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
