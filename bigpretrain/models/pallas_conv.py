@@ -5,7 +5,8 @@ A tile of output pixels times one group's output channels is a sum over the kern
 from the NHWC activations: no window is copied through memory (im2col, the cost of 'gemm',
 layers.conv_as_gemm), no group's channels sliced out and concatenated back ('split').
 The input gradient is the same sum over taps of the output gradient's rows (the kernel
-transposed); the kernel's gradient, per group and tap, a sum over pixel tiles, split over
+transposed; strided, by stride phase, so that each program sums only its pixels' taps); the
+kernel's gradient, per group and tap, a sum over pixel tiles, split over
 pixels so that a few groups still fill the chip, the splits summed in float32 after.
 
 On NVIDIA GPUs the kernels are Triton's (the CUDA plugin compiles them deviceless too, for
