@@ -6,8 +6,8 @@ from the NHWC activations: no window is copied through memory (im2col, the cost 
 layers.conv_as_gemm), no group's channels sliced out and concatenated back ('split').
 The input gradient is the same sum over taps of the output gradient's rows (the kernel
 transposed; strided, by stride phase, so that each program sums only its pixels' taps); the
-kernel's gradient, per group and tap, a sum over pixel tiles, split over
-pixels so that a few groups still fill the chip, the splits summed in float32 after.
+kernel's gradient, per group and tap, a sum over pixel tiles, split over pixels so that a
+few groups still fill the chip, the splits summed in float32 after.
 
 On NVIDIA GPUs the kernels are Triton's (the CUDA plugin compiles them deviceless too, for
 the plan and benchmarks/gpu_hlo.py); on other platforms Pallas's interpreter runs the same
