@@ -146,9 +146,10 @@ LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16":
                                     "grouped_conv": ("grouped_conv_impl",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
-# grouped_conv_layers' Pallas tilings beside pallas_conv.TILES, on GPUs (pixels, warps, stages).
-PALLAS_TILES = (pallas_conv.Tiles(64, 4, 3), pallas_conv.Tiles(128, 8, 3),
-                pallas_conv.Tiles(256, 8, 3))
+# grouped_conv_layers' Pallas tilings beside pallas_conv.TILES, on GPUs (pixels, k, warps,
+# stages).
+PALLAS_TILES = (pallas_conv.Tiles(128, 64, 8, 3), pallas_conv.Tiles(256, 32, 8, 3),
+                pallas_conv.Tiles(64, 16, 4, 4))
 _GROUPED_CONV_FNS = {"xla": jax.lax.conv_general_dilated, "gemm": layers.conv_as_gemm,
                      "split": layers.conv_per_group, "pallas": pallas_conv.conv_pallas}
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
@@ -494,7 +495,7 @@ class Suite:
     shapes = list(shapes.items())[:2] if self.dry_run else list(shapes.items())
     impls = {impl: _GROUPED_CONV_FNS[impl] for impl in layers.GROUPED_CONV_IMPLS}
     if jax.default_backend() == "gpu":
-      impls.update({f"pallas:{t.pixels}/{t.num_warps}/{t.num_stages}": functools.partial(
+      impls.update({"pallas:" + "/".join(map(str, t)): functools.partial(
           pallas_conv.conv_pallas, tiles=t) for t in PALLAS_TILES})
     rows, total = [], dict.fromkeys(impls, 0.0)
     for (lhs, rhs, strides, padding, groups), count in shapes:

@@ -185,20 +185,21 @@ def test_the_grouped_conv_impls_are_the_grouped_convolution(conv, groups, per_gr
     with pytest.raises(ValueError, match="undilated 2-D convolutions of NHWC"):
       conv(x, w, (1, 1), padding, rhs_dilation=(2, 2), feature_group_count=groups)
   if conv is pallas_conv.conv_pallas:
-    with pytest.raises(ValueError, match="a power of two >= 16"):
+    with pytest.raises(ValueError, match="powers of two >= 16"):
       conv(x, w, (1, 1), padding, feature_group_count=groups, tiles=pallas_conv.Tiles(96))
 
 
 @pytest.mark.parametrize("programs", [512, 54])
 def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, programs):
-  """conv_pallas with 16-pixel tiles on 126 pixels (8 tiles, the last one short) and its
-  kernel gradient's pixel splits (2 groups x 9 taps: 512 programs give 8 splits of one tile,
-  54 give 3 splits of 3, 3 and 2 tiles); strided with SAME's uneven padding on 8 x 6 images
-  (the input gradient's 4 stride phases, 2 tiles each): XLA's values and gradients."""
+  """conv_pallas with 16-pixel tiles and 16-wide contraction chunks: 126 pixels (8 tiles or
+  chunks, the last one short), 20 channels per group (2 chunks, the second one short), the
+  kernel gradient's pixel splits (2 groups x 9 taps: 512 programs give 8 splits of one
+  chunk, 54 give 3 splits of 3, 3 and 2 chunks); strided with SAME's uneven padding on 8 x 6
+  images (the input gradient's 4 stride phases, 2 tiles each): XLA's values and gradients."""
   monkeypatch.setattr(pallas_conv, "KERNEL_GRAD_PROGRAMS", programs)
-  w = jax.random.normal(jax.random.key(1), (3, 3, 4, 8))
-  tiled = functools.partial(pallas_conv.conv_pallas, tiles=pallas_conv.Tiles(16))
-  for shape, stride in (((2, 9, 7, 8), 1), ((2, 8, 6, 8), 2)):
+  w = jax.random.normal(jax.random.key(1), (3, 3, 20, 40)) / 8
+  tiled = functools.partial(pallas_conv.conv_pallas, tiles=pallas_conv.Tiles(16, 16))
+  for shape, stride in (((2, 9, 7, 40), 1), ((2, 8, 6, 40), 2)):
     x = jax.random.normal(jax.random.key(0), shape)
 
     def loss(conv, x, w, stride=stride):

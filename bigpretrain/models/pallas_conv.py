@@ -28,9 +28,11 @@ KERNEL_GRAD_PROGRAMS = 512
 
 
 class Tiles(NamedTuple):
-  """The kernels' tiling: output (or input) pixels per tile, the products' M, and Triton's
-  warps per program and software-pipeline stages."""
+  """The kernels' tiling: pixels per program (the forward's and input gradient's M), the
+  products' contraction per step (K: channels in those two, pixels in the kernel gradient),
+  and Triton's warps per program and software-pipeline stages."""
   pixels: int = 128
+  k: int = 32
   num_warps: int = 4
   num_stages: int = 3
 
@@ -107,28 +109,31 @@ def _on_platform(fn, *args):
 
 def _forward(x, w, geo: _Geometry, dtype, *, interpret):
   """[pixels, groups x out_per_group]: the convolution of x [n h w, groups x per_group] with
-  w [kh kw per_group, groups x out_per_group]."""
-  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
-  cp, op = _tile(c), _tile(o)
+  w [kh kw per_group, groups x out_per_group]; a program's steps are (tap, channel chunk)."""
+  c, o, bm, bk = geo.per_group, geo.out_per_group, geo.tiles.pixels, geo.tiles.k
+  op, chunks = _tile(o), pl.cdiv(c, bk)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
 
   def kernel(x_ref, w_ref, y_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     g = pl.program_id(1)
     b, oy, ox = _pixel(rows, geo.out_h, geo.out_w)
-    ci, co = jnp.arange(cp), jnp.arange(op)
-    cmask, omask = ci < c, co < o
+    co = jnp.arange(op)
+    omask = co < o
 
-    def tap(t, acc):  # (t - i * kw, not t % kw: Triton's lowering fails on a loop index's %.)
+    def step(s, acc):  # (Remainders as s - q * d: Triton's lowering fails on a loop index's %.)
+      t = s // chunks
       i = t // geo.kw
+      ci = (s - t * chunks) * bk + jnp.arange(bk)
       iy, ix = oy * sh + i - pt, ox * sw + t - i * geo.kw - pl_
       valid = (rows < geo.pixels) & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
-                   valid[:, None] & cmask[None, :])
-      wt = _gather(w_ref, t * c + ci, g * o + co, cmask[:, None] & omask[None, :])
+                   valid[:, None] & (ci < c)[None, :])
+      wt = _gather(w_ref, t * c + ci, g * o + co, (ci < c)[:, None] & omask[None, :])
       return acc + pl.dot(xt, wt)
 
-    acc = jax.lax.fori_loop(0, geo.kh * geo.kw, tap, jnp.zeros((bm, op), jnp.float32))
+    acc = jax.lax.fori_loop(0, geo.kh * geo.kw * chunks, step,
+                            jnp.zeros((bm, op), jnp.float32))
     _scatter(y_ref, rows, g * o + co, acc.astype(y_ref.dtype),
              (rows < geo.pixels)[:, None] & omask[None, :], interpret)
 
@@ -140,9 +145,10 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
   """[n h w, groups x per_group]: the gradient of x from dy [pixels, groups x
   out_per_group]; an input pixel gets each tap's output pixel whose window holds it. Strided:
   the input pixels come in stride-phase classes (y mod sh, x mod sw), each a program's rows,
-  since only the taps of a pixel's phase reach an output pixel: every product counts."""
-  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
-  cp, op = _tile(c), _tile(o)
+  since only the taps of a pixel's phase reach an output pixel: every product counts. A
+  program's steps are (its phase's tap, output-channel chunk)."""
+  c, o, bm, bk = geo.per_group, geo.out_per_group, geo.tiles.pixels, geo.tiles.k
+  cp, chunks = _tile(c), pl.cdiv(o, bk)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
   uh, uw = pl.cdiv(geo.h, sh), pl.cdiv(geo.w, sw)  # A phase's rows and columns (at most).
   per_phase = geo.n * uh * uw
@@ -155,27 +161,25 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
     iy, ix = py + u * sh, px + v * sw
     live = (rows < per_phase) & (iy < geo.h) & (ix < geo.w)
     i0, j0 = (py + pt) % sh, (px + pl_) % sw  # The phase's first tap row and column.
-    ci, co = jnp.arange(cp), jnp.arange(op)
-    cmask, omask = ci < c, co < o
+    tap_cols = (geo.kw - j0 + sw - 1) // sw
+    ci = jnp.arange(cp)
+    cmask = ci < c
 
-    def tap_row(ki, acc):
-      i = i0 + ki * sh
-      oy = (iy + pt - i) // sh  # Exact: i is of iy's phase.
+    def step(s, acc):
+      tap = s // chunks
+      ki = tap // tap_cols
+      i, j = i0 + ki * sh, j0 + (tap - ki * tap_cols) * sw
+      co = (s - tap * chunks) * bk + jnp.arange(bk)
+      oy, ox = (iy + pt - i) // sh, (ix + pl_ - j) // sw  # Exact: i, j are of the phase.
+      valid = live & (oy >= 0) & (oy < geo.out_h) & (ox >= 0) & (ox < geo.out_w)
+      dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
+                    valid[:, None] & (co < o)[None, :])
+      wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
+                   cmask[:, None] & (co < o)[None, :])
+      return acc + pl.dot(dyt, wt, trans_b=True)
 
-      def tap(kj, acc):
-        j = j0 + kj * sw
-        ox = (ix + pl_ - j) // sw
-        valid = live & (oy >= 0) & (oy < geo.out_h) & (ox >= 0) & (ox < geo.out_w)
-        dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
-                      valid[:, None] & omask[None, :])
-        wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
-                     cmask[:, None] & omask[None, :])
-        return acc + pl.dot(dyt, wt, trans_b=True)
-
-      return jax.lax.fori_loop(0, (geo.kw - j0 + sw - 1) // sw, tap, acc)
-
-    acc = jax.lax.fori_loop(0, (geo.kh - i0 + sh - 1) // sh, tap_row,
-                            jnp.zeros((bm, cp), jnp.float32))
+    taps = (geo.kh - i0 + sh - 1) // sh * tap_cols
+    acc = jax.lax.fori_loop(0, taps * chunks, step, jnp.zeros((bm, cp), jnp.float32))
     _scatter(dx_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci, acc.astype(dx_ref.dtype),
              live[:, None] & cmask[None, :], interpret)
 
@@ -185,13 +189,13 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
 
 def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
   """[kh kw per_group, groups x out_per_group] float32: the gradient of w, per (group, tap)
-  a sum over the output pixels' tiles, in `splits` runs of tiles summed after."""
-  c, o, bm = geo.per_group, geo.out_per_group, geo.tiles.pixels
+  a sum over chunks of output pixels, in `splits` runs of chunks summed after."""
+  c, o, bk = geo.per_group, geo.out_per_group, geo.tiles.k
   cp, op = _tile(c), _tile(o)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
-  taps, tiles = geo.kh * geo.kw, pl.cdiv(geo.pixels, bm)
-  per_split = pl.cdiv(tiles, min(tiles, max(1, KERNEL_GRAD_PROGRAMS // (geo.groups * taps))))
-  splits = pl.cdiv(tiles, per_split)
+  taps, chunks = geo.kh * geo.kw, pl.cdiv(geo.pixels, bk)
+  per_split = pl.cdiv(chunks, min(chunks, max(1, KERNEL_GRAD_PROGRAMS // (geo.groups * taps))))
+  splits = pl.cdiv(chunks, per_split)
 
   def kernel(x_ref, dy_ref, dw_ref, *, interpret):
     g, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -199,8 +203,8 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
     ci, co = jnp.arange(cp), jnp.arange(op)
     cmask, omask = ci < c, co < o
 
-    def tile(k, acc):
-      rows = k * bm + jnp.arange(bm)
+    def step(k, acc):
+      rows = k * bk + jnp.arange(bk)
       b, oy, ox = _pixel(rows, geo.out_h, geo.out_w)
       iy, ix = oy * sh + i - pt, ox * sw + j - pl_
       live = rows < geo.pixels
@@ -210,7 +214,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
       dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :])
       return acc + pl.dot(xt, dyt, trans_a=True)
 
-    acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, tiles), tile,
+    acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, chunks), step,
                             jnp.zeros((cp, op), jnp.float32))
     _scatter(dw_ref, (s * taps + t) * c + ci, g * o + co, acc,
              cmask[:, None] & omask[None, :], interpret)
@@ -250,8 +254,8 @@ def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dil
   (products of float32 operands at the GPU's default matmul precision, as XLA's). Dilated
   convolutions and other layouts raise ValueError."""
   del precision, out_sharding  # The callers pin their outputs themselves (batch_local_conv).
-  if tiles.pixels < 16 or tiles.pixels & (tiles.pixels - 1):
-    raise ValueError(f"{tiles}: pixels per tile must be a power of two >= 16 (Triton's).")
+  if any(n < 16 or n & (n - 1) for n in (tiles.pixels, tiles.k)):
+    raise ValueError(f"{tiles}: pixels and k must be powers of two >= 16 (Triton's).")
   if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
       or lhs.ndim != 4 or jax.lax.conv_dimension_numbers(
           lhs.shape, rhs.shape, dimension_numbers) != jax.lax.conv_dimension_numbers(
