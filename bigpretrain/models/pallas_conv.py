@@ -1,18 +1,20 @@
 """Grouped 2-D convolutions as Pallas implicit-GEMM kernels (grouped_conv_impl 'pallas').
 
-A tile of output pixels times one group's output channels is a sum over the kernel's taps of
-[pixels, group width] x [group width, group width] products, each tap's rows read straight
-from the NHWC activations: no window is copied through memory (im2col, the cost of 'gemm',
-layers.conv_as_gemm), no group's channels sliced out and concatenated back ('split').
-The input gradient is the same sum over taps of the output gradient's rows (the kernel
-transposed; strided, by stride phase, so that each program sums only its pixels' taps); the
-kernel's gradient, per group and tap, a sum over pixel tiles, split over pixels so that a
-few groups still fill the chip, the splits summed in float32 after.
+A tile of output pixels times one group's output channels is a sum over the kernel's taps
+and chunks of the group's input channels of [pixels, chunk] x [chunk, group width] products
+(Tiles says how big), each tap's rows read straight from the NHWC activations: no window is
+copied through memory (im2col, the cost of 'gemm', layers.conv_as_gemm), no group's
+channels sliced out and concatenated back ('split'). The input gradient is the same sum
+over taps of the output gradient's rows (the kernel transposed; strided, by stride phase,
+so that each program sums only its pixels' taps); the kernel's gradient, per group and tap,
+a sum over chunks of pixels, split over pixels so that a few groups still fill the chip,
+the splits summed in float32 after.
 
 On NVIDIA GPUs the kernels are Triton's (the CUDA plugin compiles them deviceless too, for
 the plan and benchmarks/gpu_hlo.py); on other platforms Pallas's interpreter runs the same
 kernels (the tests, the CPU dry run of benchmarks/accelerator.py). Tiles are powers of two
-of at least 16 (Triton's), so a group width of 112 (RegNetY's) is computed as 128, masked.
+of at least 16 (Triton's), so a group width of 112 (RegNetY's) is computed as 128 output
+channels, masked.
 """
 import functools
 from typing import NamedTuple
