@@ -472,15 +472,18 @@ class Suite:
   def grouped_conv(self):
     """RegNetY-16GF's grouped convolutions as XLA lowers them against the other
     layers.GROUPED_CONV_IMPLS (the regnety_16gf_train figure's runner, if it ran, is its
-    arm; a profile still to come traces the others beside it)."""
+    arm; a profile still to come traces the others beside it). An arm that fails to build
+    is reported in `failed`, and the others still run."""
     config = self.regnety_config()
     arms = {impl: with_model_options(config, grouped_conv_impl=impl)
             for impl in layers.GROUPED_CONV_IMPLS}
     trained = self.runners.get("regnety_16gf_train")
-    built = {trained.config.model.get("grouped_conv_impl", "xla"): trained} if trained else {}
+    prior = {trained.config.model.get("grouped_conv_impl", "xla"): trained} if trained else {}
     dataset = standin_dataset(config, self.swag_classes)
-    built = {impl: built.get(impl) or common.Runner(arm, dataset) for impl, arm in arms.items()}
-    self.ab("grouped_conv", arms, self.swag_classes, built=built)
+    built, failed = _build_arms({impl: lambda impl=impl: prior.get(impl) or common.Runner(
+        arms[impl], dataset) for impl in arms})
+    self.ab("grouped_conv", {impl: arms[impl] for impl in built}, self.swag_classes,
+            built=built, **({"failed": failed} if failed else {}))
     if not self.profiles:
       self.runners.update({f"grouped_conv:{impl}": runner for impl, runner in built.items()
                            if runner is not trained})
@@ -497,23 +500,27 @@ class Suite:
     if jax.default_backend() == "gpu":
       impls.update({"pallas:" + "/".join(map(str, t)): functools.partial(
           pallas_conv.conv_pallas, tiles=t) for t in PALLAS_TILES})
-    rows, total = [], dict.fromkeys(impls, 0.0)
+    rows, total, failed = [], dict.fromkeys(impls, 0.0), {}
     for (lhs, rhs, strides, padding, groups), count in shapes:
-      runners = {name: ConvRunner(conv, lhs, rhs, strides, padding, groups)
-                 for name, conv in impls.items()}
+      runners, new_failed = _build_arms({
+          name: functools.partial(ConvRunner, conv, lhs, rhs, strides, padding, groups)
+          for name, conv in impls.items() if name not in failed})
+      failed.update(new_failed)
       ms = {name: 1e3 * statistics.median(t) for name, t in self.alternate(runners).items()}
       n, h, w, _ = runners["xla"].y_shape
       flops = 3 * 2 * n * h * w * rhs[3] * rhs[0] * rhs[1] * rhs[2]  # Forward, 2 gradients.
       rows.append({"input": list(lhs), "kernel": list(rhs), "strides": list(strides),
                    "groups": groups, "layers": count, "ms": ms,
                    "tflops_per_sec": {k: flops / v / 1e9 for k, v in ms.items()}})
-      for name in impls:
+      for name in ms:
         total[name] += count * ms[name]
+    total = {name: t for name, t in total.items() if name not in failed}
     best = min(total, key=total.get)
     self.emit("grouped_conv_layers", total["xla"] / total[best],
               f"speed-up of {best} over xla", model=config.model.name,
               batch_per_device=self.per_device, image_size=self.image_size, best=best,
-              total_ms=total, layers=rows, rounds=self.rounds, steps=self.steps)
+              total_ms=total, layers=rows, rounds=self.rounds, steps=self.steps,
+              **({"failed": failed} if failed else {}))
     gc.collect()
 
   def batch(self, figure: str, trained: str, config, num_classes=None):
@@ -717,6 +724,20 @@ class ElementwiseRunner:
 
   def run(self, steps: int) -> float:
     return common.seconds_per_call(lambda: self.step(self.x), steps)
+
+
+def _build_arms(builders: dict) -> tuple[dict, dict]:
+  """({name: built runner}, {name: its error}) of `builders` ({name: () -> runner}): an arm
+  that fails (a kernel that does not compile on this device, say) is logged and reported,
+  and does not take the figure's other arms with it."""
+  built, failed = {}, {}
+  for name, build in builders.items():
+    try:
+      built[name] = build()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      logging.exception("Arm %s failed.", name)
+      failed[name] = f"{type(e).__name__}: {e}"[:500]
+  return built, failed
 
 
 class ConvRunner:

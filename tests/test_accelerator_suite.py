@@ -126,6 +126,13 @@ def _check_levers(by):
       "tresnet_m_vs_resnet50:regnety_demo"}
 
 
+def test_an_arm_that_fails_to_build_is_reported_and_the_others_still_run():
+  built, failed = accelerator._build_arms(  # pylint: disable=protected-access
+      {"xla": lambda: "runner", "pallas": lambda: 1 / 0, "gemm": lambda: "other"})
+  assert built == {"xla": "runner", "gemm": "other"}
+  assert failed == {"pallas": "ZeroDivisionError: division by zero"}
+
+
 def test_grouped_conv_shapes_are_regnety_16gfs_blocks():
   """grouped_conv_layers' shapes: RegNetY-16GF's 3x3 convolutions of group width 112, one
   per block (depths 2, 4, 11, 1; widths 224, 448, 1232, 3024: Radosavovic et al. 2020 /
