@@ -100,6 +100,7 @@ from bigpretrain.runtime import goodput
 from bigpretrain import models
 from bigpretrain import objectives
 from bigpretrain import sharding
+from bigpretrain.models import base as models_base
 from bigpretrain.models import layers
 from bigpretrain.models import pallas_conv
 from configs import semantic_softmax
@@ -150,8 +151,6 @@ PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 12
 # stages).
 PALLAS_TILES = (pallas_conv.Tiles(128, 64, 8, 3), pallas_conv.Tiles(256, 32, 8, 3),
                 pallas_conv.Tiles(64, 16, 4, 4))
-_GROUPED_CONV_FNS = {"xla": jax.lax.conv_general_dilated, "gemm": layers.conv_as_gemm,
-                     "split": layers.conv_per_group, "pallas": pallas_conv.conv_pallas}
 SWAG_CLASSES = 27_000  # SWAG's hashtag vocabulary (as README's plan rows take it).
 # The per-device batch search: doublings of the papers' 64 (the dry run: once, of 2) it tries
 # at most per model (64 -> 1,024 images for ViT-B/16, -> 256 for RegNetY-16GF), and the remat
@@ -496,7 +495,7 @@ class Suite:
     config = self.regnety_config()
     shapes = grouped_conv_shapes(config.model.name, self.per_device, self.image_size)
     shapes = list(shapes.items())[:2] if self.dry_run else list(shapes.items())
-    impls = {impl: _GROUPED_CONV_FNS[impl] for impl in layers.GROUPED_CONV_IMPLS}
+    impls = dict(models_base.GROUPED_CONVS)  # One device: each form itself.
     if jax.default_backend() == "gpu":
       impls.update({"pallas:" + "/".join(map(str, t)): functools.partial(
           pallas_conv.conv_pallas, tiles=t) for t in PALLAS_TILES})

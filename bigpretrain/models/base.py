@@ -124,10 +124,11 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
   return "cudnn" if fused else "xla"
 
 
-# What nnx.Conv computes a grouped convolution with, per layers.GROUPED_CONV_IMPLS value.
-_GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
-                  "split": layers.batch_local_split_conv,
-                  "pallas": layers.batch_local_pallas_conv}
+# What nnx.Conv computes a grouped convolution with, per layers.GROUPED_CONV_IMPLS value
+# (outside a batch-split mesh: the form itself).
+GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
+                 "split": layers.batch_local_split_conv,
+                 "pallas": layers.batch_local_pallas_conv}
 
 
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",
@@ -158,10 +159,10 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
       m.head_dtype = head_dtype
   grouped = [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
              and m.in_features > m.feature_group_count
-             and m.conv_general_dilated in _GROUPED_CONVS.values()]
+             and m.conv_general_dilated in GROUPED_CONVS.values()]
   if grouped_conv_impl != "xla" and not grouped:
     raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r}: {type(model).__name__} has "
                      "no grouped convolutions of more than one channel per group.")
   for m in grouped:
-    m.conv_general_dilated = _GROUPED_CONVS[grouped_conv_impl]
+    m.conv_general_dilated = GROUPED_CONVS[grouped_conv_impl]
   return model
