@@ -90,6 +90,13 @@ def _scatter(ref, rows, cols, value, mask, interpret):
   pltriton.store(ref.at[r, c], value, mask=mask)
 
 
+def _dot(a, b, a_dim: int, b_dim: int):
+  """The float32 product of 2-D tiles contracting a's a_dim with b's b_dim: one Triton dot,
+  either operand transposed in the kernel (what pl.dot did; JAX 0.11 dropped it)."""
+  return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
 def _call(kernel, out_rows, out_cols, dtype, grid, tiles, interpret, *args):
   """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result, varying
   over the manual mesh axes (in a shard_map) as its first operand does."""
@@ -132,7 +139,7 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
                    valid[:, None] & (ci < c)[None, :])
       wt = _gather(w_ref, t * c + ci, g * o + co, (ci < c)[:, None] & omask[None, :])
-      return acc + pl.dot(xt, wt)
+      return acc + _dot(xt, wt, 1, 0)
 
     acc = jax.lax.fori_loop(0, geo.kh * geo.kw * chunks, step,
                             jnp.zeros((bm, op), jnp.float32))
@@ -178,7 +185,7 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
                     valid[:, None] & (co < o)[None, :])
       wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
                    cmask[:, None] & (co < o)[None, :])
-      return acc + pl.dot(dyt, wt, trans_b=True)
+      return acc + _dot(dyt, wt, 1, 1)
 
     taps = (geo.kh - i0 + sh - 1) // sh * tap_cols
     acc = jax.lax.fori_loop(0, taps * chunks, step, jnp.zeros((bm, cp), jnp.float32))
@@ -214,7 +221,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
                    valid[:, None] & cmask[None, :])
       dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :])
-      return acc + pl.dot(xt, dyt, trans_a=True)
+      return acc + _dot(xt, dyt, 0, 0)
 
     acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, chunks), step,
                             jnp.zeros((cp, op), jnp.float32))
