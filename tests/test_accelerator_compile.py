@@ -2,6 +2,7 @@
 libtpu for a TPU v5e 2x2 slice, the CUDA plugin for two nodes of 4 H100s. Skipped, with the
 install command, where the extras (bigpretrain[tpu], bigpretrain[cuda]) are absent."""
 import json
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import gpu_hlo
+from bigpretrain.models import pallas_conv
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
 from bigpretrain.plan import hlo_collectives
@@ -117,3 +119,35 @@ def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
   unfused = aot_plan.step_flops(config, devices=devices)["flops_per_device"]
   # The cuDNN step runs 6 tokens through every block, XLA's 5: the FLOPs are the model's.
   assert fused_flops == unfused
+
+
+def test_pallas_grouped_conv_kernels_copy_16_bytes_at_a_time_and_never_spill(tmp_path):
+  """grouped_conv_impl='pallas' on an H100 (a stride-2 layer of RegNetY's, 112 channels a
+  group, default tiles): its three Triton kernels compile with XLA told to refuse any kernel
+  that spills registers, and (where XLA dumps their PTX: jaxlib 0.10) each copies its
+  operands into shared memory 16 bytes at a time (cp.async.cg), never loading an element
+  alone (ld.global.b16): what a gather with clipped indices compiled to, 255 registers and
+  spills."""
+  devices = _devices("gpu:h100:1x1")
+
+  def loss(x, w):
+    y = pallas_conv.conv_pallas(x, w, (2, 2), ((1, 1), (1, 1)),
+                                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                feature_group_count=2)
+    return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  args = (jax.ShapeDtypeStruct((2, 16, 16, 224), jnp.bfloat16, sharding=one),
+          jax.ShapeDtypeStruct((3, 3, 112, 224), jnp.bfloat16, sharding=one))
+  with jax.set_mesh(Mesh(devices, ("data",))):  # Pallas reads the GPU's kind off the mesh.
+    jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile(compiler_options={
+        "xla_gpu_fail_ptx_compilation_on_register_spilling": True,
+        "xla_dump_to": str(tmp_path)})
+  ptx = {re.search(r"\.entry (\w+)\(", text).group(1): text
+         for text in (p.read_text() for p in tmp_path.glob("*.ptx")) if ".entry" in text}
+  if ptx:
+    kernels = {name: text for name, text in ptx.items() if name.startswith("conv_")}
+    assert sorted(kernels) == ["conv_forward", "conv_input_grad", "conv_kernel_grad"], sorted(ptx)
+    for name, text in kernels.items():
+      assert "cp.async.cg.shared.global" in text, name
+      assert not re.search(r"\bld\.global(\.nc)?\.b16\b", text), name

@@ -6,6 +6,7 @@ import functools
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 import ml_collections
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def _remat_eqns(jaxpr) -> list:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in ("remat2", "checkpoint"):
       out.append(eqn)
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax_core.jaxprs_in_params(eqn.params):
       out.extend(_remat_eqns(sub))
   return out
 

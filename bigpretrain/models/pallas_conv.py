@@ -73,21 +73,31 @@ def _pixel(rows, h: int, w: int):
   return rows // (h * w), rows % (h * w) // w, rows % w
 
 
-def _gather(ref, rows, cols, mask):
-  """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere (indices kept in bounds)."""
-  r = jnp.broadcast_to(jnp.clip(rows, 0, ref.shape[0] - 1)[:, None], mask.shape)
-  c = jnp.broadcast_to(jnp.clip(cols, 0, ref.shape[1] - 1)[None, :], mask.shape)
+def _gather(ref, rows, cols, mask, interpret):
+  """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere. Triton reads no masked
+  lane, and indices left as computed keep what its analysis needs to see that a row's
+  columns are contiguous and aligned, so that it loads them 16 bytes at a time (clipped, it
+  loads each element alone); the interpreter reads every lane, so there they are clipped."""
+  r, c = (_clip(rows, ref.shape[0]), _clip(cols, ref.shape[1])) if interpret else (rows, cols)
+  r, c = jnp.broadcast_to(r[:, None], mask.shape), jnp.broadcast_to(c[None, :], mask.shape)
   return pltriton.load(ref.at[r, c], mask=mask, other=0)
 
 
 def _scatter(ref, rows, cols, value, mask, interpret):
-  """ref[rows[:, None], cols[None, :]] = value where `mask`. Pallas's interpreter writes the
-  masked lanes too (their old values, in one scatter with the others), so there they go to
-  the extra last row that each output has under the interpreter, never to a written one."""
-  r = jnp.clip(rows, 0, ref.shape[0] - 1)[:, None]
-  r = jnp.where(mask, r, ref.shape[0] - 1) if interpret else jnp.broadcast_to(r, mask.shape)
-  c = jnp.broadcast_to(jnp.clip(cols, 0, ref.shape[1] - 1)[None, :], mask.shape)
+  """ref[rows[:, None], cols[None, :]] = value where `mask` (indices as _gather's). Pallas's
+  interpreter writes the masked lanes too (their old values, in one scatter with the
+  others), so there they go to the extra last row that each output has under the
+  interpreter, never to a written one."""
+  if interpret:
+    r = jnp.where(mask, _clip(rows, ref.shape[0])[:, None], ref.shape[0] - 1)
+    c = jnp.broadcast_to(_clip(cols, ref.shape[1])[None, :], mask.shape)
+  else:
+    r, c = jnp.broadcast_to(rows[:, None], mask.shape), jnp.broadcast_to(cols[None, :], mask.shape)
   pltriton.store(ref.at[r, c], value, mask=mask)
+
+
+def _clip(index, size: int):
+  return jnp.clip(index, 0, size - 1)
 
 
 def _dot(a, b, a_dim: int, b_dim: int):
@@ -123,7 +133,7 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
   op, chunks = _tile(o), pl.cdiv(c, bk)
   (sh, sw), (pt, pl_) = geo.stride, geo.pad
 
-  def kernel(x_ref, w_ref, y_ref, *, interpret):
+  def conv_forward(x_ref, w_ref, y_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     g = pl.program_id(1)
     b, oy, ox = _pixel(rows, geo.out_h, geo.out_w)
@@ -137,8 +147,8 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
       iy, ix = oy * sh + i - pt, ox * sw + t - i * geo.kw - pl_
       valid = (rows < geo.pixels) & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
-                   valid[:, None] & (ci < c)[None, :])
-      wt = _gather(w_ref, t * c + ci, g * o + co, (ci < c)[:, None] & omask[None, :])
+                   valid[:, None] & (ci < c)[None, :], interpret)
+      wt = _gather(w_ref, t * c + ci, g * o + co, (ci < c)[:, None] & omask[None, :], interpret)
       return acc + _dot(xt, wt, 1, 0)
 
     acc = jax.lax.fori_loop(0, geo.kh * geo.kw * chunks, step,
@@ -146,7 +156,7 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
     _scatter(y_ref, rows, g * o + co, acc.astype(y_ref.dtype),
              (rows < geo.pixels)[:, None] & omask[None, :], interpret)
 
-  return _call(kernel, geo.pixels, geo.groups * o, dtype,
+  return _call(conv_forward, geo.pixels, geo.groups * o, dtype,
                (pl.cdiv(geo.pixels, bm), geo.groups), geo.tiles, interpret, x, w)
 
 
@@ -162,7 +172,7 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
   uh, uw = pl.cdiv(geo.h, sh), pl.cdiv(geo.w, sw)  # A phase's rows and columns (at most).
   per_phase = geo.n * uh * uw
 
-  def kernel(dy_ref, w_ref, dx_ref, *, interpret):
+  def conv_input_grad(dy_ref, w_ref, dx_ref, *, interpret):
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     g, phase = pl.program_id(1), pl.program_id(2)
     py, px = phase // sw, phase % sw
@@ -182,9 +192,9 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
       oy, ox = (iy + pt - i) // sh, (ix + pl_ - j) // sw  # Exact: i, j are of the phase.
       valid = live & (oy >= 0) & (oy < geo.out_h) & (ox >= 0) & (ox < geo.out_w)
       dyt = _gather(dy_ref, (b * geo.out_h + oy) * geo.out_w + ox, g * o + co,
-                    valid[:, None] & (co < o)[None, :])
+                    valid[:, None] & (co < o)[None, :], interpret)
       wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
-                   cmask[:, None] & (co < o)[None, :])
+                   cmask[:, None] & (co < o)[None, :], interpret)
       return acc + _dot(dyt, wt, 1, 1)
 
     taps = (geo.kh - i0 + sh - 1) // sh * tap_cols
@@ -192,7 +202,7 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
     _scatter(dx_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci, acc.astype(dx_ref.dtype),
              live[:, None] & cmask[None, :], interpret)
 
-  return _call(kernel, geo.n * geo.h * geo.w, geo.groups * c, dtype,
+  return _call(conv_input_grad, geo.n * geo.h * geo.w, geo.groups * c, dtype,
                (pl.cdiv(per_phase, bm), geo.groups, sh * sw), geo.tiles, interpret, dy, w)
 
 
@@ -206,7 +216,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
   per_split = pl.cdiv(chunks, min(chunks, max(1, KERNEL_GRAD_PROGRAMS // (geo.groups * taps))))
   splits = pl.cdiv(chunks, per_split)
 
-  def kernel(x_ref, dy_ref, dw_ref, *, interpret):
+  def conv_kernel_grad(x_ref, dy_ref, dw_ref, *, interpret):
     g, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i, j = t // geo.kw, t % geo.kw
     ci, co = jnp.arange(cp), jnp.arange(op)
@@ -219,8 +229,8 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
       live = rows < geo.pixels
       valid = live & (iy >= 0) & (iy < geo.h) & (ix >= 0) & (ix < geo.w)
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
-                   valid[:, None] & cmask[None, :])
-      dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :])
+                   valid[:, None] & cmask[None, :], interpret)
+      dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :], interpret)
       return acc + _dot(xt, dyt, 0, 0)
 
     acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, chunks), step,
@@ -228,7 +238,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
     _scatter(dw_ref, (s * taps + t) * c + ci, g * o + co, acc,
              cmask[:, None] & omask[None, :], interpret)
 
-  partial = _call(kernel, splits * taps * c, geo.groups * o, jnp.float32,
+  partial = _call(conv_kernel_grad, splits * taps * c, geo.groups * o, jnp.float32,
                   (geo.groups, taps, splits), geo.tiles, interpret, x, dy)
   return partial.reshape(splits, taps * c, geo.groups * o).sum(0)
 
