@@ -69,8 +69,8 @@ def main_args(workdir, recipe="semantic_softmax", **overrides) -> list[str]:
 # without its MLIR fusion emitters (the classic elemental IR emitter instead) the demo models'
 # train steps compile in about two thirds of that time again, and run no slower. Every
 # process of the suite uses them (conftest.py, env(), the launches): the same code, so the
-# same numbers wherever a test compares runs. jaxlib 0.11 no longer knows the classic emitter's flag
-# (an unknown flag in XLA_FLAGS is fatal), so it is set for older jaxlibs only.
+# same numbers wherever a test compares runs. jaxlib 0.11 no longer knows the classic
+# emitter's flag (an unknown flag in XLA_FLAGS is fatal), so only older jaxlibs get it.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0" + (
     " --xla_cpu_use_fusion_emitters=false"
     if tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
