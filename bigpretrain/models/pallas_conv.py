@@ -73,31 +73,31 @@ def _pixel(rows, h: int, w: int):
   return rows // (h * w), rows % (h * w) // w, rows % w
 
 
+def _indices(ref, rows, cols, shape, interpret):
+  """ref's [rows[:, None], cols[None, :]] indices, broadcast to `shape`. Triton reads and
+  writes no masked lane, and indices left as computed keep what its analysis needs to see
+  that a row's columns are contiguous and aligned, so that it moves them 16 bytes at a time
+  (clipped, it loads each element alone); the interpreter touches every lane, so there they
+  are clipped into bounds."""
+  if interpret:
+    rows, cols = jnp.clip(rows, 0, ref.shape[0] - 1), jnp.clip(cols, 0, ref.shape[1] - 1)
+  return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
+
+
 def _gather(ref, rows, cols, mask, interpret):
-  """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere. Triton reads no masked
-  lane, and indices left as computed keep what its analysis needs to see that a row's
-  columns are contiguous and aligned, so that it loads them 16 bytes at a time (clipped, it
-  loads each element alone); the interpreter reads every lane, so there they are clipped."""
-  r, c = (_clip(rows, ref.shape[0]), _clip(cols, ref.shape[1])) if interpret else (rows, cols)
-  r, c = jnp.broadcast_to(r[:, None], mask.shape), jnp.broadcast_to(c[None, :], mask.shape)
+  """ref[rows[:, None], cols[None, :]] where `mask`, 0 elsewhere."""
+  r, c = _indices(ref, rows, cols, mask.shape, interpret)
   return pltriton.load(ref.at[r, c], mask=mask, other=0)
 
 
 def _scatter(ref, rows, cols, value, mask, interpret):
-  """ref[rows[:, None], cols[None, :]] = value where `mask` (indices as _gather's). Pallas's
-  interpreter writes the masked lanes too (their old values, in one scatter with the
-  others), so there they go to the extra last row that each output has under the
-  interpreter, never to a written one."""
+  """ref[rows[:, None], cols[None, :]] = value where `mask`. Pallas's interpreter writes the
+  masked lanes too (their old values, in one scatter with the others), so there they go to
+  the extra last row that each output has under the interpreter, never to a written one."""
+  r, c = _indices(ref, rows, cols, mask.shape, interpret)
   if interpret:
-    r = jnp.where(mask, _clip(rows, ref.shape[0])[:, None], ref.shape[0] - 1)
-    c = jnp.broadcast_to(_clip(cols, ref.shape[1])[None, :], mask.shape)
-  else:
-    r, c = jnp.broadcast_to(rows[:, None], mask.shape), jnp.broadcast_to(cols[None, :], mask.shape)
+    r = jnp.where(mask, r, ref.shape[0] - 1)
   pltriton.store(ref.at[r, c], value, mask=mask)
-
-
-def _clip(index, size: int):
-  return jnp.clip(index, 0, size - 1)
 
 
 def _dot(a, b, a_dim: int, b_dim: int):
