@@ -10,20 +10,25 @@ dask.bag operation, but it keeps one bag per transform and computes only the las
   - every branch that does not feed the last transform never runs (tfds writes each split in
     its own branch, and the jobs write their reports in another);
 and each bundle drops what its DoFn outputs in finish_bundle and computes its side inputs
-again itself. This runner keeps one bag per PCollection (a tagged output is its ParDo's bag
-filtered to that tag), computes every PCollection nothing consumes, keeps finish_bundle's
-outputs, hands a transform's bundles its side inputs as scheduler-computed values, and closes
-its dask client when the pipeline finishes. Each side input is still computed apart from the
-main graph, once per transform reading it, so the DoFns upstream of it run more than once (as
-under retried bundles: the jobs' DoFns are idempotent, and their tests compare the output
-with the DirectRunner's). The rest is Beam's runner: its other translations, its options
+again itself; its result gathers every output to the client and counts a cancelled one as
+done. This runner keeps one bag per PCollection (a tagged output is its ParDo's bag filtered
+to that tag), computes every PCollection nothing consumes, keeps finish_bundle's outputs,
+gathers each side input once from its bag's own keys for every transform that reads it (so
+each PCollection is computed once; dask computes again only what a lost worker held), waits
+for the outputs' status without fetching them, fails unless every one finished, and closes
+its dask client when the pipeline ends. A bundle run again after a lost worker runs its DoFns
+again: the jobs' DoFns are idempotent, and their tests compare the output with the
+DirectRunner's. The rest is Beam's runner: its other translations, its options
 (`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts a
 LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
 carry no counters).
 """
 import functools
+import time
 
-import dask
+import dask.bag
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
 from apache_beam import DoFn
 from apache_beam import pvalue
 from apache_beam.pipeline import PipelineVisitor
@@ -38,14 +43,15 @@ from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms import sideinputs
 
 
-def _bundle(items, invoker_args, invoker_kwargs, receivers, side_specs, side_values):
+def _bundle(items, invoker_args, invoker_kwargs, receivers, side_specs, **side_values):
   """transform_evaluator.apply_dofn_to_bundle, but each side input arrives computed (its
-  elements, side_values) instead of being computed again inside the bundle, a tagged output
+  elements, side_values['side_<i>']) instead of being computed inside the bundle, a tagged output
   stays a TaggedOutput, and what finish_bundle outputs (e.g. WriteToText's files) is kept."""
   side_inputs = [
       sideinputs.SideInputMap(view, options, [
-          transform_evaluator.get_windowed_value(x, window_mapping_fn) for x in values])
-      for (view, options, window_mapping_fn), values in zip(side_specs, side_values)]
+          transform_evaluator.get_windowed_value(x, window_mapping_fn)
+          for x in side_values[f"side_{i}"]])
+      for i, (view, options, window_mapping_fn) in enumerate(side_specs)]
   invoker = DoFnInvoker.create_invoker(*invoker_args, side_inputs=side_inputs, **invoker_kwargs)
   invoker.invoke_setup()
   invoker.invoke_start_bundle()
@@ -55,6 +61,30 @@ def _bundle(items, invoker_args, invoker_kwargs, receivers, side_specs, side_val
   invoker.invoke_teardown()
   return [pvalue.TaggedOutput(v.tag, v.value) if isinstance(v, pvalue.TaggedOutput)
           else v.value for v in receivers.values]
+
+
+def _concat(partitions) -> list:
+  return [x for partition in partitions for x in partition]
+
+
+def _identity(x):
+  return x
+
+
+def _broadcast(bag, npartitions: int):
+  """A bag of `npartitions` partitions, each the whole of `bag` as one list: a side input,
+  gathered once (one task over `bag`'s own keys) for every transform that reads it.
+
+  Not `dask.delayed(list)(bag)`: dask hands a collection passed as an argument a copy of its
+  whole graph under fresh keys, so each side input recomputed everything upstream of it, and
+  side inputs of side inputs again within each copy (the hashtag job read each input file
+  more than a hundred times)."""
+  token = tokenize(bag.name, bag.npartitions, npartitions)
+  name, whole = f"side-input-{token}", f"side-input-whole-{token}"
+  layer = {whole: (_concat, [(bag.name, i) for i in range(bag.npartitions)])}
+  layer.update({(name, n): (_identity, whole) for n in range(npartitions)})
+  return dask.bag.Bag(HighLevelGraph.from_collections(name, layer, dependencies=[bag]), name,
+                      npartitions)
 
 
 class _ParDo(transform_evaluator.ParDo):
@@ -79,10 +109,10 @@ class _ParDo(transform_evaluator.ParDo):
                           bundle_finalizer_param=DoFn.BundleFinalizerParam())
     side_inputs = side_inputs or []
     side_specs = [spec[:3] for spec in side_inputs]
-    # Computed by the scheduler once for all of this transform's bundles.
-    side_values = [dask.delayed(list)(spec[3]) for spec in side_inputs]
+    side_values = {f"side_{i}": _broadcast(spec[3], input_bag.npartitions)
+                   for i, spec in enumerate(side_inputs)}
     return input_bag.map(transform_evaluator.get_windowed_value, window_fn).map_partitions(
-        _bundle, invoker_args, invoker_kwargs, receivers, side_specs, side_values)
+        _bundle, invoker_args, invoker_kwargs, receivers, side_specs, **side_values)
 
 
 def _has_tag(tag, item) -> bool:
@@ -140,14 +170,33 @@ class _BagPerPCollection(PipelineVisitor):
 
 
 class DaskRunnerResult(dask_runner.DaskRunnerResult):
-  """Beam's result, which also closes the client once the pipeline has finished."""
+  """Beam's result, waiting for the pipeline's outputs without fetching them, failing unless
+  every one finished, and closing the client once the pipeline has ended.
+
+  Beam's own wait gathers every output to the client and passes over cancelled ones: a
+  pipeline whose tasks dask cancelled (e.g. "lost dependencies") counted as done with nothing
+  computed, and after a lost worker the gather could wait for ever on outputs the scheduler
+  held. The outputs are the jobs' files; what the client needs is each task's status."""
 
   def wait_until_finish(self, duration=None) -> str:
+    if self._state in (PipelineState.DONE, PipelineState.FAILED):
+      return self._state
+    deadline = None if duration is None else time.monotonic() + duration / 1000
     try:
-      return super().wait_until_finish(duration)
+      for future in self.futures:
+        # Waits on this future's own client until the task has ended; fetches nothing.
+        future.exception(timeout=None if deadline is None else
+                         max(0.0, deadline - time.monotonic()))
+        if future.status != "finished":
+          future.result()  # Raises the task's own error, or why dask cancelled it.
+      self._state = PipelineState.DONE
+    except BaseException:
+      self._state = PipelineState.FAILED
+      raise
     finally:
-      if self.state in (PipelineState.DONE, PipelineState.FAILED):
+      if self._state in (PipelineState.DONE, PipelineState.FAILED):
         self.client.close()
+    return self._state
 
 
 class DaskRunner(dask_runner.DaskRunner):
