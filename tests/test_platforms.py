@@ -1,5 +1,7 @@
 """JAX starts only on the platforms the host has (distributed.select_platforms): with libtpu
-and the CUDA plugin installed, a CPU-only machine prints no plugin errors."""
+and the CUDA plugin installed, a CPU-only machine prints no plugin errors; with torch
+installed, the trainer does not import it."""
+import importlib.util
 import subprocess
 import sys
 
@@ -44,3 +46,15 @@ def test_a_cpu_host_starts_jax_without_plugin_errors():
 
 def test_a_platform_choice_already_made_is_kept():
   assert distributed.select_platforms() == "cpu"  # conftest's (as JAX_PLATFORMS would).
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_trainer_does_not_import_torch_and_torch_still_imports():
+  probe = ("import sys\n"
+           "from bigpretrain import train\n"
+           "print('torch' in sys.modules)\n"
+           "import torch\n"
+           "print(torch.__name__ in sys.modules)\n")
+  r = subprocess.run([sys.executable, "-c", probe], env=helpers.env(), cwd=helpers.ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stderr[-3000:]

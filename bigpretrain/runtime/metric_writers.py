@@ -1,12 +1,31 @@
 """Metric writers (metrics.jsonl + TensorBoard via tensorboardX) and the progress bar."""
+import importlib
 import json
 import math
 import os
+import sys
 
 from absl import logging
 import numpy as np
-import tensorboardX
 import tqdm
+
+
+def _import_without_torch(name: str):
+  """Imports `name` with torch hidden from it unless torch is already loaded.
+
+  tensorboardX's writer imports torch whenever it is installed (the interop extra), only to
+  name torch tensors in its type hints: that import cost every trainer process about 2 s and
+  840 MB. The writer here logs Python numbers; torch stays importable afterwards."""
+  if "torch" in sys.modules:
+    return importlib.import_module(name)
+  sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects.
+  try:
+    return importlib.import_module(name)
+  finally:
+    del sys.modules["torch"]
+
+
+tensorboardX = _import_without_torch("tensorboardX")
 
 
 def _scalar(value):
