@@ -38,6 +38,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   grouped_conv_layers    each of RegNetY-16GF's grouped convolution shapes alone, forward and
                          backward, per grouped_conv_impl and Pallas tiling (pallas_conv.Tiles):
                          ms and TFLOP/s per layer, the model's grouped convolutions in all
+  pointwise_conv         RegNetY-16GF, model.pointwise_conv_impl 'xla' (1x1 convolutions as
+                         cuDNN calls on a GPU) vs 'gemm' (cuBLAS GEMMs over the channels)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
   batch_regnety_16gf     (RESOURCE_EXHAUSTED), that size again under remat policies
   gelu                   the exact GELU's forward and backward on ViT-B/16's MLP activations
@@ -127,6 +129,9 @@ _BUDGET_S = flags.DEFINE_float("budget_s", None, "Start no figure after this man
 _GROUPED_CONV_IMPL = flags.DEFINE_enum(
     "grouped_conv_impl", None, list(layers.GROUPED_CONV_IMPLS), "RegNetY-16GF's grouped "
     "convolutions in its figures but grouped_conv's (default: the recipe's).")
+_POINTWISE_CONV_IMPL = flags.DEFINE_enum(
+    "pointwise_conv_impl", None, list(layers.POINTWISE_CONV_IMPLS), "RegNetY-16GF's 1x1 "
+    "convolutions in its figures but pointwise_conv's (default: the recipe's).")
 
 _KEEP_UP_DATA_DIR = flags.DEFINE_string(
     "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
@@ -136,7 +141,7 @@ KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_ru
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
            "head_vit_b16", "head_regnety_16gf", "grouped_conv", "grouped_conv_layers",
-           "batch_vit_b16",
+           "pointwise_conv", "batch_vit_b16",
            "batch_regnety_16gf", "gelu", "combined_vit_b16", "combined_regnety_16gf", "xla_flags")
 QUICK_FIGURES = ("vit_b16_train", "profile", "attention", "attention_loss", "head_vit_b16",
                  "batch_vit_b16", "gelu", "combined_vit_b16", "xla_flags")
@@ -145,6 +150,7 @@ LEVERS = {"combined_vit_b16": {"attention": ("attention_impl",), "head_vit_b16":
                                "batch_vit_b16": ("batch_per_device", "remat")},
           "combined_regnety_16gf": {"head_regnety_16gf": ("head_dtype",),
                                     "grouped_conv": ("grouped_conv_impl",),
+                                    "pointwise_conv": ("pointwise_conv_impl",),
                                     "batch_regnety_16gf": ("batch_per_device", "remat")}}
 PAPER_PER_DEVICE = 64  # Both papers: 512 on 8 V100s (ImageNet-21K), 8,192 on 128 (SWAG).
 # grouped_conv_layers' Pallas tilings beside pallas_conv.TILES, on GPUs (pixels, k, warps,
@@ -217,6 +223,7 @@ def settings(config, model_def=None) -> dict:
   return {"attention_impl": attention,
           "head_dtype": config.model.get("head_dtype", "float32"),
           "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
+          "pointwise_conv_impl": config.model.get("pointwise_conv_impl", "xla"),
           "remat": config.model.get("remat", "") or "none"}
 
 
@@ -362,6 +369,8 @@ class Suite:
     config = self.sized(config, "regnety_demo" if self.dry_run else "regnety_16gf")
     if _GROUPED_CONV_IMPL.value:
       config = with_model_options(config, grouped_conv_impl=_GROUPED_CONV_IMPL.value)
+    if _POINTWISE_CONV_IMPL.value:
+      config = with_model_options(config, pointwise_conv_impl=_POINTWISE_CONV_IMPL.value)
     return config
 
   def vit_b16(self):
@@ -521,6 +530,17 @@ class Suite:
               total_ms=total, layers=rows, rounds=self.rounds, steps=self.steps,
               **({"failed": failed} if failed else {}))
     gc.collect()
+
+  def pointwise_conv(self):
+    """RegNetY-16GF's 1x1 convolutions as XLA lowers them (cuDNN calls on GPUs) against one
+    GEMM over the channels each (layers.POINTWISE_CONV_IMPLS; the regnety_16gf_train
+    figure's runner, if it ran, is its arm)."""
+    config = self.regnety_config()
+    arms = {impl: with_model_options(config, pointwise_conv_impl=impl)
+            for impl in layers.POINTWISE_CONV_IMPLS}
+    trained = self.runners.get("regnety_16gf_train")
+    prior = {trained.config.model.get("pointwise_conv_impl", "xla"): trained} if trained else {}
+    self.ab("pointwise_conv", arms, self.swag_classes, built=prior)
 
   def batch(self, figure: str, trained: str, config, num_classes=None):
     """Images/s at the papers' per-device batch, then doubled while it fits; at the first
@@ -815,10 +835,12 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
       best[row["model"]] = row
   if best:
     rows += ["", "Best configuration per model:", "",
-             "| model | batch/device | attention | head | grouped convs | remat | XLA flags | "
-             "images/s | step ms | MFU | figure |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch/device | attention | head | grouped convs | 1x1 convs | remat | "
+             "XLA flags | images/s | step ms | MFU | figure |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {m} | {r['batch_per_device']} | {r['attention_impl']} | {r['head_dtype']} | "
-             f"{r['grouped_conv_impl']} | {r['remat']} | {r['xla_flags']} | "
+             f"{r['grouped_conv_impl']} | {r['pointwise_conv_impl']} | {r['remat']} | "
+             f"{r['xla_flags']} | "
              f"{fmt(r['images_per_sec'])} | "
              f"{fmt(r['step_time_ms'])} | {fmt(r['mfu'])} | {r['figure']} |"
              for m, r in best.items()]
@@ -918,6 +940,7 @@ def main(argv):
          "attention_loss": suite.attention_loss, "head_vit_b16": suite.head_vit_b16,
          "head_regnety_16gf": suite.head_regnety_16gf, "grouped_conv": suite.grouped_conv,
          "grouped_conv_layers": suite.grouped_conv_layers,
+         "pointwise_conv": suite.pointwise_conv,
          "batch_vit_b16": suite.batch_vit_b16,
          "batch_regnety_16gf": suite.batch_regnety_16gf,
          "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,

@@ -91,7 +91,8 @@ def main(argv):
          "image_size": config.data.image_size, "compute_dtype": config.compute_dtype,
          "attention_impl": config.model.get("attention_impl", "xla"),
          "head_dtype": config.model.get("head_dtype", "float32"),
-         "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla")}
+         "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
+         "pointwise_conv_impl": config.model.get("pointwise_conv_impl", "xla")}
   hlo = compile_hlo(config, f.topology, f.num_classes)
   if f.hlo_out:
     with open(f.hlo_out, "w") as out_file:

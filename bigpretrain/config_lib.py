@@ -33,7 +33,7 @@ _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema', 'divergence')
 _OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
 # Base keys of open sections that may be left out (their default applies).
 _OPTIONAL_KEYS = ('model.remat', 'model.attention_impl', 'model.head_dtype',
-                  'model.grouped_conv_impl')
+                  'model.grouped_conv_impl', 'model.pointwise_conv_impl')
 _STEP_KEYS = ('log_every_steps', 'eval_every_steps', 'ckpt_every_steps')
 
 
@@ -95,11 +95,14 @@ def base_config() -> ml_collections.ConfigDict:
   # losses up to bf16 rounding, and a faster ViT step); model.head_dtype: what the classifier's
   # matmul reads ('float32', or 'bfloat16' with float32 accumulation);
   # model.grouped_conv_impl: how grouped convolutions run ('xla'; 'gemm': one batched
-  # matrix product over the groups; 'split': one convolution per group). All pick kernels,
-  # not weights (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS;
-  # their A/B figures: benchmarks/accelerator.py, docs/benchmarks.md).
+  # matrix product over the groups; 'split': one convolution per group; 'pallas': implicit-
+  # GEMM kernels); model.pointwise_conv_impl: how ungrouped 1x1 convolutions run ('xla';
+  # 'gemm': a matrix product over the channels). All pick kernels, not weights
+  # (bigpretrain.models.base.ATTENTION_CHOICES / HEAD_DTYPES / GROUPED_CONV_IMPLS /
+  # POINTWISE_CONV_IMPLS; their A/B figures: benchmarks/accelerator.py, docs/benchmarks.md).
   c.model = ml_collections.ConfigDict(dict(name='vit_demo', remat='', attention_impl='auto',
-                                           head_dtype='float32', grouped_conv_impl='xla'))
+                                           head_dtype='float32', grouped_conv_impl='xla',
+                                           pointwise_conv_impl='xla'))
   c.data = ml_collections.ConfigDict(dict(name='demo', dir=''))
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
@@ -305,7 +308,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
                      "rematerialised with), or '' / 'none' for off.")
   for key, allowed in (('attention_impl', model_base.ATTENTION_CHOICES),
                        ('head_dtype', model_base.HEAD_DTYPES),
-                       ('grouped_conv_impl', model_base.GROUPED_CONV_IMPLS)):
+                       ('grouped_conv_impl', model_base.GROUPED_CONV_IMPLS),
+                       ('pointwise_conv_impl', model_base.POINTWISE_CONV_IMPLS)):
     value = config.model.get(key, allowed[0])
     if value not in allowed:
       raise ValueError(f'config.model.{key}={value!r} must be one of {allowed}.')

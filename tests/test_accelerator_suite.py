@@ -88,6 +88,9 @@ def _check_levers(by):
       "xla", "gemm", "split", "pallas"}
   assert all(grouped["arms"][impl]["grouped_conv_impl"] == impl
              for impl in ("gemm", "split", "pallas"))
+  pointwise = by["pointwise_conv"]
+  assert pointwise["model"] == "regnety_demo" and set(pointwise["arms"]) == {"xla", "gemm"}
+  assert pointwise["arms"]["gemm"]["pointwise_conv_impl"] == "gemm"
   layers = by["grouped_conv_layers"]  # regnety_demo's first two shapes, every impl (CPU).
   shapes = list(accelerator.grouped_conv_shapes("regnety_demo", 2, 32))[:2]
   assert [(tuple(r["input"]), tuple(r["kernel"])) for r in layers["layers"]] == [

@@ -74,6 +74,6 @@ def test_cosub_configs_build_convnets_with_stochastic_depth():
   assert config.model.to_dict() == {"name": "resnet152", "drop_path_rate": 0.05,
                                     "drop_path_schedule": "uniform", "remat": "",
                                     "attention_impl": "auto", "head_dtype": "float32",
-                                    "grouped_conv_impl": "xla"}
+                                    "grouped_conv_impl": "xla", "pointwise_conv_impl": "xla"}
   with pytest.raises(ValueError, match="pass tau="):
     cosub_in1k.get_config("dataset=tfds:imagenet2012,model=regnety_16gf")

@@ -17,8 +17,10 @@ from bigpretrain.plan import aot_plan
 from bigpretrain.plan import flops
 from bigpretrain import config_lib
 from bigpretrain import models
+from bigpretrain.models import base as models_base
 from bigpretrain.models import layers
 from bigpretrain.models import pallas_conv
+from bigpretrain.models import tresnet
 from bigpretrain.models import vit
 from tests import helpers
 
@@ -251,6 +253,93 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   with pytest.raises(ValueError, match="config.model.grouped_conv_impl='im2col' must be one"):
     config_lib.validate(bad)
   assert models.ModelDef.from_config({"name": "regnety_demo", "grouped_conv_impl": "gemm"},
+                                     5).config() == {"name": "regnety_demo"}
+
+
+@pytest.mark.parametrize("stride,padding", [(1, "SAME"), (2, "SAME"), (2, "VALID"),
+                                            (2, ((0, 0), (0, 0)))])
+def test_pointwise_as_gemm_is_the_1x1_convolution(stride, padding):
+  """pointwise_conv_impl 'gemm' (pointwise_as_gemm): values and both gradients of
+  jax.lax.conv_general_dilated's 1x1 convolution (strided over odd sizes too), to float32
+  rounding, also under an 8-device batch split; anything but an unpadded, undilated,
+  ungrouped 1x1 convolution is refused."""
+  x = jax.random.normal(jax.random.key(0), (8, 9, 7, 6))
+  w = jax.random.normal(jax.random.key(1), (1, 1, 6, 10))
+  g = jax.random.normal(jax.random.key(2), (8, 9 // stride + 9 % stride, 7 // stride
+                                            + 7 % stride, 10))
+
+  def loss(conv, x, w):
+    y = conv(x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+             precision="highest")
+    return jnp.sum(g * y), y
+
+  (_, want), want_grads = jax.value_and_grad(
+      functools.partial(loss, jax.lax.conv_general_dilated), (0, 1), has_aux=True)(x, w)
+  for conv in (layers.pointwise_as_gemm, layers.batch_local_pointwise_conv):
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):  # Rows split over all 8 devices (batch_local_conv's case).
+      xs = jax.device_put(x, jax.sharding.PartitionSpec(("data", "fsdp")))
+      (_, got), got_grads = jax.jit(jax.value_and_grad(
+          functools.partial(loss, conv), (0, 1), has_aux=True))(xs, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+  # The same FLOPs for MFU (bigpretrain.plan.flops): no product of the stride's zeros.
+  count = lambda conv: flops.jaxpr_flops(jax.make_jaxpr(jax.grad(
+      lambda x, w: loss(conv, x, w)[0], (0, 1)))(x, w).jaxpr)
+  assert count(layers.pointwise_as_gemm) == count(jax.lax.conv_general_dilated) > 0
+  dims = ("NHWC", "HWIO", "NHWC")
+  for bad in (dict(rhs=jnp.ones((3, 3, 6, 10))), dict(padding=((1, 1), (1, 1))),
+              dict(rhs=jnp.ones((1, 1, 3, 10)), feature_group_count=2),
+              dict(rhs_dilation=(2, 2)), dict(dimension_numbers=("NCHW", "HWIO", "NHWC"))):
+    args = {"lhs": x, "rhs": w, "window_strides": (1, 1), "padding": "SAME",
+            "dimension_numbers": dims, **bad}
+    with pytest.raises(ValueError, match="ungrouped, undilated, unpadded 1x1"):
+      layers.pointwise_as_gemm(**args)
+
+
+_CONVNETS = {  # Small ones with 1x1 convolutions (ResNet's are TResNet's kinds).
+    "regnet": lambda impl: models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
+                                            pointwise_conv_impl=impl),
+    "tresnet": lambda impl: models_base.set_kernels(tresnet.TResNet(
+        num_classes=5, rngs=nnx.Rngs(0), stage_sizes=(1, 1, 1, 1), width_factor=0.125),
+        pointwise_conv_impl=impl)}
+
+
+@pytest.mark.parametrize("family", sorted(_CONVNETS))
+def test_pointwise_conv_impl_picks_the_1x1_convs_only(family):
+  """model.pointwise_conv_impl 'gemm': exactly the ungrouped 1x1 convs (projections,
+  shortcuts, Squeeze-Excitation) compute as GEMMs, with the same logits, gradients and
+  parameters as 'xla'; a model without 1x1 convs refuses it."""
+  xla, gemm = _CONVNETS[family]("xla"), _CONVNETS[family]("gemm")
+  convs = lambda m: [c for _, c in nnx.iter_graph(m) if isinstance(c, nnx.Conv)]
+  want_picked = [c.kernel_size == (1, 1) and c.feature_group_count == 1 for c in convs(xla)]
+  picked = [c.conv_general_dilated is layers.batch_local_pointwise_conv for c in convs(gemm)]
+  assert picked == want_picked and any(picked) and not all(picked)
+  images = jax.random.normal(jax.random.key(3), (4, 32, 32, 3))
+
+  def loss(model):
+    logits = model(images, train=True)
+    return jnp.sum(logits * jnp.arange(5.0)), logits
+
+  grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+  (_, want), want_grads = grad(xla)
+  (_, got), got_grads = grad(gemm)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
+               nnx.to_pure_dict(got_grads), nnx.to_pure_dict(want_grads))
+  assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(gemm, nnx.Param)))
+          == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
+
+
+def test_pointwise_conv_impl_is_a_config_value_a_vit_refuses():
+  with pytest.raises(ValueError, match="VisionTransformer has no ungrouped 1x1 convolutions"):
+    models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), pointwise_conv_impl="gemm")
+  bad = helpers.tiny_config("semantic_softmax")
+  bad.model.pointwise_conv_impl = "cublas"
+  with pytest.raises(ValueError, match="config.model.pointwise_conv_impl='cublas' must be one"):
+    config_lib.validate(bad)
+  assert models.ModelDef.from_config({"name": "regnety_demo", "pointwise_conv_impl": "gemm"},
                                      5).config() == {"name": "regnety_demo"}
 
 

@@ -49,15 +49,16 @@ def accepts(name: str, option: str) -> bool:
 
 def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
               attention_impl: str = "xla", head_dtype: str = "float32",
-              grouped_conv_impl: str = "xla", platform: str | None = None,
+              grouped_conv_impl: str = "xla", pointwise_conv_impl: str = "xla",
+              platform: str | None = None,
               **kw) -> nnx.Module:
   """Builds the registered model `name` with `num_classes` outputs.
 
   `remat` (config.model.remat) names a jax.checkpoint_policies policy each residual block is
   rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
-  `head_dtype` and `grouped_conv_impl` (config.model's) pick kernels, not weights
-  (base.set_kernels; attention 'auto': base.auto_attention's pick for `platform`, default
-  JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
+  `head_dtype`, `grouped_conv_impl` and `pointwise_conv_impl` (config.model's) pick
+  kernels, not weights (base.set_kernels; attention 'auto': base.auto_attention's pick for
+  `platform`, default JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
   (listing the registered ones) and TypeError for an option the model does not take or one
   fixed by its architecture.
   """
@@ -75,7 +76,8 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   if attention_impl == "auto":
     attention_impl = base.auto_attention(model, platform or jax.default_backend(),
                                          kw.get("dtype", jnp.float32))
-  model = base.set_kernels(model, attention_impl, head_dtype, grouped_conv_impl)
+  model = base.set_kernels(model, attention_impl, head_dtype, grouped_conv_impl,
+                           pointwise_conv_impl)
   return base.remat_blocks(model, remat)
 
 
@@ -127,17 +129,18 @@ class ModelDef:
   def config(self) -> dict:
     """The `config.model` mapping that rebuilds this model (a checkpoint's meta). Without
     the run's compute settings (`remat`, `attention_impl`, `head_dtype`,
-    `grouped_conv_impl`): how a run trades compute for memory or picks kernels is not part
-    of its weights."""
+    `grouped_conv_impl`, `pointwise_conv_impl`): how a run trades compute for memory or picks
+    kernels is not part of its weights."""
     runtime = ("dtype", "num_classes", "remat", "attention_impl", "head_dtype",
-               "grouped_conv_impl")
+               "grouped_conv_impl", "pointwise_conv_impl")
     return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
   def with_reference_kernels(self) -> "ModelDef":
     """This model with XLA's kernels (attention_impl and grouped_conv_impl 'xla'): the same
     function and parameters. Its step's FLOPs are the model's; another kernel may compute
     more (cuDNN's attention runs ViT's pad token, a GEMM grouped convolution multiplies the
-    padding in its input gradient). Itself where it has them already."""
+    padding in its input gradient; a GEMM 1x1 convolution computes the model's FLOPs and
+    keeps its form). Itself where it has them already."""
     reference = {"attention_impl": "xla", "grouped_conv_impl": "xla"}
     if all(self.kwargs.get(k, "xla") == v for k, v in reference.items()):
       return self

@@ -20,6 +20,7 @@ REMAT_OFF = layers.REMAT_OFF
 ATTENTION_IMPLS = layers.ATTENTION_IMPLS
 HEAD_DTYPES = layers.HEAD_DTYPES
 GROUPED_CONV_IMPLS = layers.GROUPED_CONV_IMPLS
+POINTWISE_CONV_IMPLS = layers.POINTWISE_CONV_IMPLS
 # config.model.attention_impl also takes 'auto' (the configs' default): auto_attention's pick.
 ATTENTION_CHOICES = ATTENTION_IMPLS + ("auto",)
 
@@ -129,21 +130,27 @@ def auto_attention(model: nnx.Module, platform: str, compute_dtype) -> str:
 GROUPED_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_gemm_conv,
                  "split": layers.batch_local_split_conv,
                  "pallas": layers.batch_local_pallas_conv}
+# ... and an ungrouped 1x1 convolution, per layers.POINTWISE_CONV_IMPLS value.
+POINTWISE_CONVS = {"xla": layers.batch_local_conv, "gemm": layers.batch_local_pointwise_conv}
 
 
 def set_kernels(model: nnx.Module, attention_impl: str = "xla",
-                head_dtype: str = "float32", grouped_conv_impl: str = "xla") -> nnx.Module:
+                head_dtype: str = "float32", grouped_conv_impl: str = "xla",
+                pointwise_conv_impl: str = "xla") -> nnx.Module:
   """Sets how `model` computes, not what: every attention layer's kernel (`attention_impl`,
   layers.ATTENTION_IMPLS), the classifier head's matmul dtype (`head_dtype`,
-  layers.HEAD_DTYPES) and how its grouped convolutions of more than one channel per group
-  are computed (`grouped_conv_impl`, layers.GROUPED_CONV_IMPLS). Parameters are unchanged,
-  so checkpoints load either way. Raises ValueError for an unknown value, an attention
-  kernel for a model without attention or a grouped one for a model without such
+  layers.HEAD_DTYPES), how its grouped convolutions of more than one channel per group
+  are computed (`grouped_conv_impl`, layers.GROUPED_CONV_IMPLS) and how its 1x1 ones
+  (`pointwise_conv_impl`, layers.POINTWISE_CONV_IMPLS). Parameters are unchanged, so
+  checkpoints load either way. Raises ValueError for an unknown value, an attention kernel
+  for a model without attention, or a convolution form for a model without such
   convolutions."""
   for key, value, allowed in (("attention_impl", attention_impl, layers.ATTENTION_IMPLS),
                               ("head_dtype", head_dtype, layers.HEAD_DTYPES),
                               ("grouped_conv_impl", grouped_conv_impl,
-                               layers.GROUPED_CONV_IMPLS)):
+                               layers.GROUPED_CONV_IMPLS),
+                              ("pointwise_conv_impl", pointwise_conv_impl,
+                               layers.POINTWISE_CONV_IMPLS)):
     if value not in allowed:
       raise ValueError(f"{key}={value!r} must be one of {allowed}.")
   modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
@@ -165,4 +172,11 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
                      "no grouped convolutions of more than one channel per group.")
   for m in grouped:
     m.conv_general_dilated = GROUPED_CONVS[grouped_conv_impl]
+  pointwise = [m for m in modules if isinstance(m, nnx.Conv) and layers.is_pointwise(m)
+               and m.conv_general_dilated in POINTWISE_CONVS.values()]
+  if pointwise_conv_impl != "xla" and not pointwise:
+    raise ValueError(f"pointwise_conv_impl={pointwise_conv_impl!r}: {type(model).__name__} "
+                     "has no ungrouped 1x1 convolutions.")
+  for m in pointwise:
+    m.conv_general_dilated = POINTWISE_CONVS[pointwise_conv_impl]
   return model

@@ -69,6 +69,12 @@ HEAD_DTYPES = ("float32", "bfloat16")
 # read each window straight from the activations (pallas_conv: Triton's on NVIDIA GPUs,
 # Pallas's interpreter elsewhere).
 GROUPED_CONV_IMPLS = ("xla", "gemm", "split", "pallas")
+# config.model.pointwise_conv_impl: how ungrouped 1x1 convolutions (the bottlenecks' and
+# shortcuts' projections, Squeeze-Excitation's) are computed. 'xla' hands them to XLA as
+# convolutions (on GPUs cuDNN calls, each filter transposed into cuDNN's layout and back);
+# 'gemm' as one matrix product over the channels (pointwise_as_gemm): cuBLAS GEMMs on GPUs,
+# which read the kernel as it is stored (why: docs/benchmarks.md, "1x1 convolutions as GEMMs").
+POINTWISE_CONV_IMPLS = ("xla", "gemm")
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -342,6 +348,47 @@ def conv_per_group(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int]
       [conv(lhs[..., g * per_group:(g + 1) * per_group],
             rhs[..., g * out_per_group:(g + 1) * out_per_group])
        for g in range(feature_group_count)], axis=-1)
+
+
+def is_pointwise(conv: nnx.Conv) -> bool:
+  """Whether `conv` is a 1x1 convolution pointwise_as_gemm computes: ungrouped, undilated,
+  and padded by nothing (a 1x1 window's 'SAME' or 'VALID', or zeros)."""
+  ones = lambda v: v is None or all(d == 1 for d in (v if isinstance(v, Sequence) else (v,)))
+  pad = conv.padding
+  unpadded = pad in ("SAME", "VALID") or pad == 0 or (
+      not isinstance(pad, str) and all(p == 0 or tuple(p) == (0, 0) for p in pad))
+  return (tuple(conv.kernel_size) == (1, 1) and conv.feature_group_count == 1 and unpadded
+          and ones(conv.input_dilation) and ones(conv.kernel_dilation))
+
+
+def pointwise_as_gemm(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
+                      lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+                      feature_group_count: int = 1, precision=None,
+                      preferred_element_type=None, out_sharding=None) -> jax.Array:
+  """jax.lax.conv_general_dilated of NHWC images with a 1x1 HWIO kernel (ungrouped,
+  undilated, unpadded: see is_pointwise) as a matrix product over the channels of the
+  strided pixels, x[:, ::sh, ::sw] @ kernel[0, 0]: the same sums. Other convolutions raise
+  ValueError."""
+  del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  if isinstance(padding, str):
+    padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
+  if (lhs.ndim != 4 or not _nhwc_hwio(lhs, rhs, dimension_numbers) or rhs.shape[:2] != (1, 1)
+      or feature_group_count != 1 or any(tuple(p) != (0, 0) for p in padding)
+      or any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))):
+    raise ValueError("pointwise_as_gemm takes ungrouped, undilated, unpadded 1x1 "
+                     f"convolutions of NHWC images with HWIO kernels; got kernel "
+                     f"{rhs.shape}, dimension_numbers={dimension_numbers}, padding={padding}, "
+                     f"feature_group_count={feature_group_count}.")
+  sh, sw = window_strides
+  return jax.lax.dot_general(lhs[:, ::sh, ::sw], rhs[0, 0], (((3,), (0,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=preferred_element_type)
+
+
+def batch_local_pointwise_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
+  """batch_local_conv computing the convolution with pointwise_as_gemm (pointwise_conv_impl
+  'gemm')."""
+  return batch_local_conv(lhs, rhs, *args, conv_fn=pointwise_as_gemm, **kwargs)
 
 
 def batch_local_split_conv(lhs: jax.Array, rhs: jax.Array, *args, **kwargs) -> jax.Array:
