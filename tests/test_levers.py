@@ -218,8 +218,7 @@ def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, pro
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   """model.grouped_conv_impl 'gemm' / 'split' / 'pallas' on regnety_demo: its grouped 3x3
   convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the
-  same logits and gradients as 'xla' and the same parameters; a model without grouped convs
-  refuses them."""
+  same logits and gradients as 'xla' and the same parameters."""
   def build(impl):
     return models.get_model("regnety_demo", num_classes=5, rngs=nnx.Rngs(0),
                             grouped_conv_impl=impl)
@@ -245,15 +244,6 @@ def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
                  nnx.to_pure_dict(got_grads), nnx.to_pure_dict(want_grads))
     assert (jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(other, nnx.Param)))
             == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
-  for impl in ("gemm", "split", "pallas"):
-    with pytest.raises(ValueError, match="no grouped convolutions of more than one channel"):
-      models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), grouped_conv_impl=impl)
-  bad = helpers.tiny_config("semantic_softmax")
-  bad.model.grouped_conv_impl = "im2col"
-  with pytest.raises(ValueError, match="config.model.grouped_conv_impl='im2col' must be one"):
-    config_lib.validate(bad)
-  assert models.ModelDef.from_config({"name": "regnety_demo", "grouped_conv_impl": "gemm"},
-                                     5).config() == {"name": "regnety_demo"}
 
 
 @pytest.mark.parametrize("stride,padding", [(1, "SAME"), (2, "SAME"), (2, "VALID"),
@@ -310,7 +300,7 @@ _CONVNETS = {  # Small ones with 1x1 convolutions (ResNet's are TResNet's kinds)
 def test_pointwise_conv_impl_picks_the_1x1_convs_only(family):
   """model.pointwise_conv_impl 'gemm': exactly the ungrouped 1x1 convs (projections,
   shortcuts, Squeeze-Excitation) compute as GEMMs, with the same logits, gradients and
-  parameters as 'xla'; a model without 1x1 convs refuses it."""
+  parameters as 'xla'."""
   xla, gemm = _CONVNETS[family]("xla"), _CONVNETS[family]("gemm")
   convs = lambda m: [c for _, c in nnx.iter_graph(m) if isinstance(c, nnx.Conv)]
   want_picked = [c.kernel_size == (1, 1) and c.feature_group_count == 1 for c in convs(xla)]
@@ -332,14 +322,19 @@ def test_pointwise_conv_impl_picks_the_1x1_convs_only(family):
           == jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(xla, nnx.Param))))
 
 
-def test_pointwise_conv_impl_is_a_config_value_a_vit_refuses():
-  with pytest.raises(ValueError, match="VisionTransformer has no ungrouped 1x1 convolutions"):
-    models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), pointwise_conv_impl="gemm")
-  bad = helpers.tiny_config("semantic_softmax")
-  bad.model.pointwise_conv_impl = "cublas"
-  with pytest.raises(ValueError, match="config.model.pointwise_conv_impl='cublas' must be one"):
-    config_lib.validate(bad)
-  assert models.ModelDef.from_config({"name": "regnety_demo", "pointwise_conv_impl": "gemm"},
+@pytest.mark.parametrize("key,impls,bad,refusal", [
+    ("grouped_conv_impl", ("gemm", "split", "pallas"), "im2col",
+     "has no grouped convolutions of more than one channel"),
+    ("pointwise_conv_impl", ("gemm",), "cublas", "has no ungrouped 1x1 convolutions")])
+def test_conv_forms_are_config_values_a_vit_refuses(key, impls, bad, refusal):
+  for impl in impls:
+    with pytest.raises(ValueError, match=f"{key}='{impl}': VisionTransformer {refusal}"):
+      models.get_model("vit_demo", num_classes=3, rngs=nnx.Rngs(0), **{key: impl})
+  config = helpers.tiny_config("semantic_softmax")
+  config.model[key] = bad
+  with pytest.raises(ValueError, match=f"config.model.{key}='{bad}' must be one"):
+    config_lib.validate(config)
+  assert models.ModelDef.from_config({"name": "regnety_demo", key: impls[0]},
                                      5).config() == {"name": "regnety_demo"}
 
 

@@ -164,19 +164,21 @@ def set_kernels(model: nnx.Module, attention_impl: str = "xla",
   for m in modules:
     if isinstance(m, layers.ClassifierHead):
       m.head_dtype = head_dtype
-  grouped = [m for m in modules if isinstance(m, nnx.Conv) and m.feature_group_count > 1
-             and m.in_features > m.feature_group_count
-             and m.conv_general_dilated in GROUPED_CONVS.values()]
-  if grouped_conv_impl != "xla" and not grouped:
-    raise ValueError(f"grouped_conv_impl={grouped_conv_impl!r}: {type(model).__name__} has "
-                     "no grouped convolutions of more than one channel per group.")
-  for m in grouped:
-    m.conv_general_dilated = GROUPED_CONVS[grouped_conv_impl]
-  pointwise = [m for m in modules if isinstance(m, nnx.Conv) and layers.is_pointwise(m)
-               and m.conv_general_dilated in POINTWISE_CONVS.values()]
-  if pointwise_conv_impl != "xla" and not pointwise:
-    raise ValueError(f"pointwise_conv_impl={pointwise_conv_impl!r}: {type(model).__name__} "
-                     "has no ungrouped 1x1 convolutions.")
-  for m in pointwise:
-    m.conv_general_dilated = POINTWISE_CONVS[pointwise_conv_impl]
+  _set_convs(model, modules, "grouped_conv_impl", grouped_conv_impl, GROUPED_CONVS,
+             lambda m: m.feature_group_count > 1 and m.in_features > m.feature_group_count,
+             "grouped convolutions of more than one channel per group")
+  _set_convs(model, modules, "pointwise_conv_impl", pointwise_conv_impl, POINTWISE_CONVS,
+             layers.is_pointwise, "ungrouped 1x1 convolutions")
   return model
+
+
+def _set_convs(model, modules, key: str, impl: str, forms: dict, applies, what: str) -> None:
+  """Sets forms[impl] as the convolution function of the model's own convolutions (those
+  computed by one of `forms`) that `applies` to; `impl` other than 'xla' for a model with
+  none raises ValueError."""
+  convs = [m for m in modules if isinstance(m, nnx.Conv) and applies(m)
+           and m.conv_general_dilated in forms.values()]
+  if impl != "xla" and not convs:
+    raise ValueError(f"{key}={impl!r}: {type(model).__name__} has no {what}.")
+  for m in convs:
+    m.conv_general_dilated = forms[impl]
