@@ -265,8 +265,8 @@ def test_pointwise_as_gemm_is_the_1x1_convolution(stride, padding):
 
   (_, want), want_grads = jax.value_and_grad(
       functools.partial(loss, jax.lax.conv_general_dilated), (0, 1), has_aux=True)(x, w)
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   for conv in (layers.pointwise_as_gemm, layers.batch_local_pointwise_conv):
-    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):  # Rows split over all 8 devices (batch_local_conv's case).
       xs = jax.device_put(x, jax.sharding.PartitionSpec(("data", "fsdp")))
       (_, got), got_grads = jax.jit(jax.value_and_grad(
