@@ -14,8 +14,8 @@ def _import_without_torch(name: str):
   """Imports `name` with torch hidden from it unless torch is already loaded.
 
   tensorboardX's writer imports torch whenever it is installed (the interop extra), only to
-  name torch tensors in its type hints: that import cost every trainer process about 2 s and
-  840 MB. The writer here logs Python numbers; torch stays importable afterwards."""
+  name torch tensors in its type hints: seconds of every trainer process's start-up and most
+  of a gigabyte of memory. The writer here logs Python numbers; torch stays importable."""
   if "torch" in sys.modules:
     return importlib.import_module(name)
   sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects.
