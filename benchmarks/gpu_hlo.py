@@ -9,10 +9,11 @@ one JSON line of counts read off the optimized HLO.
 Counts: custom calls by target (cuBLAS GEMMs `__cublas$...`, cuDNN convolutions
 `__cudnn$conv...` and fused attention `__cudnn$fmha...`), fusions by kind (Triton GEMMs are
 kCustom fusions), convolutions XLA left as plain `convolution` ops, the cuDNN convolutions'
-layouts (dim_labels) and group counts, and the transposes, copies and gathers anywhere in the
-program (inside fusions too: a layout change between kernels shows up there). The compile
-is XLA:GPU's with no GPU to autotune on (bigpretrain.plan.aot_plan.GPU_COMPILE_ONLY_OPTIONS):
-on a device, autotuning may pick other GEMM backends, not other convolution layouts.
+layouts (dim_labels) and group counts, and the transposes (with the bytes they write), copies
+and gathers anywhere in the program (inside fusions too: a layout change between kernels
+shows up there). The compile is XLA:GPU's with no GPU to autotune on
+(bigpretrain.plan.aot_plan.GPU_COMPILE_ONLY_OPTIONS): on a device, autotuning may pick other
+GEMM backends, not other convolution layouts.
 """
 import os
 import sys
@@ -20,6 +21,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import collections  # pylint: disable=g-import-not-at-top
 import json
+import math
 import re
 
 from absl import app
@@ -36,6 +38,9 @@ _FUSION_KIND = re.compile(r"\bfusion\(.*?kind=(k\w+)")
 _OP = re.compile(r"=\s*\S+\s+([a-z][\w-]*)\(")  # '%x = f32[2]{0} op(' -> op.
 _DIM_LABELS = re.compile(r"dim_labels=(\S+?)[,}\s]")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
+_RESULT = re.compile(r"=\s*([a-z]\w*)\[([\d,]*)\]")  # '%x = bf16[2,3]{1,0} op(' -> bf16, 2,3.
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
+          "u32": 4, "f64": 8, "s64": 8}
 
 
 def kernel_counts(hlo_text: str) -> dict:
@@ -45,6 +50,7 @@ def kernel_counts(hlo_text: str) -> dict:
   ops = collections.Counter()
   conv_layouts = collections.Counter()
   conv_groups = collections.Counter()
+  transpose_bytes = 0
   for line in hlo_text.splitlines():
     target = _CUSTOM_CALL.search(line)
     if target:
@@ -60,6 +66,10 @@ def kernel_counts(hlo_text: str) -> dict:
     op = _OP.search(line)
     if op:
       ops[op.group(1)] += 1
+      result = _RESULT.search(line) if op.group(1) == "transpose" else None
+      if result:
+        dims = [int(d) for d in result.group(2).split(",") if d]
+        transpose_bytes += _BYTES[result.group(1)] * math.prod(dims)
   return {
       "custom_calls": dict(sorted(custom.items())),
       "gemm_custom_calls": sum(n for t, n in custom.items() if "cublas" in t),
@@ -70,7 +80,8 @@ def kernel_counts(hlo_text: str) -> dict:
       "plain_convolutions": ops["convolution"],
       "cudnn_conv_layouts": dict(sorted(conv_layouts.items())),
       "cudnn_conv_groups": {str(g): n for g, n in sorted(conv_groups.items())},
-      "transposes": ops["transpose"], "copies": ops["copy"], "gathers": ops["gather"],
+      "transposes": ops["transpose"], "transpose_bytes": transpose_bytes,
+      "copies": ops["copy"], "gathers": ops["gather"],
   }
 
 

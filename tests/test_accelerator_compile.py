@@ -95,6 +95,15 @@ def test_cli_plans_a_gpu_cluster_with_its_compiler():
   assert p["devices"] == 2 and p["accelerator"] == "h100" and p["fits"]
 
 
+def test_kernel_counts_add_up_the_bytes_the_transposes_write():
+  hlo = ("  %t.1 = f32[3024,1,1,1232]{3,2,1,0} transpose(%p.1), dimensions={3,0,1,2}\n"
+         "  %t.2 = bf16[64,7,7]{2,1,0} transpose(%p.2), dimensions={0,2,1}\n"
+         "  %c.3 = f32[8]{0} copy(%p.3)\n")
+  counts = gpu_hlo.kernel_counts(hlo)
+  assert counts["transposes"] == 2 and counts["copies"] == 1
+  assert counts["transpose_bytes"] == 4 * 3024 * 1232 + 2 * 64 * 7 * 7
+
+
 def test_cudnn_attention_is_one_fused_call_per_block_and_pass(demo_config):
   """model.attention_impl='auto' (the configs' default) on an H100 in bfloat16 is cuDNN's:
   each block's attention is one cuDNN flash attention call forward and one backward

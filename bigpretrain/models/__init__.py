@@ -58,9 +58,9 @@ def get_model(name: str, *, num_classes: int, rngs: nnx.Rngs, remat: str = "",
   rematerialised with (base.remat_blocks); '' or 'none' = off. `attention_impl`,
   `head_dtype`, `grouped_conv_impl` and `pointwise_conv_impl` (config.model's) pick
   kernels, not weights (base.set_kernels; attention 'auto': base.auto_attention's pick for
-  `platform`, default JAX's default backend, and the model's `dtype`). Raises ValueError for an unknown name
-  (listing the registered ones) and TypeError for an option the model does not take or one
-  fixed by its architecture.
+  `platform`, default JAX's default backend, and the model's `dtype`). Raises ValueError for
+  an unknown name (listing the registered ones) and TypeError for an option the model does
+  not take or one fixed by its architecture.
   """
   factory = base.MODELS.get(name)
   accepted, fixed = _accepted_kwargs(factory)
