@@ -105,6 +105,7 @@ from bigpretrain import sharding
 from bigpretrain.models import base as models_base
 from bigpretrain.models import layers
 from bigpretrain.models import pallas_conv
+from bigpretrain.runtime import distributed
 from configs import semantic_softmax
 from configs import swag_regnety
 
@@ -910,6 +911,7 @@ def run_flag_sets(names, steps: int | None) -> dict:
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   logging.set_verbosity(logging.WARNING)  # Not the per-parameter sharding lines.
   figures = _FIGURES.value or (QUICK_FIGURES if _QUICK.value else FIGURES)
   unknown = set(figures) - set(FIGURES)

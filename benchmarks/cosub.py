@@ -31,6 +31,7 @@ from absl import logging
 
 from benchmarks import common
 from bigpretrain.models import layers
+from bigpretrain.runtime import distributed
 from configs import cosub_in1k
 
 
@@ -110,6 +111,7 @@ def measure(model: str, image_size: int, batch_size: int, tau: float, steps: int
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   logging.set_verbosity(logging.WARNING)  # The per-parameter sharding log, three times over.
   f = flags.FLAGS
   out = measure(f.model, f.image_size, f.batch_size, f.tau, f.steps, f.rounds)

@@ -33,6 +33,7 @@ from benchmarks import common
 from bigpretrain.semisup import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
+from bigpretrain.runtime import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -93,6 +94,7 @@ def measure(config, stage: str, batch_size: int, steps: int) -> dict:
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   print(json.dumps(measure(_CONFIG.value, _STAGE.value, _BATCH.value, _STEPS.value)),
         flush=True)
 

@@ -89,6 +89,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from benchmarks import steady_state  # pylint: disable=g-import-not-at-top
+from bigpretrain.runtime import distributed
 from input_pipeline import pipeline
 
 _RECORDS = flags.DEFINE_integer("records", 256, "Synthetic JPEGs written to ArrayRecord.")
@@ -399,6 +400,7 @@ def _report(figures: dict) -> dict:
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   width, height = (int(v) for v in _SOURCE_SIZE.value.lower().split("x"))
   common = {"benchmark": "input_pipeline", "augment": _AUGMENT.value,
             "image_size": _SIZE.value, "workers": _WORKERS.value,

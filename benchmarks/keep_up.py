@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from benchmarks import common
 from benchmarks import steady_state
 from bigpretrain import train
+from bigpretrain.runtime import distributed
 
 
 def define_flags() -> None:
@@ -52,6 +53,7 @@ def pipeline_rate(config, min_seconds: float = steady_state.MIN_SECONDS,
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   f = flags.FLAGS
   config = f.config
   pipe = pipeline_rate(config, f.min_seconds, f.batches_per_worker)

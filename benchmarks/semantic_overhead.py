@@ -19,6 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from benchmarks import common
+from bigpretrain.runtime import distributed
 from configs import single_label
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -29,6 +30,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternated rounds per variant.")
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   semantic = _CONFIG.value
   single = semantic.copy_and_resolve_references()
   single.objective = single_label.get_config().objective

@@ -29,6 +29,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from benchmarks import common
+from bigpretrain.runtime import distributed
 
 
 def define_flags() -> None:
@@ -80,6 +81,7 @@ def compare(config, names: list[str], steps: int, rounds: int, dataset=None) -> 
 
 def main(argv):
   del argv
+  distributed.select_platforms()  # No plugin errors on a host without their devices.
   f = flags.FLAGS
   if f.models:
     out = compare(f.config, f.models, f.steps, f.rounds)

@@ -1,6 +1,6 @@
 """JAX starts only on the platforms the host has (distributed.select_platforms): with libtpu
-and the CUDA plugin installed, a CPU-only machine prints no plugin errors; with torch
-installed, the trainer does not import it."""
+and the CUDA plugin installed, a CPU-only machine prints no plugin errors, from the trainer or
+the benchmarks; with torch installed, the trainer does not import it."""
 import importlib.util
 import subprocess
 import sys
@@ -42,6 +42,17 @@ def test_a_cpu_host_starts_jax_without_plugin_errors():
   assert r.returncode == 0 and r.stdout.split() == ["cpu", "cpu"], r.stderr[-3000:]
   assert r.stderr.strip().splitlines() == [
       "INFO:absl:JAX platforms: cpu (the devices this host has; JAX_PLATFORMS overrides)."]
+
+
+def test_a_benchmark_on_a_cpu_host_prints_no_plugin_errors():
+  env = helpers.env()
+  del env["JAX_PLATFORMS"]
+  r = subprocess.run([sys.executable, "benchmarks/accelerator.py", "--figures=gelu"], env=env,
+                     cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "| gelu |" in r.stdout, r.stderr[-3000:]
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].endswith(
+      "] JAX platforms: cpu (the devices this host has; JAX_PLATFORMS overrides)."), lines
 
 
 def test_a_platform_choice_already_made_is_kept():
