@@ -11,7 +11,9 @@ Counts: custom calls by target (cuBLAS GEMMs `__cublas$...`, cuDNN convolutions
 kCustom fusions), convolutions XLA left as plain `convolution` ops, the cuDNN convolutions'
 layouts (dim_labels) and group counts, and the transposes (with the bytes they write), copies
 and gathers anywhere in the program (inside fusions too: a layout change between kernels
-shows up there). The compile is XLA:GPU's with no GPU to autotune on
+shows up there); `kernel_bound`, the bytes the kernels move and the step time they bound on
+the topology's GPU (bigpretrain.plan.hlo_traffic), and the memory-class kernels that move the
+most. The compile is XLA:GPU's with no GPU to autotune on
 (bigpretrain.plan.aot_plan.GPU_COMPILE_ONLY_OPTIONS): on a device, autotuning may pick other
 GEMM backends, not other convolution layouts.
 """
@@ -32,6 +34,7 @@ from ml_collections import config_flags
 
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
+from bigpretrain.plan import hlo_traffic
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r"\bfusion\(.*?kind=(k\w+)")
@@ -85,11 +88,23 @@ def kernel_counts(hlo_text: str) -> dict:
   }
 
 
-def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> str:
-  """The optimized HLO of `config`'s train step compiled for `topology` with no device."""
-  _, _, compiled, _ = aot_plan.compile_step(
+def top_memory_kernels(hlo: str, n: int = 10) -> list[dict]:
+  """The `n` memory-class kernels that move the most bytes per step, with their jax op."""
+  found, _ = hlo_traffic.kernels(hlo)
+  memory = sorted((k for k in found if k.kind == "memory"), key=lambda k: -k.bytes * k.runs)
+  return [{"kernel": k.name, "bytes": k.bytes * k.runs, "op_name": k.op_name}
+          for k in memory[:n]]
+
+
+def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> tuple[str, dict]:
+  """The optimized HLO of `config`'s train step compiled for `topology` with no device, and
+  the step time its kernels bound on that GPU (bigpretrain.plan.hlo_traffic)."""
+  acc = accelerators.parse_topology(topology).accelerator
+  _, _, compiled, flops = aot_plan.compile_step(
       config, num_classes, devices=accelerators.topology_devices(topology))
-  return compiled.as_text()
+  hlo = compiled.as_text()
+  peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+  return hlo, hlo_traffic.bound(hlo_traffic.traffic(hlo), flops, peak, acc.hbm_bandwidth)
 
 
 def main(argv):
@@ -104,11 +119,12 @@ def main(argv):
          "head_dtype": config.model.get("head_dtype", "float32"),
          "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
          "pointwise_conv_impl": config.model.get("pointwise_conv_impl", "xla")}
-  hlo = compile_hlo(config, f.topology, f.num_classes)
+  hlo, bound = compile_hlo(config, f.topology, f.num_classes)
   if f.hlo_out:
     with open(f.hlo_out, "w") as out_file:
       out_file.write(hlo)
-  print(json.dumps({**out, **kernel_counts(hlo)}), flush=True)
+  print(json.dumps({**out, **kernel_counts(hlo), "kernel_bound": bound,
+                    "top_memory_kernels": top_memory_kernels(hlo)}), flush=True)
 
 
 if __name__ == "__main__":

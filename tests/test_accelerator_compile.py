@@ -77,6 +77,15 @@ def test_demo_recipe_plans_on_the_accelerator_compiler(demo_config, topology, co
   assert p["fits"] and p["margin_bytes"] == p["hbm_bytes"] - p["total_bytes"]
   if topology.startswith("tpu"):  # The TPU compiler's own roofline estimate of the step.
     assert 0 < p["optimal_seconds"] < 1 and p["flops_per_device"] > 0
+  else:  # XLA:GPU gives none: the bound of its compiled kernels' traffic.
+    acc = accelerators.get(p["accelerator"])
+    k = p["kernel_bound"]
+    assert k["matmul_seconds"] >= p["flops_per_device"] / acc.peak_f32 > 0  # float32 demo.
+    assert k["bound_seconds"] == pytest.approx(
+        k["matmul_seconds"] + k["bytes"]["memory"] / acc.hbm_bandwidth)
+    # The optimizer's update alone reads and writes every byte of this device's state.
+    assert k["bytes"]["memory"] >= 2 * (p["params_bytes"] + p["opt_state_bytes"]), k
+    assert k["kernels"]["matmul"] > 0 and k["unknown_trip_counts"] == 0
 
 
 def test_cli_plans_a_gpu_cluster_with_its_compiler():

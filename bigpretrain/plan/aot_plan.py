@@ -15,7 +15,8 @@ the compiler's memory analysis (arguments, outputs, aliased, temporaries, genera
 FLOPs per step (matrix products and convolutions counted on the step's jaxpr, the same on
 every compiler: bigpretrain/plan/flops.py; step_flops gives them without compiling) and, where the
 compiler gives them (the TPU compiler does), its roofline step time `optimal_seconds` and
-`bytes accessed`; the collectives of the compiled HLO by kind
+`bytes accessed` (for XLA:GPU, which gives none, the bytes its compiled kernels move and the
+step time they bound: bigpretrain.plan.hlo_traffic); the collectives of the compiled HLO by kind
 (bigpretrain.plan.hlo_collectives); the fit against the accelerator's HBM. `compiler` names the
 compiler (and version) every figure comes from; `remat` the config's model.remat (the
 residual blocks' rematerialisation policy, which trades temporaries for recompute FLOPs).
@@ -46,6 +47,7 @@ import numpy as np
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import flops
 from bigpretrain.plan import hlo_collectives
+from bigpretrain.plan import hlo_traffic
 from bigpretrain import objectives
 from bigpretrain.semisup import pool_predictions
 from bigpretrain import sharding
@@ -296,6 +298,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
   costs = flops.jaxpr_costs(traced.jaxpr, acc)
   flops_per_device = (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size
   mem = compiled.memory_analysis()
+  hlo = compiled.as_text()
   out = {
       "config": config.objective.name, "model": config.model.name, "step": step,
       "compiler": accelerators.compiler_name(device), "device_kind": device.device_kind,
@@ -317,7 +320,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "generated_code_bytes": int(mem.generated_code_size_in_bytes),
       "flops_per_device": flops_per_device, "flops_from": FLOPS_FROM,
       **cost_estimate(compiled),
-      "collectives": hlo_collectives.collectives(compiled.as_text()),
+      "collectives": hlo_collectives.collectives(hlo),
       "compile_seconds": round(compile_s, 1),
   }
   if exp.frozen is not None:  # A distillation teacher: an input of every step.
@@ -344,6 +347,9 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       out["compiler_bound_seconds"] = max(out["compiler_flops"] / peak,
                                           out["bytes_accessed"] / acc.hbm_bandwidth)
       out["mfu_at_compiler_bound"] = flops_per_device / (out["compiler_bound_seconds"] * peak)
+    if device.platform == "gpu":  # XLA:GPU gives no cost analysis: its kernels' traffic.
+      out["kernel_bound"] = hlo_traffic.bound(hlo_traffic.traffic(hlo), flops_per_device, peak,
+                                              acc.hbm_bandwidth)
   return out
 
 
@@ -398,6 +404,14 @@ def describe(p: dict) -> str:
     if r["step_seconds"] is not None:
       lines.append(f"    {'step':20s}{r['step_seconds'] * 1e3:8.3f} ms  (MFU at this bound "
                    f"{p['mfu_at_roofline']:.1%})")
+  if "kernel_bound" in p:
+    k = p["kernel_bound"]
+    lines.append("  compiled kernels per step (hlo_traffic: operands read, results written):")
+    for c, seconds in (("matmul", k["matmul_seconds"]), ("memory", k["memory_seconds"])):
+      lines.append(f"    {c:20s}{seconds * 1e3:8.3f} ms  ({k['kernels'][c]} kernels, "
+                   f"{k['bytes'][c] / 1e9:.3f} GB)")
+    lines.append(f"    {'step':20s}{k['bound_seconds'] * 1e3:8.3f} ms  (MFU at this bound "
+                 f"{k['mfu_at_bound']:.1%})")
   for kind, c in p["collectives"].items():
     if c["count"]:
       windowed = f" ({c['windowed']} as collective matmuls)" if c.get("windowed") else ""

@@ -23,76 +23,23 @@ Forms counted (each collective once, its bytes the op's result per device):
                        a clone of it (the same channel_id): an op is counted once per
                        channel_id (collectives without one, each time).
 """
-import math
 import re
 
+from bigpretrain.plan import hlo_text
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# Bytes per element of HLO element types.
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
-# '%name = <shape> <opcode>(': the opcode is the first lower-case word followed by '(' after
-# '= ' (layouts' tiling, e.g. '{1,0:T(8,128)}', is upper-case).
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(")
-# A computation's header, unindented: '%name (params) -> shape {' or 'ENTRY %name ... {'.
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _WINDOWED = re.compile(r"\bbody=%?[\w.\-]*windowed_dot_general_body_(ag|rs)\b")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _CALLS = re.compile(r"\b(?:calls|called_computations)=\{?%?([\w.\-]+)")
-
-
-def shape_bytes(text: str) -> int:
-  """Total bytes of the array shapes in an HLO shape string, e.g. '(f32[8,4]{1,0}, s32[])'."""
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return int(total)
-
-
-def _top_level(shape: str) -> list[str]:
-  """The top-level elements of a tuple shape '(a, (b, c), d)' -> ['a', '(b, c)', 'd']; a
-  non-tuple shape is its own single element."""
-  shape = shape.strip()
-  if not shape.startswith("("):
-    return [shape]
-  parts, depth, start = [], 0, 1
-  for i, ch in enumerate(shape):
-    if ch in "({[":
-      depth += 1
-    elif ch in ")}]":
-      depth -= 1
-      if depth == 0:
-        parts.append(shape[start:i])
-        break
-    elif ch == "," and depth == 1:
-      parts.append(shape[start:i])
-      start = i + 1
-  return [p.strip() for p in parts if p.strip()]
 
 
 def _start_output_bytes(kind: str, result: str) -> int:
   """Output bytes of an async '<kind>-start': all-reduce-start returns its outputs; the
   others return (operands, outputs[, context...]), so the second element."""
   if kind == "all-reduce":
-    return shape_bytes(result)
-  parts = _top_level(result)
-  return shape_bytes(parts[1] if len(parts) > 1 else parts[0])
-
-
-def _parse(hlo_text: str):
-  """{computation: [(name, result shape, opcode, line)]} in text order."""
-  comps, current = {"": []}, ""  # Instructions before any header: a snippet, not a module.
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if m:
-      comps[current].append((m.group(1), m.group(2), m.group(3), line))
-      continue
-    h = _COMPUTATION.match(line)
-    if h:
-      current = h.group(1)
-      comps[current] = []
-  return comps
+    return hlo_text.shape_bytes(result)
+  parts = hlo_text.top_level(result)
+  return hlo_text.shape_bytes(parts[1] if len(parts) > 1 else parts[0])
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -108,12 +55,12 @@ def _is_scatter_fusion(body) -> bool:
   return "all-reduce" in ops and "dynamic-slice" in ops
 
 
-def collectives(hlo_text: str) -> dict:
+def collectives(hlo: str) -> dict:
   """{kind: {'count', 'bytes', 'windowed'}} of the collectives in compiled HLO text (see the
   module docstring for the forms); bytes are each op's result per device; 'windowed' is how
   many of 'count' are collective-matmul loops."""
   out = {k: {"count": 0, "bytes": 0, "windowed": 0} for k in COLLECTIVES}
-  comps = _parse(hlo_text)
+  comps, _ = hlo_text.parse(hlo)
   fused_scatter = set()  # Computations counted through the fusion that calls them.
   for body in comps.values():
     for _, result, opcode, line in body:
@@ -126,7 +73,7 @@ def collectives(hlo_text: str) -> dict:
       if opcode == "fusion" and called and _is_scatter_fusion(comps.get(called.group(1), ())):
         fused_scatter.add(called.group(1))
         out["reduce-scatter"]["count"] += 1
-        out["reduce-scatter"]["bytes"] += shape_bytes(result)
+        out["reduce-scatter"]["bytes"] += hlo_text.shape_bytes(result)
   seen_channels = set()
   for comp, body in comps.items():
     if comp in fused_scatter:
@@ -142,5 +89,5 @@ def collectives(hlo_text: str) -> dict:
         seen_channels.add(channel.group(1))
       out[kind]["count"] += 1
       out[kind]["bytes"] += (_start_output_bytes(kind, result) if opcode.endswith("-start")
-                             else shape_bytes(result))
+                             else hlo_text.shape_bytes(result))
   return out
