@@ -16,8 +16,8 @@ Classes: 'matmul' (cuBLAS GEMMs, cuDNN convolutions and attention, Triton GEMM a
 fusions, Pallas kernels) and 'memory' (the other fusions: elementwise work, normalisation,
 reductions; copies and transposes). `bound_seconds` takes the matrix products at the chip's
 peak (the model's FLOPs) or their bytes at the HBM bandwidth, whichever is longer, plus the
-memory class at the HBM bandwidth, nothing overlapped: a step cannot be faster unless the
-caches hold what the kernels reread.
+memory class at the HBM bandwidth, nothing overlapped: the fastest the step can run, unless
+the caches hold what kernels reread or kernels read only part of what is counted.
 """
 import dataclasses
 import re
@@ -78,11 +78,8 @@ def _result_bytes(shape: str, opcode: str, line: str) -> int:
   return sum(hlo_text.shape_bytes(p) for p in parts)
 
 
-def _walk(comps: dict, name: str, runs: int, seen: tuple = ()) -> tuple[list, int]:
+def _walk(comps: dict, name: str, runs: int) -> tuple[list, int]:
   """The kernels of computation `name` run `runs` times, and its loops without a trip count."""
-  if name in seen:  # A malformed module; a computation cannot call itself.
-    raise ValueError(f"HLO computation {name!r} calls itself.")
-  seen += (name,)
   found, unknown = [], 0
   shapes = {n: shape for n, shape, _, _ in comps[name]}
   for instr, shape, opcode, line in comps[name]:
@@ -91,7 +88,7 @@ def _walk(comps: dict, name: str, runs: int, seen: tuple = ()) -> tuple[list, in
     if opcode == "while":
       trips = _TRIP_COUNT.search(line)
       body, inner = _walk(comps, _BODY.search(line).group(1),
-                          runs * (int(trips.group(1)) if trips else 1), seen)
+                          runs * (int(trips.group(1)) if trips else 1))
       found += body
       unknown += inner + (0 if trips else 1)
       continue
@@ -99,13 +96,13 @@ def _walk(comps: dict, name: str, runs: int, seen: tuple = ()) -> tuple[list, in
       names = []
       for group, single in _BRANCHES.findall(line):
         names += re.findall(r"%?([\w.\-]+)", group) if group else [single]
-      branches = [_walk(comps, b, runs, seen) for b in names]
+      branches = [_walk(comps, b, runs) for b in names]
       body, inner = max(branches, key=lambda b: sum(k.bytes * k.runs for k in b[0]))
       found += body
       unknown += inner
       continue
     if opcode == "call":
-      body, inner = _walk(comps, _TO_APPLY.search(line).group(1), runs, seen)
+      body, inner = _walk(comps, _TO_APPLY.search(line).group(1), runs)
       found += body
       unknown += inner
       continue
