@@ -23,7 +23,6 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import collections  # pylint: disable=g-import-not-at-top
 import json
-import math
 import re
 
 from absl import app
@@ -34,6 +33,7 @@ from ml_collections import config_flags
 
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
+from bigpretrain.plan.hlo_text import shape_bytes
 from bigpretrain.plan import hlo_traffic
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -41,9 +41,7 @@ _FUSION_KIND = re.compile(r"\bfusion\(.*?kind=(k\w+)")
 _OP = re.compile(r"=\s*\S+\s+([a-z][\w-]*)\(")  # '%x = f32[2]{0} op(' -> op.
 _DIM_LABELS = re.compile(r"dim_labels=(\S+?)[,}\s]")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
-_RESULT = re.compile(r"=\s*([a-z]\w*)\[([\d,]*)\]")  # '%x = bf16[2,3]{1,0} op(' -> bf16, 2,3.
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
-          "u32": 4, "f64": 8, "s64": 8}
+_RESULT = re.compile(r"=\s*[a-z]\w*\[[\d,]*\]")  # '%x = bf16[2,3]{1,0} op(' -> '= bf16[2,3]'.
 
 
 def kernel_counts(hlo_text: str) -> dict:
@@ -71,8 +69,7 @@ def kernel_counts(hlo_text: str) -> dict:
       ops[op.group(1)] += 1
       result = _RESULT.search(line) if op.group(1) == "transpose" else None
       if result:
-        dims = [int(d) for d in result.group(2).split(",") if d]
-        transpose_bytes += _BYTES[result.group(1)] * math.prod(dims)
+        transpose_bytes += shape_bytes(result.group(0))
   return {
       "custom_calls": dict(sorted(custom.items())),
       "gemm_custom_calls": sum(n for t, n in custom.items() if "cublas" in t),
@@ -88,23 +85,20 @@ def kernel_counts(hlo_text: str) -> dict:
   }
 
 
-def top_memory_kernels(hlo: str, n: int = 10) -> list[dict]:
-  """The `n` memory-class kernels that move the most bytes per step, with their jax op."""
-  found, _ = hlo_traffic.kernels(hlo)
+def top_memory_kernels(found: list, n: int = 10) -> list[dict]:
+  """The `n` memory-class kernels of hlo_traffic.kernels' list `found` that move the most bytes
+  per step, with their jax op."""
   memory = sorted((k for k in found if k.kind == "memory"), key=lambda k: -k.bytes * k.runs)
   return [{"kernel": k.name, "bytes": k.bytes * k.runs, "op_name": k.op_name}
           for k in memory[:n]]
 
 
-def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> tuple[str, dict]:
+def compile_hlo(config, topology: str = "gpu:h100:1x1", num_classes=None) -> tuple[str, float]:
   """The optimized HLO of `config`'s train step compiled for `topology` with no device, and
-  the step time its kernels bound on that GPU (bigpretrain.plan.hlo_traffic)."""
-  acc = accelerators.parse_topology(topology).accelerator
+  the step's model FLOPs per device."""
   _, _, compiled, flops = aot_plan.compile_step(
       config, num_classes, devices=accelerators.topology_devices(topology))
-  hlo = compiled.as_text()
-  peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
-  return hlo, hlo_traffic.bound(hlo_traffic.traffic(hlo), flops, peak, acc.hbm_bandwidth)
+  return compiled.as_text(), flops
 
 
 def main(argv):
@@ -119,12 +113,16 @@ def main(argv):
          "head_dtype": config.model.get("head_dtype", "float32"),
          "grouped_conv_impl": config.model.get("grouped_conv_impl", "xla"),
          "pointwise_conv_impl": config.model.get("pointwise_conv_impl", "xla")}
-  hlo, bound = compile_hlo(config, f.topology, f.num_classes)
+  hlo, step_flops = compile_hlo(config, f.topology, f.num_classes)
   if f.hlo_out:
     with open(f.hlo_out, "w") as out_file:
       out_file.write(hlo)
+  acc = accelerators.parse_topology(f.topology).accelerator
+  found, unknown = hlo_traffic.kernels(hlo)
+  bound = hlo_traffic.bound(hlo_traffic.totals(found, unknown), step_flops,
+                            acc.peak(config.compute_dtype), acc.hbm_bandwidth)
   print(json.dumps({**out, **kernel_counts(hlo), "kernel_bound": bound,
-                    "top_memory_kernels": top_memory_kernels(hlo)}), flush=True)
+                    "top_memory_kernels": top_memory_kernels(found)}), flush=True)
 
 
 if __name__ == "__main__":

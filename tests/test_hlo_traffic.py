@@ -102,7 +102,7 @@ def test_a_snippet_without_an_entry_is_refused():
 
 def test_gpu_hlo_lists_the_memory_kernels_that_move_the_most():
   from benchmarks import gpu_hlo  # pylint: disable=import-outside-toplevel
-  top = gpu_hlo.top_memory_kernels(_MODULE, 2)
+  top = gpu_hlo.top_memory_kernels(hlo_traffic.kernels(_MODULE)[0], 2)
   # The loop body's fusion: 3 runs, then 1 (ahead of the copies that move as much: program
   # order breaks ties).
   assert [(t["kernel"], t["bytes"]) for t in top] == [("step", 3 * 2 * _Y32), ("step", 2 * _Y32)]

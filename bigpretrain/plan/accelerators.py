@@ -40,6 +40,10 @@ class Accelerator:
   hbm_bandwidth: float = 0.0
   interconnect_bandwidth: float = 0.0
 
+  def peak(self, compute_dtype: str) -> float:
+    """Peak dense FLOP/s at `compute_dtype` ('bfloat16'; anything else at float32's)."""
+    return self.peak_bf16 if compute_dtype == "bfloat16" else self.peak_f32
+
 
 ACCELERATORS = {a.name: a for a in (
     # Google Cloud TPU docs, per chip: v4 32 GiB HBM2, 275 TFLOP/s bf16, 1,200 GB/s; v5e 16

@@ -204,7 +204,7 @@ def step_flops(config, num_classes: int | None = None, devices=None,
   out = {"flops_per_device": (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size,
          "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
   if acc is not None:
-    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    peak = acc.peak(config.compute_dtype)
     out.update(accelerator=accelerator,
                roofline=roofline(costs, None, acc, exp.mesh.size))
     out["mfu_at_roofline"] = out["flops_per_device"] / (out["roofline"]["step_seconds"] * peak)
@@ -335,7 +335,7 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     hbm = accelerators.get(accelerator).hbm_bytes
     out.update(accelerator=accelerator, hbm_bytes=hbm, fits=out["total_bytes"] <= hbm,
                margin_bytes=hbm - out["total_bytes"])
-    peak = acc.peak_bf16 if config.compute_dtype == "bfloat16" else acc.peak_f32
+    peak = acc.peak(config.compute_dtype)
     out["roofline"] = roofline(costs, out["collectives"], acc, exp.mesh.size)
     bound = out["roofline"]["step_seconds"]
     if bound:

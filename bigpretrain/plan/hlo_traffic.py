@@ -125,7 +125,11 @@ def kernels(hlo: str) -> tuple[list[Kernel], int]:
 
 def traffic(hlo: str) -> Traffic:
   """The kernels run and bytes moved per step of an optimized HLO module, by class."""
-  found, unknown = kernels(hlo)
+  return totals(*kernels(hlo))
+
+
+def totals(found: list[Kernel], unknown: int) -> Traffic:
+  """kernels()' list and loop count summed by class."""
   out = Traffic(unknown_trip_counts=unknown)
   for k in found:
     out.kernels[k.kind] += k.runs
