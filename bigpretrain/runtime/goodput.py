@@ -14,7 +14,7 @@ Per log interval (all host timers; the only sync is the one the log step already
                            counted on the jaxpr by bigpretrain/plan/flops.py: XLA:GPU's cost
                            analysis leaves out cuBLAS and cuDNN calls; with
                            rematerialisation they include the recompute) over the step time.
-  perf/mfu                 tflops_per_device over the device's peak (PEAK_FLOPS); omitted on CPU
+  perf/mfu                 tflops_per_device over the device's peak (peak_flops); omitted on CPU
                            and on devices the table does not know.
   perf/host_rss_mb         this process's resident memory.
 On several processes, at log steps only (one small all-gather), also perf/slowest_step_time_ms
@@ -33,10 +33,6 @@ import numpy as np
 
 from bigpretrain.plan import accelerators
 
-# Peak dense FLOP/s per JAX device kind (one chip), as (bfloat16, float32): a view of
-# bigpretrain.plan.accelerators' table, the one the plan's fit reads too.
-PEAK_FLOPS = {kind: (a.peak_bf16, a.peak_f32) for a in accelerators.ACCELERATORS.values()
-              for kind in a.device_kinds}
 STRAGGLER_RATIO = 1.2  # Issue 11: warn when the slowest process is > 20% above the median.
 # Test and rehearsal hook: 'SECONDS' or 'SECONDS@PROCESS' delays every train batch by SECONDS
 # (on process PROCESS only), e.g. to rehearse a slow-input host on launch/local.sh.
@@ -44,11 +40,10 @@ SLOW_INPUT_ENV = "BIGPRETRAIN_SLOW_INPUT"
 
 
 def peak_flops(device_kind: str, compute_dtype: str) -> float | None:
-  """Peak dense FLOP/s of one device of `device_kind` at `compute_dtype`, or None if unknown."""
-  peaks = PEAK_FLOPS.get(device_kind)
-  if peaks is None:
-    return None
-  return peaks[0] if compute_dtype == "bfloat16" else peaks[1]
+  """Peak dense FLOP/s of one device of `device_kind` at `compute_dtype`, or None if unknown:
+  bigpretrain.plan.accelerators' table, the one the plan's fit reads too."""
+  chip = accelerators.by_device_kind(device_kind)
+  return chip.peak(compute_dtype) if chip else None
 
 
 def host_rss_mb() -> float:
