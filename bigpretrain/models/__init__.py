@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from bigpretrain.models import base
+from bigpretrain.runtime import tracer_sharding
+
+tracer_sharding.install()  # Tracing an NNX model stays linear in its size.
 
 _RESERVED = ("num_classes", "rngs")
 register = base.MODELS.register
