@@ -6,12 +6,12 @@ first calls `_origin_msg()`, which walks every equation traced so far to say whe
 came from. Flax NNX probes `getattr(value, 'sharding', None)` on every `variable[...] = value`
 (`Variable.set_value`): each parameter's RNG draw at init and each BatchNorm statistic update
 in the train step, so tracing a model costs a walk of the program per variable. The same
-behaviour made a large MaxText model slow to trace and was removed upstream
-(jax-ml/jax#40041).
+behaviour made a large MaxText model slow to trace, and JAX removed the walk
+(jax-ml/jax#40041; jax 0.12.0.1 raises the error without it).
 
-`install()` gives `Tracer.sharding` the same AttributeError without the origin lines, only
-where the installed JAX still builds them; nothing a traced program computes changes. The
-models package installs it on import.
+`install()` gives `Tracer.sharding` that same AttributeError, only where the installed JAX
+still builds the origin lines; nothing a traced program computes changes. The models package
+installs it on import.
 """
 from jax._src import core
 
