@@ -40,8 +40,11 @@ setuptools.setup(
     extras_require={
         # beam: the data-preparation tests; faiss: the dedup tests. The weight-conversion
         # tests need the interop extra too (pytest -m interop); without it they skip.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.8", "faiss-cpu>=1.8", "bigpretrain[beam]",
-                 "bigpretrain[bench]"],
+        # ml_dtypes below 0.7: 0.7.0's import costs 1.3 s of CPU in every process that
+        # imports jax (0.6.0's 0.02 s; benchmarks/import_time.py), and the suite starts
+        # about 70 of them; jax 0.10 needs 0.5 or later.
+        "test": ["pytest>=8.0", "pytest-xdist>=3.8", "faiss-cpu>=1.8", "ml_dtypes>=0.5,<0.7",
+                 "bigpretrain[beam]", "bigpretrain[bench]"],
         # benchmarks/: CPU time of the input pipeline's worker processes.
         "bench": ["psutil>=5.9"],
         # The offline preparation jobs; Beam's dask extra (dask, distributed) runs them on a
