@@ -5,8 +5,8 @@
 
 Each entry of --paths is put first on PYTHONPATH of its processes ('' = the installed
 packages), so one run compares versions of a package. numpy is imported before the clock
-starts. Every test and input worker that imports jax is such a process, so a package's import
-cost is paid once per process. The line reports, per path, the version imported and the
+starts. Every command, test worker and spawned worker that imports jax is such a process, so a
+package's import cost is paid once per process. The line reports, per path, the version imported and the
 median wall and CPU seconds over the rounds, and the median of the per-round CPU ratios to the
 first path.
 """
