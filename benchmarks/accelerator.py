@@ -61,7 +61,9 @@ the XLA_FLAGS in force; --out_dir also writes the lines (accelerator.jsonl) and 
 `process_peak_bytes` is the device's peak memory since the process started (the runtime
 keeps no per-step peak): it is the step's own for the first figure only.
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
-device cannot give it, e.g. memory on a CPU), the rest are the figure's details.
+device cannot give it, e.g. memory on a CPU), `figure_s` the seconds the figure had run when
+it printed the line (its compiles included: what a device lease pays for it; the xla_flags
+children's, run first, are that line's `children_s`), the rest are the figure's details.
 The dry run swaps in the demo models (vit_demo, regnety_demo; ViT vs RegNetY for the
 TResNet-M/ResNet-50 pair) at 32 px, 2 images per device (16 for ESD, which drops whole rows),
 one step, the demo's classes and 100 hashtags: it checks the command, not the speed. cuDNN
@@ -138,7 +140,7 @@ _KEEP_UP_DATA_DIR = flags.DEFINE_string(
     "keep_up_data_dir", None, "keep_up: read the train split of imagenet21k_p prepared here "
     "(224-px JPEGs; e.g. benchmarks/photo_set.py's crops) instead of the demo's PNGs.")
 
-KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run")
+KEYS = ("figure", "value", "unit", "platform", "device_kind", "devices", "dry_run", "figure_s")
 FIGURES = ("vit_b16_train", "regnety_16gf_train", "tresnet_m_vs_resnet50", "profile",
            "esd_memory_ratio", "keep_up", "plan_vs_measured", "attention", "attention_loss",
            "head_vit_b16", "head_regnety_16gf", "grouped_conv", "grouped_conv_layers",
@@ -264,12 +266,15 @@ class Suite:
     self.flag_lines = None  # The xla_flags figure's child lines (run before this process's
     # backend starts: see main).
     self.flag_set = "none"  # The gpu_flags.FLAG_SETS entry this process runs with.
+    self.flag_sets_s = 0.0  # The xla_flags children's wall seconds.
+    self.figure_start = time.perf_counter()  # When the running figure started (main sets it).
 
   def emit(self, figure: str, value, unit: str, **details):
     dev = jax.devices()[0]
     line = {"figure": figure, "value": value, "unit": unit, "platform": dev.platform,
             "device_kind": dev.device_kind, "devices": jax.device_count(),
-            "dry_run": self.dry_run, **details}
+            "dry_run": self.dry_run,
+            "figure_s": round(time.perf_counter() - self.figure_start, 1), **details}
     self.lines.append(line)
     print(json.dumps(line), flush=True)
 
@@ -652,7 +657,7 @@ class Suite:
              if first in rows else None)
     self.emit("xla_flags", value, f"speed-up of {best} over {first}",
               model=self.vit_config().model.name, arms=rows, best=best, failed=failed,
-              this_process=this_process,
+              this_process=this_process, children_s=round(self.flag_sets_s, 1),
               flags={n: gpu_flags.flags_string(gpu_flags.FLAG_SETS[n]) for n in self.flag_lines})
 
   def gelu(self):
@@ -824,7 +829,7 @@ def table(lines: list[dict], measured: tuple = (), env: dict | None = None) -> s
     text = "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
     return text.replace("|", "\\|")  # A cell's own bars (e.g. an augment chain) escaped.
 
-  skip = set(KEYS)
+  skip = set(KEYS) - {"figure_s"}  # Shown among the details.
   rows = ["| figure | value | unit | details |", "|---|---|---|---|"]
   for line in lines:
     details = ", ".join(f"{k}={fmt(v)}" for k, v in line.items()
@@ -917,14 +922,16 @@ def main(argv):
   unknown = set(figures) - set(FIGURES)
   if unknown:
     raise app.UsageError(f"--figures: unknown {sorted(unknown)}; known: {FIGURES}.")
-  flag_lines = None
+  flag_lines, flag_sets_s = None, 0.0
   if "xla_flags" in figures:  # Before this process's backend starts (run_flag_sets).
     every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
     names = _FLAG_SETS.value or (FLAG_SETS if every else FLAG_SETS[:2])
     if set(names) - set(FLAG_SETS):
       raise app.UsageError(f"--flag_sets: unknown {sorted(set(names) - set(FLAG_SETS))}; "
                            f"known: {FLAG_SETS}.")
+    t0 = time.perf_counter()
     flag_lines = run_flag_sets(names, _STEPS.value)
+    flag_sets_s = time.perf_counter() - t0
   gpu_flags.apply()  # The settings training runs with (bigpretrain.runtime.distributed applies them).
   flag_set = ("bigpretrain" if gpu_flags.target_platform() == "gpu"
               and os.environ.get(gpu_flags.OFF_VARIABLE, "").lower() != "off" else "none")
@@ -934,7 +941,7 @@ def main(argv):
   steps = _STEPS.value or (1 if dry_run else 10)
   rounds = _ROUNDS.value or (1 if dry_run else 3)
   suite = Suite(dry_run, steps, rounds)
-  suite.flag_lines, suite.flag_set = flag_lines, flag_set
+  suite.flag_lines, suite.flag_set, suite.flag_sets_s = flag_lines, flag_set, flag_sets_s
   run = {"vit_b16_train": suite.vit_b16, "regnety_16gf_train": suite.regnety_16gf,
          "tresnet_m_vs_resnet50": suite.tresnet_vs_resnet, "esd_memory_ratio": suite.esd_memory,
          "keep_up": suite.keep_up, "plan_vs_measured": suite.plan_vs_measured,
@@ -958,6 +965,7 @@ def main(argv):
     if _BUDGET_S.value is not None and time.perf_counter() - start > _BUDGET_S.value:
       skipped.append(figure)
       continue
+    suite.figure_start = time.perf_counter()
     try:
       run[figure]()
     except Exception as e:  # pylint: disable=broad-exception-caught

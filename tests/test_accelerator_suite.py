@@ -5,6 +5,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -17,10 +18,12 @@ from tests import helpers
 @pytest.mark.slow  # The demo models' compiles for every figure and arm, in subprocesses.
 def test_dry_run_prints_every_figure_and_the_table(tmp_path):
   env = helpers.env(num_devices=1)
+  t0 = time.perf_counter()
   r = subprocess.run([sys.executable, "benchmarks/accelerator.py", f"--out_dir={tmp_path}"],
                      env=env, cwd=helpers.ROOT, capture_output=True, text=True,
                      timeout=1500)  # A loaded machine; the dry run itself is short.
   assert r.returncode == 0, r.stderr[-3000:]
+  wall_s = time.perf_counter() - t0
   lines = r.stdout.splitlines()
   rows = [json.loads(l) for l in lines if l.startswith("{")]  # Each must parse.
   assert [row["figure"] for row in rows] == list(accelerator.FIGURES)
@@ -28,7 +31,11 @@ def test_dry_run_prints_every_figure_and_the_table(tmp_path):
     assert set(accelerator.KEYS) <= set(row), row
     assert row["dry_run"] is True and row["platform"] == "cpu" and row["devices"] == 1
     assert row["value"] is None or isinstance(row["value"], float), row
+  # Each figure's own seconds, the xla_flags children's beside: together within the run's.
+  assert all(row["figure_s"] >= 0 for row in rows)
   by = {row["figure"]: row for row in rows}
+  assert by["vit_b16_train"]["figure_s"] > 0 and by["xla_flags"]["children_s"] > 0
+  assert sum(row["figure_s"] for row in rows) + by["xla_flags"]["children_s"] < wall_s
   # The trained figures ran the demo models at the dry run's sizes.
   assert by["vit_b16_train"]["model"] == "vit_demo"
   assert by["vit_b16_train"]["batch_size"] == 2 and by["vit_b16_train"]["image_size"] == 32
