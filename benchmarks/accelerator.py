@@ -57,7 +57,8 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
 --quick runs vit_b16_train and ViT-B/16's levers only. The table ends with the best measured
 configuration of each model, and names the device, jax, jaxlib, CUDA and cuDNN versions and
 the XLA_FLAGS in force; --out_dir also writes the lines (accelerator.jsonl) and the tables
-(accelerator.md) there, after each figure; --budget_s starts no figure past that time.
+(accelerator.md) there, after each figure; --budget_s starts no figure past that time (counted
+from the start, the xla_flags children's included; a child still running then is stopped).
 `process_peak_bytes` is the device's peak memory since the process started (the runtime
 keeps no per-step peak): it is the step's own for the first figure only.
 Every line has the keys of KEYS: `value` is the headline number in `unit` (null when this
@@ -573,18 +574,19 @@ class Suite:
         gc.collect()
 
     per_device = self.per_device
-    attempt(per_device, runner=self.runners.pop(trained, None))
-    for _ in range(1 if self.dry_run else BATCH_DOUBLINGS[config.model.name]):
-      if not attempt(per_device * 2):
+    if attempt(per_device, runner=self.runners.pop(trained, None)):
+      for _ in range(1 if self.dry_run else BATCH_DOUBLINGS[config.model.name]):
+        if not attempt(per_device * 2):
+          per_device *= 2
+          break
         per_device *= 2
-        break
-      per_device *= 2
     for remat in BATCH_REMATS:
       if attempt(per_device, remat):
         break
-    first = str(self.per_device)
-    best = max(rows, key=lambda name: rows[name]["images_per_sec"])
-    self.emit(figure, rows[best]["images_per_sec"] / rows[first]["images_per_sec"],
+    first = str(self.per_device)  # Without it (it did not fit), no speed-up: value null.
+    best = max(rows, key=lambda name: rows[name]["images_per_sec"]) if rows else None
+    self.emit(figure, rows[best]["images_per_sec"] / rows[first]["images_per_sec"]
+              if first in rows else None,
               f"speed-up of {best} over {first} per device", model=config.model.name,
               arms=rows, best=best, did_not_fit=failed, rounds=self.rounds, steps=self.steps)
 
@@ -610,9 +612,22 @@ class Suite:
                          "ran before it.")
     per_device = won.pop("batch_per_device", self.per_device)
     remat = won.pop("remat", "none")
-    config = with_batch(with_model_options(config, **won), per_device * jax.device_count(),
-                        "" if remat == "none" else remat)
-    runner = common.Runner(self.runnable(config), standin_dataset(config, num_classes))
+    # The batch figure's size fit under the recipe's kernels; other winners (e.g. the GEMM
+    # form's gathered windows) may need more memory there: then half the size, down to the
+    # papers'.
+    did_not_fit = {}
+    while True:
+      config = with_batch(with_model_options(config, **won), per_device * jax.device_count(),
+                          "" if remat == "none" else remat)
+      try:
+        runner = common.Runner(self.runnable(config), standin_dataset(config, num_classes))
+        break
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if not out_of_memory(e) or per_device <= self.per_device:
+          raise
+        did_not_fit[str(per_device)] = str(e).splitlines()[0][:200]
+        per_device //= 2
+        gc.collect()
     row = self.measure(figure, runner, statistics.median(
         runner.run(self.steps) for _ in range(self.rounds)))
     base = next((l["value"] for l in self.lines if l["figure"] == trained), None)
@@ -620,7 +635,7 @@ class Suite:
     self.emit(figure, row["images_per_sec"], "images/s", levers=picked,
               **{k: v for k, v in row.items() if k not in ("figure", "images_per_sec")},
               speedup_over_recipe=row["images_per_sec"] / base if base else None,
-              rounds=self.rounds, steps=self.steps)
+              did_not_fit=did_not_fit, rounds=self.rounds, steps=self.steps)
     del runner
     gc.collect()
 
@@ -882,12 +897,15 @@ def _flag_tokens(xla_flags: str) -> set:
   return set(xla_flags.split())
 
 
-def run_flag_sets(names, steps: int | None) -> dict:
+def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> dict:
   """The vit_b16_train line of a child process per gpu_flags.FLAG_SETS entry in `names`
-  (XLA reads XLA_FLAGS once per process), or {'error': ...} for a child that failed. Runs
-  before this process's backend starts: a GPU's memory is the child's while it runs. The
-  entry whose XLA_FLAGS are the ones this process will run with (after gpu_flags.apply) is
-  not run again: _THIS_PROCESS, filled from this process's own vit_b16_train figure."""
+  (XLA reads XLA_FLAGS once per process), or {'error': ...} for a child that failed or
+  was still running at `deadline` (time.perf_counter's; --budget_s). Runs before this
+  process's backend starts: a GPU's memory is the child's while it runs. The entry whose
+  XLA_FLAGS are the ones this process will run with (after gpu_flags.apply) is not run
+  again: _THIS_PROCESS, filled from this process's own vit_b16_train figure. Every child has
+  the environment variables this process runs with (gpu_flags.ENV on GPUs): the sets
+  differ in their XLA flags only."""
   ours = set(name for name, _ in gpu_flags.XLA_FLAGS)
   base = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in ours]
   own = dict(os.environ)
@@ -898,12 +916,21 @@ def run_flag_sets(names, steps: int | None) -> dict:
     if _flag_tokens(xla_flags) == _flag_tokens(own.get("XLA_FLAGS", "")):
       out[name] = _THIS_PROCESS
       continue
-    env = {**os.environ, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
+    timeout = None if deadline is None else deadline - time.perf_counter()
+    if timeout is not None and timeout <= 0:
+      out[name] = {"error": "not run: --budget_s spent"}
+      continue
+    env = {**own, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
     args = [sys.executable, os.path.abspath(__file__), "--figures=vit_b16_train"]
     args += [f"--steps={steps}"] if steps else []
     args += [f"--per_device={_PER_DEVICE.value}"] if _PER_DEVICE.value else []
     args += [] if _DRY_RUN.value is None else [f"--dry_run={_DRY_RUN.value}"]
-    r = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    try:
+      r = subprocess.run(args, env=env, capture_output=True, text=True, check=False,
+                         timeout=timeout)
+    except subprocess.TimeoutExpired:
+      out[name] = {"error": f"stopped after {timeout:.0f} s: --budget_s spent"}
+      continue
     found = [json.loads(l) for l in r.stdout.splitlines()
              if l.startswith('{"figure": "vit_b16_train"')]
     if r.returncode or not found:
@@ -923,6 +950,8 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--figures: unknown {sorted(unknown)}; known: {FIGURES}.")
   flag_lines, flag_sets_s = None, 0.0
+  # --budget_s counts from here: the xla_flags children run first.
+  deadline = None if _BUDGET_S.value is None else time.perf_counter() + _BUDGET_S.value
   if "xla_flags" in figures:  # Before this process's backend starts (run_flag_sets).
     every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
     names = _FLAG_SETS.value or (FLAG_SETS if every else FLAG_SETS[:2])
@@ -930,7 +959,7 @@ def main(argv):
       raise app.UsageError(f"--flag_sets: unknown {sorted(set(names) - set(FLAG_SETS))}; "
                            f"known: {FLAG_SETS}.")
     t0 = time.perf_counter()
-    flag_lines = run_flag_sets(names, _STEPS.value)
+    flag_lines = run_flag_sets(names, _STEPS.value, deadline)
     flag_sets_s = time.perf_counter() - t0
   gpu_flags.apply()  # The settings training runs with (bigpretrain.runtime.distributed applies them).
   flag_set = ("bigpretrain" if gpu_flags.target_platform() == "gpu"
@@ -955,14 +984,13 @@ def main(argv):
          "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}
   failed, skipped = {}, []
-  start = time.perf_counter()
   # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's
   # to compare). A figure that fails is reported and the others still run: one device
   # session should not lose every figure to one.
   for figure in figures:
     if figure == "vit_b16_train" and suite.vit is not None:
       continue
-    if _BUDGET_S.value is not None and time.perf_counter() - start > _BUDGET_S.value:
+    if deadline is not None and time.perf_counter() > deadline:
       skipped.append(figure)
       continue
     suite.figure_start = time.perf_counter()

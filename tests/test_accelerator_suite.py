@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import pytest
@@ -168,10 +169,15 @@ def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypat
   monkeypatch.setenv("JAX_PLATFORMS", "cuda")
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
   monkeypatch.delenv(accelerator.gpu_flags.OFF_VARIABLE, raising=False)
+  for name, _ in accelerator.gpu_flags.ENV:
+    monkeypatch.delenv(name, raising=False)
   children = []
 
-  def child(args, env, **kwargs):
+  def child(args, env, timeout=None, **kwargs):
     children.append(env["XLA_FLAGS"])
+    # The sets differ in XLA flags only: each child has this process's variables.
+    assert all(env[name] == value for name, value in accelerator.gpu_flags.ENV)
+    assert timeout is None  # No --budget_s.
     line = json.dumps({"figure": "vit_b16_train", "value": 1.0})
     return subprocess.CompletedProcess(args, 0, stdout=line + "\n", stderr="")
 
@@ -182,6 +188,80 @@ def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypat
   sets = accelerator.gpu_flags.FLAG_SETS
   assert children == [" ".join(["--xla_dump_to=/tmp/dump", accelerator.gpu_flags.flags_string(
       sets[name])]).strip() for name in accelerator.FLAG_SETS if name != "bigpretrain"]
+
+
+def test_the_budget_bounds_the_flag_set_children(monkeypatch):
+  """--budget_s counts the xla_flags children (they run before any figure): a child gets
+  what is left of it as its timeout and is stopped there; none starts once it is spent."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  monkeypatch.delenv(accelerator.gpu_flags.OFF_VARIABLE, raising=False)
+  timeouts = []
+
+  def hung_child(args, env, timeout=None, **kwargs):
+    timeouts.append(timeout)
+    raise subprocess.TimeoutExpired(args, timeout)
+
+  monkeypatch.setattr(accelerator.subprocess, "run", hung_child)
+  names = ["xla_defaults", "triton_gemm"]
+  got = accelerator.run_flag_sets(names, steps=None, deadline=time.perf_counter() + 100)
+  assert len(timeouts) == 2 and all(0 < t <= 100 for t in timeouts)
+  assert all(got[n]["error"].startswith("stopped after") for n in names)
+  got = accelerator.run_flag_sets(names, steps=None, deadline=time.perf_counter() - 1)
+  assert got == {n: {"error": "not run: --budget_s spent"} for n in names}
+  assert len(timeouts) == 2
+
+
+class _Runner:
+  """common.Runner's stand-in: out of memory above `fits` images per device (twice that
+  under a remat policy), else a step of 1 ms per image."""
+  fits = 2
+
+  def __init__(self, config, dataset=None):
+    del dataset
+    per_device = config.batch_size // jax.device_count()
+    if per_device > self.fits * (2 if config.model.get("remat") else 1):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate.")
+    self.config, self.flops = config, 1.0
+    self.exp = types.SimpleNamespace(
+        model_def=types.SimpleNamespace(kwargs={"attention_impl": "xla"}))
+
+  def run(self, steps):
+    del steps
+    return 1e-3 * self.config.batch_size
+
+
+@pytest.fixture
+def suite(monkeypatch):
+  monkeypatch.setattr(accelerator.common, "Runner", _Runner)
+  monkeypatch.setattr(accelerator, "standin_dataset", lambda *args: None)
+  out = accelerator.Suite(dry_run=True, steps=1, rounds=1)  # 2 images per device first.
+  monkeypatch.setattr(out, "trace_ops", lambda *args: None)
+  return out
+
+
+def test_batch_without_the_papers_size_tries_remat_there_and_gives_no_speed_up(
+    suite, monkeypatch):
+  monkeypatch.setattr(_Runner, "fits", 1)
+  suite.batch("batch_vit_b16", "vit_b16_train", suite.vit_config())
+  line = suite.lines[-1]
+  assert list(line["did_not_fit"]) == ["2"]  # No larger size tried.
+  assert list(line["arms"]) == ["2+dots_saveable"] and line["best"] == "2+dots_saveable"
+  assert line["value"] is None
+
+
+def test_combined_halves_a_batch_its_levers_do_not_fit_down_to_the_papers(
+    suite, monkeypatch):
+  suite.lines = [{"figure": "vit_b16_train", "value": 1000.0},
+                 {"figure": "batch_vit_b16", "best": "8",
+                  "arms": {"8": {"batch_per_device": 8, "remat": "none"}}}]
+  monkeypatch.setattr(_Runner, "fits", 4)
+  suite.combined("combined_vit_b16", "vit_b16_train", suite.vit_config())
+  line = suite.lines[-1]
+  assert line["batch_per_device"] == 4 and list(line["did_not_fit"]) == ["8"]
+  assert line["value"] == 1000.0  # 1 ms per image.
+  monkeypatch.setattr(_Runner, "fits", 1)  # Not even the papers' 2: the figure fails.
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    suite.combined("combined_vit_b16", "vit_b16_train", suite.vit_config())
 
 
 def test_profile_reads_a_gpu_trace_kernels_by_op(tmp_path):
