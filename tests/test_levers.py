@@ -215,6 +215,59 @@ def test_pallas_conv_over_many_tiles_and_kernel_gradient_splits(monkeypatch, pro
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape,groups,out_per_group,kernel,stride,padding", [
+    ((2, 8, 6, 40), 2, 24, 3, 2, "SAME"),  # Uneven padding, short tiles and chunks.
+    ((1, 9, 7, 40), 2, 24, 3, 1, "SAME"),
+    ((1, 7, 7, 112), 1, 112, 3, 2, ((1, 1), (1, 1))),  # RegNetY's 112 channels as 128.
+    ((1, 5, 5, 16), 1, 16, 1, 2, "VALID")])  # A strided 1x1.
+def test_pallas_kernels_use_no_lane_out_of_bounds_and_write_each_output_once(
+    monkeypatch, shape, groups, out_per_group, kernel, stride, padding):
+  """On a GPU Triton loads and stores every lane its mask lets through at the indices as
+  computed, and one out of bounds reads or writes another tensor's memory; the interpreter
+  clips the indices (pallas_conv._indices), so the values alone cannot show a missing mask
+  term. Here every lane each kernel uses, by its unclipped indices, is in bounds, and each
+  element of each kernel's output (forward, input and kernel gradients; 54 programs: uneven
+  kernel-gradient splits) is stored exactly once."""
+  monkeypatch.setattr(pallas_conv, "KERNEL_GRAD_PROGRAMS", 54)
+  outside, writes = [], {}
+
+  def lanes(kind, ref_shape, rows, cols, mask):
+    rows, cols = np.broadcast_arrays(np.asarray(rows)[:, None], np.asarray(cols)[None, :])
+    rows, cols = rows[np.asarray(mask)], cols[np.asarray(mask)]
+    bad = (rows < 0) | (rows >= ref_shape[0]) | (cols < 0) | (cols >= ref_shape[1])
+    outside.extend([kind] * int(bad.sum()))
+    if kind == "store":
+      np.add.at(writes.setdefault(ref_shape, np.zeros(ref_shape, int)), (rows, cols), 1)
+
+  gather, scatter = pallas_conv._gather, pallas_conv._scatter  # pylint: disable=protected-access
+
+  def checked_gather(ref, rows, cols, mask, interpret):
+    jax.debug.callback(functools.partial(lanes, "load", ref.shape), rows, cols, mask)
+    return gather(ref, rows, cols, mask, interpret)
+
+  def checked_scatter(ref, rows, cols, value, mask, interpret):
+    # Under the interpreter each output has one extra last row (see _scatter).
+    ref_shape = (ref.shape[0] - 1, ref.shape[1])
+    jax.debug.callback(functools.partial(lanes, "store", ref_shape), rows, cols, mask)
+    return scatter(ref, rows, cols, value, mask, interpret)
+
+  monkeypatch.setattr(pallas_conv, "_gather", checked_gather)
+  monkeypatch.setattr(pallas_conv, "_scatter", checked_scatter)
+  x = jax.random.normal(jax.random.key(0), shape)
+  w = jax.random.normal(jax.random.key(1), (kernel, kernel, shape[3] // groups,
+                                            groups * out_per_group))
+  y, vjp = jax.vjp(lambda x, w: pallas_conv.conv_pallas(
+      x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=groups, tiles=pallas_conv.Tiles(16, 16)), x, w)
+  jax.effects_barrier()
+  assert len(writes) == 1 and all((n == 1).all() for n in writes.values())
+  writes.clear()
+  vjp(jnp.ones_like(y))
+  jax.effects_barrier()
+  assert len(writes) == 2 and all((n == 1).all() for n in writes.values())
+  assert not outside
+
+
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   """model.grouped_conv_impl 'gemm' / 'split' / 'pallas' on regnety_demo: its grouped 3x3
   convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the
