@@ -37,7 +37,9 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
                          Triton kernels, models/pallas_conv.py)
   grouped_conv_layers    each of RegNetY-16GF's grouped convolution shapes alone, forward and
                          backward, per grouped_conv_impl and Pallas tiling (pallas_conv.Tiles):
-                         ms and TFLOP/s per layer, the model's grouped convolutions in all
+                         ms and TFLOP/s per layer, the model's grouped convolutions in all;
+                         each form's values against XLA's (`error`: one off by more than
+                         CONV_ERROR_LIMIT is reported in `failed`, not timed)
   pointwise_conv         RegNetY-16GF, model.pointwise_conv_impl 'xla' (1x1 convolutions as
                          cuDNN calls on a GPU) vs 'gemm' (cuBLAS GEMMs over the channels)
   batch_vit_b16,         per-device batch: the papers' 64, then doubled until it no longer fits
@@ -169,6 +171,9 @@ BATCH_DOUBLINGS = {"vit_b16": 4, "regnety_16gf": 2}
 BATCH_REMATS = ("dots_saveable", "nothing_saveable")
 LOSS_STEPS = 30  # attention_loss's train steps (the dry run: 3).
 PROFILE_STEPS = 3  # Steps per profile trace.
+# grouped_conv_layers: the most a form's bfloat16 loss and gradients may differ from XLA's
+# (relative to their largest value) and still be timed: bfloat16 rounding is 2^-8 of a value.
+CONV_ERROR_LIMIT = 0.05
 # The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
 FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm")
 
@@ -520,12 +525,21 @@ class Suite:
       runners, new_failed = _build_arms({
           name: functools.partial(ConvRunner, conv, lhs, rhs, strides, padding, groups)
           for name, conv in impls.items() if name not in failed})
+      # Each form's loss and gradients against XLA's: a kernel that computes wrong values
+      # on this device is reported, not timed.
+      errors = {name: relative_error(r.result, runners["xla"].result)
+                for name, r in runners.items()}
+      for runner in runners.values():
+        runner.result = None
+      new_failed.update({name: f"values off XLA's by {e:.3g} (max |difference| / max |XLA's|)"
+                         for name, e in errors.items() if not e <= CONV_ERROR_LIMIT})
+      runners = {name: r for name, r in runners.items() if name not in new_failed}
       failed.update(new_failed)
       ms = {name: 1e3 * statistics.median(t) for name, t in self.alternate(runners).items()}
       n, h, w, _ = runners["xla"].y_shape
       flops = 3 * 2 * n * h * w * rhs[3] * rhs[0] * rhs[1] * rhs[2]  # Forward, 2 gradients.
       rows.append({"input": list(lhs), "kernel": list(rhs), "strides": list(strides),
-                   "groups": groups, "layers": count, "ms": ms,
+                   "groups": groups, "layers": count, "ms": ms, "error": errors,
                    "tflops_per_sec": {k: flops / v / 1e9 for k, v in ms.items()}})
       for name in ms:
         total[name] += count * ms[name]
@@ -795,10 +809,19 @@ class ConvRunner:
     self.y_shape = jax.eval_shape(forward, *self.args).shape
     self.step = jax.jit(jax.value_and_grad(
         lambda x, w: jnp.sum(jnp.square(forward(x, w).astype("float32"))) / 2, (0, 1)))
-    jax.block_until_ready(self.step(*self.args))  # Compiled and run once.
+    # Compiled and run once; the loss and both gradients, to check against another form's.
+    self.result = jax.block_until_ready(self.step(*self.args))
 
   def run(self, steps: int) -> float:
     return common.seconds_per_call(lambda: self.step(*self.args), steps)
+
+
+def relative_error(got, want) -> float:
+  """The largest of max |got - want| / max |want| over the leaves of two pytrees of arrays,
+  in float32."""
+  return max(float(jnp.max(jnp.abs(a.astype("float32") - b.astype("float32")))
+                   / jnp.max(jnp.abs(b.astype("float32"))))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def grouped_conv_shapes(model: str, batch: int, image_size: int) -> dict:

@@ -104,6 +104,9 @@ def _check_levers(by):
   assert [(tuple(r["input"]), tuple(r["kernel"])) for r in layers["layers"]] == [
       s[:2] for s in shapes]
   assert all(set(r["ms"]) == set(accelerator.layers.GROUPED_CONV_IMPLS) for r in layers["layers"])
+  for row in layers["layers"]:  # Each form's bfloat16 values against XLA's.
+    assert row["error"]["xla"] == 0
+    assert 0 < max(row["error"].values()) <= accelerator.CONV_ERROR_LIMIT, row["error"]
   total = {k: sum(r["layers"] * r["ms"][k] for r in layers["layers"]) for k in layers["total_ms"]}
   assert total == pytest.approx(layers["total_ms"])
   assert layers["value"] == total["xla"] / min(total.values())
@@ -209,6 +212,27 @@ def test_the_budget_bounds_the_flag_set_children(monkeypatch):
   got = accelerator.run_flag_sets(names, steps=None, deadline=time.perf_counter() - 1)
   assert got == {n: {"error": "not run: --budget_s spent"} for n in names}
   assert len(timeouts) == 2
+
+
+def test_on_a_gpu_grouped_conv_layers_times_each_pallas_tiling_and_not_wrong_values(
+    monkeypatch):
+  """On a GPU the figure also times pallas_conv.conv_pallas under each of PALLAS_TILES (here
+  interpreted: the kernels lower for CUDA only); a form whose values are off XLA's is
+  reported in `failed` and not timed."""
+  monkeypatch.setattr(accelerator.jax, "default_backend", lambda: "gpu")
+  wrong = lambda *args, **kwargs: 1.1 * accelerator.layers.batch_local_conv(*args, **kwargs)
+  monkeypatch.setitem(accelerator.models_base.GROUPED_CONVS, "wrong", wrong)
+  suite = accelerator.Suite(dry_run=True, steps=1, rounds=1)
+  suite.grouped_conv_layers()
+  line = suite.lines[-1]
+  tilings = {"pallas:" + "/".join(map(str, t)) for t in accelerator.PALLAS_TILES}
+  assert set(line["total_ms"]) == set(accelerator.layers.GROUPED_CONV_IMPLS) | tilings
+  assert list(line["failed"]) == ["wrong"] and "values off XLA's" in line["failed"]["wrong"]
+  # Its loss and gradients are 1.1^2 times XLA's (in bfloat16); not built for later shapes.
+  assert line["layers"][0]["error"]["wrong"] == pytest.approx(0.21, rel=0.05)
+  for row in line["layers"]:
+    assert set(row["ms"]) == set(line["total_ms"])
+    assert max(row["error"][k] for k in row["ms"]) <= accelerator.CONV_ERROR_LIMIT
 
 
 class _Runner:
