@@ -111,9 +111,8 @@ def _check_levers(by):
   assert total == pytest.approx(layers["total_ms"])
   assert layers["value"] == total["xla"] / min(total.values())
   for figure in ("batch_vit_b16", "batch_regnety_16gf"):
-    batch = by[figure]  # 2 per device, doubled once, then remat at the largest.
-    assert list(batch["arms"]) == ["2", "4", "4+dots_saveable"], batch["arms"]
-    assert batch["arms"]["4+dots_saveable"]["remat"] == "dots_saveable"
+    batch = by[figure]  # 2 per device, doubled once; both fit: no remat.
+    assert list(batch["arms"]) == ["2", "4"], batch["arms"]
     assert batch["did_not_fit"] == {} and batch["best"] in batch["arms"]
   for figure, trained in (("combined_vit_b16", "vit_b16_train"),
                           ("combined_regnety_16gf", "regnety_16gf_train")):
@@ -271,6 +270,15 @@ def test_batch_without_the_papers_size_tries_remat_there_and_gives_no_speed_up(
   assert list(line["did_not_fit"]) == ["2"]  # No larger size tried.
   assert list(line["arms"]) == ["2+dots_saveable"] and line["best"] == "2+dots_saveable"
   assert line["value"] is None
+
+
+@pytest.mark.parametrize("fits,arms", [(2, ["2", "4+dots_saveable"]), (4, ["2", "4"])])
+def test_batch_tries_remat_only_at_a_size_that_does_not_fit(suite, monkeypatch, fits, arms):
+  monkeypatch.setattr(_Runner, "fits", fits)
+  suite.batch("batch_vit_b16", "vit_b16_train", suite.vit_config())
+  line = suite.lines[-1]
+  assert list(line["arms"]) == arms and list(line["did_not_fit"]) == ["4"][:4 // fits - 1]
+  assert line["value"] == 1.0  # 1 ms per image at each size.
 
 
 def test_combined_halves_a_batch_its_levers_do_not_fit_down_to_the_papers(
