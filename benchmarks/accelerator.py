@@ -633,8 +633,9 @@ class Suite:
     # form's gathered windows) may need more memory there: then half the size, down to the
     # papers'.
     did_not_fit = {}
+    config = with_model_options(config, **won)
     while True:
-      config = with_batch(with_model_options(config, **won), per_device * jax.device_count(),
+      config = with_batch(config, per_device * jax.device_count(),
                           "" if remat == "none" else remat)
       try:
         runner = common.Runner(self.runnable(config), standin_dataset(config, num_classes))
