@@ -51,9 +51,10 @@ speed-up over the first, the recipes' default; every arm's step time and MFU in 
   combined_vit_b16,      every lever above at the arm that won its figure in this run, at
   combined_regnety_16gf  once: images/s, MFU, speed-up over the recipe's settings; its step's
                          top ops and op families go in the profile tables
-  xla_flags              ViT-B/16 under each gpu_flags.FLAG_SETS entry, each in a fresh
-                         process (XLA reads XLA_FLAGS once) but the one this process runs
-                         with (`this_process`: its vit_b16_train line)
+  xla_flags              ViT-B/16 (--flag_sets_figure=regnety_16gf_train: RegNetY-16GF) under
+                         each gpu_flags.FLAG_SETS entry, each in a fresh process (XLA reads
+                         XLA_FLAGS once) but the one this process runs with (`this_process`:
+                         its own line of that figure)
   profile                per trained figure, the top 10 device ops and op families (ops of
                          one kind, e.g. every cuDNN filter gradient) of a jax.profiler trace
                          of a few steps, read back from the trace (benchmarks/profile_ops.py)
@@ -128,8 +129,13 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "", "Also write accelerator.jsonl and 
 _PER_DEVICE = flags.DEFINE_integer(
     "per_device", None, "Images per device of the trained figures and the first arm of the "
     "batch figures (default: the papers' 64; dry run 2); the xla_flags children get it too.")
-_FLAG_SETS = flags.DEFINE_list("flag_sets", [], "xla_flags: only these of FLAG_SETS (default: "
-                                "all on a GPU, else and with --quick the first two).")
+_FLAG_SETS = flags.DEFINE_list("flag_sets", [], "xla_flags: these of gpu_flags.FLAG_SETS "
+                                "(default: FLAG_SETS on a GPU, else and with --quick its first "
+                                "two).")
+_FLAG_SETS_FIGURE = flags.DEFINE_enum(
+    "flag_sets_figure", "vit_b16_train", ["vit_b16_train", "regnety_16gf_train"],
+    "xla_flags: the trained figure each flag set runs (RegNetY-16GF's for the flags that act "
+    "on convolutions, e.g. conv_command_buffers).")
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "Start no figure after this many seconds; the "
                                "ones left are listed as skipped (a device lease's time).")
 
@@ -175,7 +181,8 @@ PROFILE_STEPS = 3  # Steps per profile trace.
 # grouped_conv_layers: the most a form's bfloat16 loss and gradients may differ from XLA's
 # (relative to their largest value) and still be timed: bfloat16 rounding is 2^-8 of a value.
 CONV_ERROR_LIMIT = 0.05
-# The flag sets of the xla_flags figure (gpu_flags.FLAG_SETS); --quick: the first two.
+# The flag sets the xla_flags figure runs by default (of gpu_flags.FLAG_SETS; --quick: the
+# first two); --flag_sets names others, e.g. conv_command_buffers with RegNetY-16GF.
 FLAG_SETS = ("xla_defaults", "bigpretrain", "no_command_buffers", "triton_gemm")
 
 
@@ -665,31 +672,36 @@ class Suite:
                   self.swag_classes)
 
   def xla_flags(self):
-    """The ViT-B/16 figure under each flag set, measured in child processes by main()."""
+    """The --flag_sets_figure figure under each flag set, measured in child processes by
+    main()."""
     if self.flag_lines is None:
       raise RuntimeError("xla_flags runs its children before this process's backend starts: "
                          "main() runs them.")
+    figure = _FLAG_SETS_FIGURE.value
+    config, run = ((self.vit_config(), self.vit_b16) if figure == "vit_b16_train"
+                   else (self.regnety_config(), self.regnety_16gf))
     rows, failed = {}, {}
     this_process = [name for name, line in self.flag_lines.items() if line is _THIS_PROCESS]
-    if this_process and self.vit is None:
-      self.vit_b16()
+    if this_process and not any(l["figure"] == figure for l in self.lines):
+      run()
     for name, line in self.flag_lines.items():
       if line is _THIS_PROCESS:
-        line = next(l for l in self.lines if l["figure"] == "vit_b16_train")
+        line = next(l for l in self.lines if l["figure"] == figure)
       if "error" in line:
         failed[name] = line["error"]
         continue
       rows[name] = {k: line[k] for k in ("step_time_ms", "mfu", "batch_per_device")}
       rows[name]["images_per_sec"] = line["value"]
       self.measured.append({"model": line["model"], "figure": "xla_flags",
-                            **{k: line[k] for k in settings(self.vit_config())},
+                            **{k: line[k] for k in settings(config)},
                             "xla_flags": name, **rows[name]})
     first = next(iter(self.flag_lines))
     best = max(rows, key=lambda name: rows[name]["images_per_sec"]) if rows else None
     value = (rows[best]["images_per_sec"] / rows[first]["images_per_sec"]
              if first in rows else None)
     self.emit("xla_flags", value, f"speed-up of {best} over {first}",
-              model=self.vit_config().model.name, arms=rows, best=best, failed=failed,
+              model=config.model.name, trained_figure=figure, arms=rows, best=best,
+              failed=failed,
               this_process=this_process, children_s=round(self.flag_sets_s, 1),
               flags={n: gpu_flags.flags_string(gpu_flags.FLAG_SETS[n]) for n in self.flag_lines})
 
@@ -925,12 +937,12 @@ def _flag_tokens(xla_flags: str) -> set:
 
 
 def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> dict:
-  """The vit_b16_train line of a child process per gpu_flags.FLAG_SETS entry in `names`
+  """The --flag_sets_figure line of a child process per gpu_flags.FLAG_SETS entry in `names`
   (XLA reads XLA_FLAGS once per process), or {'error': ...} for a child that failed or
   was still running at `deadline` (time.perf_counter's; --budget_s). Runs before this
   process's backend starts: a GPU's memory is the child's while it runs. The entry whose
   XLA_FLAGS are the ones this process will run with (after gpu_flags.apply) is not run
-  again: _THIS_PROCESS, filled from this process's own vit_b16_train figure. Every child has
+  again: _THIS_PROCESS, filled from this process's own line of that figure. Every child has
   the environment variables this process runs with (gpu_flags.ENV on GPUs): the sets
   differ in their XLA flags only."""
   ours = set(name for name, _ in gpu_flags.XLA_FLAGS)
@@ -948,9 +960,12 @@ def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> di
       out[name] = {"error": "not run: --budget_s spent"}
       continue
     env = {**own, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
-    args = [sys.executable, os.path.abspath(__file__), "--figures=vit_b16_train"]
+    figure = _FLAG_SETS_FIGURE.value
+    args = [sys.executable, os.path.abspath(__file__), f"--figures={figure}"]
     args += [f"--steps={steps}"] if steps else []
     args += [f"--per_device={_PER_DEVICE.value}"] if _PER_DEVICE.value else []
+    args += [f"--{f.name}={f.value}" for f in (_GROUPED_CONV_IMPL, _POINTWISE_CONV_IMPL)
+             if f.value]
     args += [] if _DRY_RUN.value is None else [f"--dry_run={_DRY_RUN.value}"]
     try:
       r = subprocess.run(args, env=env, capture_output=True, text=True, check=False,
@@ -959,7 +974,7 @@ def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> di
       out[name] = {"error": f"stopped after {timeout:.0f} s: --budget_s spent"}
       continue
     found = [json.loads(l) for l in r.stdout.splitlines()
-             if l.startswith('{"figure": "vit_b16_train"')]
+             if l.startswith(f'{{"figure": "{figure}"')]
     if r.returncode or not found:
       out[name] = {"error": f"exit {r.returncode}: {r.stderr.strip()[-300:]}"}
       logging.error("Flag set %s failed: %s", name, r.stderr[-3000:])
@@ -982,9 +997,10 @@ def main(argv):
   if "xla_flags" in figures:  # Before this process's backend starts (run_flag_sets).
     every = gpu_flags.target_platform() == "gpu" and not _QUICK.value
     names = _FLAG_SETS.value or (FLAG_SETS if every else FLAG_SETS[:2])
-    if set(names) - set(FLAG_SETS):
-      raise app.UsageError(f"--flag_sets: unknown {sorted(set(names) - set(FLAG_SETS))}; "
-                           f"known: {FLAG_SETS}.")
+    unknown = set(names) - set(gpu_flags.FLAG_SETS)
+    if unknown:
+      raise app.UsageError(f"--flag_sets: unknown {sorted(unknown)}; known: "
+                           f"{list(gpu_flags.FLAG_SETS)}.")
     t0 = time.perf_counter()
     flag_lines = run_flag_sets(names, _STEPS.value, deadline)
     flag_sets_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ import sys
 import time
 import types
 
+from absl.testing import flagsaver
 import jax
 import pytest
 
@@ -190,6 +191,27 @@ def test_on_a_gpu_the_flag_set_this_process_runs_with_is_not_run_again(monkeypat
   sets = accelerator.gpu_flags.FLAG_SETS
   assert children == [" ".join(["--xla_dump_to=/tmp/dump", accelerator.gpu_flags.flags_string(
       sets[name])]).strip() for name in accelerator.FLAG_SETS if name != "bigpretrain"]
+
+
+def test_flag_sets_run_regnety_with_its_kernels_when_asked(monkeypatch):
+  """--flag_sets_figure=regnety_16gf_train: each child runs RegNetY-16GF's figure with the
+  kernels this process was given, e.g. under cuDNN convolutions in the CUDA graphs."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  monkeypatch.delenv(accelerator.gpu_flags.OFF_VARIABLE, raising=False)
+  children = []
+
+  def child(args, env, **kwargs):
+    children.append((args[2:], env["XLA_FLAGS"]))
+    line = json.dumps({"figure": "regnety_16gf_train", "value": 2.0})
+    return subprocess.CompletedProcess(args, 0, stdout=line + "\n", stderr="")
+
+  monkeypatch.setattr(accelerator.subprocess, "run", child)
+  with flagsaver.flagsaver(flag_sets_figure="regnety_16gf_train", grouped_conv_impl="pallas"):
+    got = accelerator.run_flag_sets(["conv_command_buffers"], steps=None)
+  assert got == {"conv_command_buffers": {"figure": "regnety_16gf_train", "value": 2.0}}
+  [(args, xla_flags)] = children
+  assert args == ["--figures=regnety_16gf_train", "--grouped_conv_impl=pallas"]
+  assert "--xla_gpu_enable_command_buffer=+CONVOLUTION" in xla_flags.split()
 
 
 def test_the_budget_bounds_the_flag_set_children(monkeypatch):

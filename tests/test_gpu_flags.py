@@ -72,8 +72,11 @@ def test_every_flag_exists_in_the_installed_xla():
   run = lambda flags: subprocess.run(
       [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
       env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags})
-  r = run(gpu_flags.flags_string(gpu_flags.FLAG_SETS["no_command_buffers"]))  # Every flag.
-  assert r.returncode == 0, r.stderr[-2000:]
+  for name in ("no_command_buffers", "conv_command_buffers"):  # Every flag and value.
+    r = run(gpu_flags.flags_string(gpu_flags.FLAG_SETS[name]))
+    assert r.returncode == 0, r.stderr[-2000:]
+  r = run("--xla_gpu_enable_command_buffer=+CONVOLUTIONS")  # A value XLA does not know.
+  assert r.returncode != 0
   r = run("--xla_gpu_enable_latency_hiding_schedular=true")
   assert r.returncode != 0 and "Unknown flag" in r.stderr
 
@@ -98,6 +101,9 @@ def test_flag_sets_undo_one_choice_each():
   sets = {name: gpu_flags.flags_string(s).split() for name, s in gpu_flags.FLAG_SETS.items()}
   assert sets["xla_defaults"] == [] and sets["bigpretrain"] == EXPECTED_XLA
   assert sets["no_command_buffers"] == EXPECTED_XLA + ["--xla_gpu_enable_command_buffer="]
+  # XLA's default commands plus cuDNN convolutions.
+  assert sets["conv_command_buffers"] == EXPECTED_XLA + [
+      "--xla_gpu_enable_command_buffer=+CONVOLUTION"]
   for name, dropped in [("triton_gemm", "--xla_gpu_enable_triton_gemm=false"),
                         ("no_latency_hiding",
                          "--xla_gpu_enable_latency_hiding_scheduler=true")]:

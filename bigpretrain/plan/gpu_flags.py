@@ -51,6 +51,11 @@ XLA_FLAGS = (
 # H200 ran ResNet-50 at 26.1 ms and TResNet-M at 41.2 ms per step, against 14.9 and 16.5 ms
 # without it in an earlier run (docs/benchmarks.md). FLAG_SETS keeps it as an A/B arm.
 NO_COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer", "")
+# cuDNN convolutions recorded into the CUDA graphs too (XLA's default set lacks CONVOLUTION):
+# on one H200 the convnets' steps at 64 images wait on launches, each cuDNN call between two
+# graph launches (docs/benchmarks.md). Not set here until a device measures it: FLAG_SETS
+# keeps it as an A/B arm.
+CONVOLUTION_COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer", "+CONVOLUTION")
 
 ENV = (
     # Share of GPU memory JAX preallocates (default 0.75); 0.9 leaves room for cuDNN/cuBLAS
@@ -72,7 +77,7 @@ MULTI_DEVICE_ONLY = (
     "--xla_gpu_enable_reduce_scatter_combine_by_dim",
 )
 SCOPES = {name: "multi_device" if name in MULTI_DEVICE_ONLY else "every_device"
-          for name, _ in XLA_FLAGS + (NO_COMMAND_BUFFERS,)}
+          for name, _ in XLA_FLAGS + (NO_COMMAND_BUFFERS, CONVOLUTION_COMMAND_BUFFERS)}
 
 
 def _without(name: str) -> tuple:
@@ -81,11 +86,13 @@ def _without(name: str) -> tuple:
 
 
 # The sets the `xla_flags` A/B compares: XLA's defaults, these settings, these settings with
-# one choice undone (back to XLA's default), and with MaxText's command buffers off added.
+# one choice undone (back to XLA's default), with MaxText's command buffers off added, and
+# with cuDNN convolutions in the command buffers.
 FLAG_SETS = {
     "xla_defaults": (),
     "bigpretrain": XLA_FLAGS,
     "no_command_buffers": XLA_FLAGS + (NO_COMMAND_BUFFERS,),
+    "conv_command_buffers": XLA_FLAGS + (CONVOLUTION_COMMAND_BUFFERS,),
     "triton_gemm": _without("--xla_gpu_enable_triton_gemm"),
     "no_latency_hiding": _without("--xla_gpu_enable_latency_hiding_scheduler"),
 }
