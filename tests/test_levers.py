@@ -268,6 +268,20 @@ def test_pallas_kernels_use_no_lane_out_of_bounds_and_write_each_output_once(
   assert not outside
 
 
+def test_pallas_conv_products_take_the_precision_asked_for():
+  """conv_pallas's products (all three kernels', in the CUDA and the interpreted branch) at
+  the `precision` given, as XLA's convolution: on a GPU, float32 at 'highest' is exact where
+  the default is TF32."""
+  x, w = jnp.ones((1, 4, 4, 8)), jnp.ones((3, 3, 4, 8))
+  for precision, highest in ((None, 0), ("highest", 6)):
+    loss = lambda x, w, precision=precision: pallas_conv.conv_pallas(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=2, precision=precision, tiles=pallas_conv.Tiles(16, 16)).sum()
+    text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
+    assert text.count("dot_general") == 6
+    assert text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == highest
+
+
 def test_grouped_conv_impl_picks_the_kernel_of_grouped_convs_only():
   """model.grouped_conv_impl 'gemm' / 'split' / 'pallas' on regnety_demo: its grouped 3x3
   convs (and no other conv) compute as GEMMs / per group / by the Pallas kernels, with the

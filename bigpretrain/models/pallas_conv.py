@@ -17,7 +17,7 @@ of at least 16 (Triton's), so a group width of 112 (RegNetY's) is computed as 12
 channels, masked.
 """
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,7 @@ class _Geometry(NamedTuple):
   out_per_group: int
   out_h: int
   out_w: int
+  precision: Any = None  # The products', as lax.dot_general takes it (None: the default).
 
   @property
   def pixels(self) -> int:  # Output pixels.
@@ -100,10 +101,11 @@ def _scatter(ref, rows, cols, value, mask, interpret):
   pltriton.store(ref.at[r, c], value, mask=mask)
 
 
-def _dot(a, b, a_dim: int, b_dim: int):
-  """The float32 product of 2-D tiles contracting a's a_dim with b's b_dim: one Triton dot,
-  either operand transposed in the kernel (what pl.dot did; JAX 0.11 dropped it)."""
-  return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())),
+def _dot(a, b, a_dim: int, b_dim: int, precision):
+  """The float32 product of 2-D tiles contracting a's a_dim with b's b_dim at `precision`:
+  one Triton dot, either operand transposed in the kernel (what pl.dot did; JAX 0.11 dropped
+  it)."""
+  return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
 
 
@@ -149,7 +151,7 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
                    valid[:, None] & (ci < c)[None, :], interpret)
       wt = _gather(w_ref, t * c + ci, g * o + co, (ci < c)[:, None] & omask[None, :], interpret)
-      return acc + _dot(xt, wt, 1, 0)
+      return acc + _dot(xt, wt, 1, 0, geo.precision)
 
     acc = jax.lax.fori_loop(0, geo.kh * geo.kw * chunks, step,
                             jnp.zeros((bm, op), jnp.float32))
@@ -195,7 +197,7 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
                     valid[:, None] & (co < o)[None, :], interpret)
       wt = _gather(w_ref, (i * geo.kw + j) * c + ci, g * o + co,
                    cmask[:, None] & (co < o)[None, :], interpret)
-      return acc + _dot(dyt, wt, 1, 1)
+      return acc + _dot(dyt, wt, 1, 1, geo.precision)
 
     taps = (geo.kh - i0 + sh - 1) // sh * tap_cols
     acc = jax.lax.fori_loop(0, taps * chunks, step, jnp.zeros((bm, cp), jnp.float32))
@@ -231,7 +233,7 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
       xt = _gather(x_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci,
                    valid[:, None] & cmask[None, :], interpret)
       dyt = _gather(dy_ref, rows, g * o + co, live[:, None] & omask[None, :], interpret)
-      return acc + _dot(xt, dyt, 0, 0)
+      return acc + _dot(xt, dyt, 0, 0, geo.precision)
 
     acc = jax.lax.fori_loop(s * per_split, jnp.minimum((s + 1) * per_split, chunks), step,
                             jnp.zeros((cp, op), jnp.float32))
@@ -270,9 +272,9 @@ def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dil
                 tiles: Tiles = TILES) -> jax.Array:
   """jax.lax.conv_general_dilated of 2-D NHWC images with an HWIO kernel (nnx.Conv's layout)
   computed by this module's kernels, tiled as `tiles` says: the same sums up to their order
-  (products of float32 operands at the GPU's default matmul precision, as XLA's). Dilated
+  (products at `precision` as XLA's: by default, of float32 operands, the GPU's TF32). Dilated
   convolutions and other layouts raise ValueError."""
-  del precision, out_sharding  # The callers pin their outputs themselves (batch_local_conv).
+  del out_sharding  # The callers pin their outputs themselves (batch_local_conv).
   if any(n < 16 or n & (n - 1) for n in (tiles.pixels, tiles.k)):
     raise ValueError(f"{tiles}: pixels and k must be powers of two >= 16 (Triton's).")
   if (any(d != 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
@@ -290,7 +292,8 @@ def conv_pallas(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dil
   sh, sw = window_strides
   geo = _Geometry(n, h, w, kh, kw, (sh, sw), (pt, pl_), tiles, feature_group_count, per_group,
                   out_channels // feature_group_count, (h + pt + pb - kh) // sh + 1,
-                  (w + pl_ + pr - kw) // sw + 1)
+                  (w + pl_ + pr - kw) // sw + 1,
+                  tuple(precision) if isinstance(precision, list) else precision)
   rhs = rhs.astype(lhs.dtype)
   y = _conv(lhs.reshape(n * h * w, channels), rhs.reshape(kh * kw * per_group, out_channels),
             geo, jnp.dtype(preferred_element_type or lhs.dtype))
