@@ -963,6 +963,7 @@ def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> di
   base = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in ours]
   own = dict(os.environ)
   gpu_flags.apply(own)
+  figure = _FLAG_SETS_FIGURE.value
   out = {}
   for name in names:
     xla_flags = " ".join(base + gpu_flags.flags_string(gpu_flags.FLAG_SETS[name]).split())
@@ -974,7 +975,6 @@ def run_flag_sets(names, steps: int | None, deadline: float | None = None) -> di
       out[name] = {"error": "not run: --budget_s spent"}
       continue
     env = {**own, gpu_flags.OFF_VARIABLE: "off", "XLA_FLAGS": xla_flags}
-    figure = _FLAG_SETS_FIGURE.value
     args = [sys.executable, os.path.abspath(__file__), f"--figures={figure}"]
     args += [f"--steps={steps}"] if steps else []
     args += [f"--per_device={_PER_DEVICE.value}"] if _PER_DEVICE.value else []
