@@ -126,11 +126,14 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     (loss, (aux, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    skip = divergence_cfg.policy == "skip"
+    # One reduction per parameter for every norm, so the update stays in place on GPUs.
+    norms = optim.global_norms(grads, updates, params, *([state["params"]] if skip else []))
     metrics = {
         "train/loss": loss,
         "train/lr": schedule(state["step"]),
-        "train/grad_norm": optax.global_norm(grads),
-        "train/update_norm": optax.global_norm(updates),
+        "train/grad_norm": norms[0],
+        "train/update_norm": norms[1],
         **aux,
     }
     skipped = state["skipped_records"] + jnp.sum(batch.get("_skipped", 0))
@@ -142,11 +145,12 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     if ema_momentum > 0:
       learned["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},
                                   ema_momentum)
-    if divergence_cfg.policy == "skip":
+    metrics["train/param_norm"] = norms[2]
+    if skip:
       learned = divergence.keep_if(healthy, learned, {k: state[k] for k in learned})
       health = {**health, "skipped_steps": health["skipped_steps"] + (~healthy).astype(jnp.int32)}
       metrics["train/skipped_steps"] = health["skipped_steps"]
-    metrics["train/param_norm"] = optax.global_norm(learned["params"])  # As kept.
+      metrics["train/param_norm"] = jnp.where(healthy, norms[2], norms[3])  # As kept.
     metrics.update({"_healthy": healthy, "_loss_median": median})
     new_state = {"step": state["step"] + 1, **learned, "skipped_records": skipped,
                  "health": health}

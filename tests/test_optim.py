@@ -420,6 +420,22 @@ def test_clip_by_global_norm_comes_first():
   np.testing.assert_allclose(updates['w'], -0.1 * (5.0 + 1.0), rtol=1e-6)
 
 
+def test_global_norms_are_each_trees_l2_norm():
+  rng = np.random.default_rng(0)
+  shapes = {'kernel': (3, 3, 4, 5), 'bias': (5,), 'scale': ()}
+  trees = [{k: rng.normal(size=s).astype(np.float32) * (i + 1) for k, s in shapes.items()}
+           for i in range(3)]
+  trees[2]['kernel'] = trees[2]['kernel'].astype(jnp.bfloat16)  # Summed in float32.
+  got = jax.jit(optim.global_norms)(*trees)
+  assert len(got) == 3 and all(g.dtype == jnp.float32 for g in got)
+  for tree, norm in zip(trees, got):
+    want = math.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in tree.values()))
+    assert float(norm) == pytest.approx(want, rel=1e-6)
+  assert optim.global_norms() == ()
+  with pytest.raises(ValueError):  # Trees of other lengths.
+    optim.global_norms(trees[0], {'bias': trees[1]['bias']})
+
+
 # ---------------------------------------------------------------- lr rules and config errors
 
 
