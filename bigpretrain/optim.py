@@ -277,8 +277,8 @@ def global_norms(*trees) -> tuple[jax.Array, ...]:
 
   Why not optax.global_norm per tree: XLA:GPU fuses the norms' reductions into the kernel that
   applies the update, and a kernel holding more than one reduction cannot write the new
-  parameters and momentum over the old ones in place (its buffer-sharing rule allows one
-  reduction), so it copies both, 16 more bytes per parameter per step. One reduction over
+  parameters and optimizer state over the old ones (its buffer-sharing rule allows one
+  reduction), so every step writes them elsewhere and copies them back. One reduction over
   all the trees' squares keeps the update in place.
   """
   if not trees:
