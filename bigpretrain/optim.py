@@ -281,8 +281,6 @@ def global_norms(*trees) -> tuple[jax.Array, ...]:
   reduction), so every step writes them elsewhere and copies them back. One reduction over
   all the trees' squares keeps the update in place.
   """
-  if not trees:
-    return ()
   sums = [jnp.zeros((), jnp.float32)] * len(trees)
   for leaves in zip(*(jax.tree.leaves(t) for t in trees), strict=True):
     squares = tuple(jnp.square(x.astype(jnp.float32)) for x in leaves)

@@ -118,9 +118,9 @@ def test_h100_step_has_cudnn_attention_and_updates_the_state_in_place(demo_confi
   each block's attention is one cuDNN flash attention call forward and one backward
   (vit_demo, 4 blocks; 5 tokens at 16 px, padded to an even 6), not GEMMs and a softmax; its
   FLOPs are the model's: those of XLA's attention on the unpadded tokens
-  (train.Experiment.model_flops_per_device). The optimizer writes the parameters and momentum
-  over the old ones: the step copies almost none of them (with a reduction per norm in the
-  update's kernels it copied every one twice: optim.global_norms)."""
+  (train.Experiment.model_flops_per_device). The optimizer writes the parameters and its
+  state over the old ones: the step copies almost none of them (with a reduction per norm in
+  the update's kernels, 116 copies of the 56 parameters' shapes: optim.global_norms)."""
   devices = _devices("gpu:h100:1x1")
   from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
   try:
