@@ -145,12 +145,12 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     if ema_momentum > 0:
       learned["ema"] = ema_update(state["ema"], {"params": params, "extra": extra},
                                   ema_momentum)
-    metrics["train/param_norm"] = norms[2]
     if skip:
       learned = divergence.keep_if(healthy, learned, {k: state[k] for k in learned})
       health = {**health, "skipped_steps": health["skipped_steps"] + (~healthy).astype(jnp.int32)}
       metrics["train/skipped_steps"] = health["skipped_steps"]
-      metrics["train/param_norm"] = jnp.where(healthy, norms[2], norms[3])  # As kept.
+    metrics["train/param_norm"] = (jnp.where(healthy, norms[2], norms[3]) if skip
+                                   else norms[2])  # As kept.
     metrics.update({"_healthy": healthy, "_loss_median": median})
     new_state = {"step": state["step"] + 1, **learned, "skipped_records": skipped,
                  "health": health}
