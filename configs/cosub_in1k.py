@@ -111,7 +111,7 @@ def get_config(arg=None):
     # LAMB's updates are relative to the weights: a short run needs a large lr.
     config.optim.lr = common.sqrt_lr(config, common.DEMO_LAMB_LR)
   else:
-    config.batch_size = 1536  # 3 x 512: the multiple of 3 nearest the paper's 2048.
+    config.batch_size = 1536  # 3 x 512: a multiple of 3 that splits over up to 512 devices.
     config.num_epochs = arg.epochs
     config.optim.lr = common.sqrt_lr(config, 1e-3)
     config.optim.schedule.warmup_frac = 5.0 / arg.epochs

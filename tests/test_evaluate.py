@@ -17,6 +17,10 @@ from bigpretrain import train
 from bigpretrain.models import pretrained
 from bigpretrain.evaluators import mapped
 from bigpretrain.models import submodel
+from bigpretrain.objectives import multi_label
+from bigpretrain.objectives import semantic_softmax
+from bigpretrain.objectives import softmax
+from bigpretrain.semantic import tree as semantic_tree
 from input_pipeline import datasets
 from input_pipeline import pipeline
 from input_pipeline import subset
@@ -137,6 +141,46 @@ def test_class_columns_by_name_and_by_map():
     mapped.class_columns(model, ["chair", "cup"], "d", {"chair": "n1"})
   with pytest.raises(ValueError, match="does not have"):
     mapped.class_columns(model, ["chair"], "d", {"chair": ["n9"]})
+
+
+def _with_tree(cls, tree):
+  objective = cls.__new__(cls)  # The scores read only the tree: no WordNet lookup here.
+  objective.tree = tree
+  return objective
+
+
+def test_a_class_with_subclasses_is_credited_with_them():
+  # Model classes: roots A (0), B (1); a1 (2), a2 (3) under A. Dataset classes A and B (an
+  # ImageNet-1k class with ImageNet-21K subclasses), then A, a1 and B (one nested in another).
+  tree = semantic_tree.SemanticTree.from_parents([-1, -1, 0, 0])
+  two, three = np.array([[0], [1]]), np.array([[0], [2], [1]])
+  # Semantic softmax: P(A) = 0.8 at level 0, P(a1) = 0.9 at level 1, so the walk passes
+  # through A with 0.8 and never stops there (level 1 has only A's children).
+  logits = jnp.log(jnp.array([[0.8, 0.2, 0.9, 0.1]]))
+  semantic = _with_tree(semantic_softmax.SemanticSoftmax, tree)
+  np.testing.assert_allclose(semantic.answer(logits), [[0, 0.2, 0.72, 0.08]], atol=1e-6)
+  for columns, want in [(two, [0.8, 0.2]), (three, [0.8 - 0.72, 0.72, 0.2])]:
+    got = mapped.mapped_scores(semantic, logits, columns, mapped.nested_pairs(tree, columns))
+    np.testing.assert_allclose(got, [want], atol=1e-6)
+  # A softmax over all four classes: A's subtree sums its own and its children's.
+  probs = np.array([[0.1, 0.3, 0.4, 0.2]])
+  single = _with_tree(softmax.Softmax, tree)
+  for columns, want in [(two, [0.7, 0.3]), (three, [0.1 + 0.2, 0.4, 0.3])]:
+    got = mapped.mapped_scores(single, jnp.log(probs), columns,
+                               mapped.nested_pairs(tree, columns))
+    np.testing.assert_allclose(got, [want], atol=1e-6)
+  # Sigmoids trained on label + ancestors already score the subtree.
+  sig = np.array([[0.6, 0.5, 0.7, 0.1]])
+  multi = _with_tree(multi_label.MultiLabel, tree)
+  for columns, want in [(two, [0.6, 0.5]), (three, [0.0, 0.7, 0.5])]:  # 0.6 - 0.7 < 0.
+    got = mapped.mapped_scores(multi, jnp.log(sig / (1 - sig)), columns,
+                               mapped.nested_pairs(tree, columns))
+    np.testing.assert_allclose(got, [want], atol=1e-6)
+  # Every model class mapped: the scores are the answer (exactly that class) again.
+  every = np.arange(4)[:, None]
+  for objective in (semantic, single, multi):
+    got = mapped.mapped_scores(objective, logits, every, mapped.nested_pairs(tree, every))
+    np.testing.assert_allclose(got, objective.answer(logits), atol=1e-6)
 
 
 def test_original_label_is_read_as_label():

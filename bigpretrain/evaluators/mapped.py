@@ -1,8 +1,14 @@
 """Evaluation on a dataset whose classes map onto the model's: a subset of its class names
 (ImageNet-1k wnids under an ImageNet-21K model, ImageNet-v2), or any classes through a class
 map (ObjectNet: each class scored by the best of its model classes), with ReaL top-1 when the
-dataset carries ReaL labels. The model's answer (objective.answer: softmax, or the
-hierarchical probability of semantic models) of the mapped classes is ranked."""
+dataset carries ReaL labels.
+
+A model class scores the probability that the image's label is that class or lies under it in
+the model's class tree (objective.membership), less what the mapped classes under it take: an
+ImageNet-1k class that has subclasses among ImageNet-21K's (266 of the 991 in
+ImageNet-21K-P) is credited with the images the model places in them, and a dataset class
+nested in another is still ranked by itself. With every model class mapped this is
+objective.answer, the probability of being exactly that class."""
 import json
 
 import jax.numpy as jnp
@@ -75,15 +81,41 @@ def class_columns(model_names, dataset_names, dataset: str, class_map=None) -> n
   return np.array([r + r[:1] * (width - len(r)) for r in rows], np.int32)
 
 
+def nested_pairs(tree, columns) -> tuple[np.ndarray, np.ndarray]:
+  """(inner, outer) int32: each model class in `columns` with a proper ancestor there, and
+  its nearest such ancestor."""
+  mapped = set(np.unique(columns).tolist())
+  inner, outer = [], []
+  for m in sorted(mapped):
+    for a in tree.target_table[m][:tree.class_depth[m]][::-1]:
+      if int(a) in mapped:
+        inner.append(m)
+        outer.append(int(a))
+        break
+  return np.array(inner, np.int32), np.array(outer, np.int32)
+
+
+def mapped_scores(objective, logits, columns, nested):
+  """[B, D] scores of the D dataset classes (the module docstring); `nested` is nested_pairs'
+  (inner, outer) for the objective's tree, or empty."""
+  member = objective.membership(logits)
+  inner, outer = nested
+  if len(inner):
+    member = jnp.maximum(member.at[:, outer].add(-member[:, inner]), 0.0)
+  return jnp.max(member[:, columns], axis=-1)
+
+
 def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk,
                      columns: np.ndarray, real: bool):
   """Like classification.make_eval_step, for a dataset whose classes are `columns` of the
-  model's: top-k of the mapped answer and, with `real`, ReaL top-1."""
+  model's: top-k of the mapped scores (the module docstring) and, with `real`, ReaL top-1."""
   columns = np.asarray(columns)
+  tree = getattr(objective, "tree", None)
+  nested = nested_pairs(tree, columns) if tree is not None else ((), ())
 
   def eval_step(module, batch):
     logits = module(batch["image"], train=False)
-    scores = jnp.max(objective.answer(logits)[:, columns], axis=-1)
+    scores = mapped_scores(objective, logits, columns, nested)
     mask = objective_base.eval_mask(batch, logits.shape[0])
     out = objective_base.topk_metrics(scores, batch["label"], mask, topk)
     if real:

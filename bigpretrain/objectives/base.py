@@ -43,6 +43,15 @@ class Objective:
     trained on the class tree (semantic.metrics)."""
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
+  def membership(self, logits) -> jax.Array:
+    """[B, C] probability of the image's label being c or lying under c in the class tree
+    (`answer` summed over c's subtree; `answer` itself without a tree): what a model class
+    scores when it stands for a dataset class that has subclasses among the model's (an
+    ImageNet-1k wnid under an ImageNet-21K model: evaluators.mapped)."""
+    tree = getattr(self, "tree", None)
+    probs = self.answer(logits)
+    return probs if tree is None else semantic_metrics.subtree_sums(probs, tree)
+
   def finalize_eval(self, totals: dict) -> dict:
     """Metrics derived from the totals summed over a whole split (e.g. mAP from histograms)."""
     del totals

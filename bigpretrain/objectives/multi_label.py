@@ -105,6 +105,9 @@ class MultiLabel(base.Objective):
   def answer(self, logits):
     return semantic_metrics.multi_label_answer(logits, self.tree)
 
+  def membership(self, logits):
+    return jax.nn.sigmoid(logits.astype(jnp.float32))  # Trained on label + ancestors.
+
   def eval_metrics(self, model, batch, topk):
     logits, mask, out = base.classification_eval(model, batch, topk, self.tree, self.answer)
     # Score histograms per class: summed over batches and hosts, mAP in finalize_eval.

@@ -72,6 +72,15 @@ def path_probs(level_probs: jax.Array, tree: SemanticTree) -> jax.Array:
   return out
 
 
+def subtree_sums(probs: jax.Array, tree: SemanticTree) -> jax.Array:
+  """[B, C] probabilities of each class being the label -> of the label being c or lying
+  under c: each class's own plus its descendants', summed deepest level first."""
+  out = probs
+  for classes in tree.level_classes[:0:-1]:
+    out = out.at[:, jnp.asarray(tree.parent[classes])].add(out[:, classes])
+  return out
+
+
 def stop_probs(subtree: jax.Array, tree: SemanticTree) -> jax.Array:
   """P(the label is exactly c) = P(subtree of c) - sum over c's children, clipped at 0 (a
   multi-label model's sigmoids need not be consistent down the tree)."""
