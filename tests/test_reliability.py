@@ -148,12 +148,13 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
 def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
   rows = [{"step": s, "train/loss": float(s)} for s in (1, 2, 3)]
   rows += [{"step": 3, "eval/top1": 0.5}]
-  rows += [{"step": s, "train/loss": 10.0 + s} for s in (2, 3, 4)]  # Resumed from step 1.
+  rows += [{"step": 2, "train/loss": 12.0}, {"step": 2, "eval/top1": 0.7}]  # Resumed at 1,
+  rows += [{"step": s, "train/loss": 10.0 + s} for s in (3, 4)]  # its step 2 row pair kept.
   (tmp_path / "metrics.jsonl").write_text(
       "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "tr')  # A torn last line.
   got = metric_writers.read_metrics(str(tmp_path))
-  assert [(r["step"], r["train/loss"]) for r in got] == [(1, 1.0), (2, 12.0), (3, 13.0),
-                                                         (4, 14.0)]
+  assert [(r["step"], r.get("train/loss"), r.get("eval/top1")) for r in got] == [
+      (1, 1.0, None), (2, 12.0, None), (2, None, 0.7), (3, 13.0, None), (4, 14.0, None)]
 
 
 def test_rows_appended_after_a_torn_last_line_start_on_their_own_line(tmp_path):

@@ -112,6 +112,7 @@ def read_metrics(workdir: str) -> list[dict]:
       step = row.get("step", 0)
       if top is not None and step < top:
         rows = [r for r in rows if r.get("step", 0) < step]
+        top = step  # The resumed run's own rows at this step follow: they stay.
       rows.append(row)
       top = step if top is None else max(top, step)
   return rows
