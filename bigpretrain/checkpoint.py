@@ -21,6 +21,7 @@ taken before it is never rotated out, nor a diverged one resumed from.
 Consumers of the weights (model_init, teachers, load_pretrained) read the 'ema' item when
 there is one: the weights the run evaluated.
 """
+import errno
 import json
 import logging as logging_std
 import os
@@ -157,6 +158,36 @@ def _root_cause(e: BaseException) -> BaseException:
   return e
 
 
+# Errors of the storage or the host rather than of the checkpoint's bytes: a restore that
+# meets one stops the run with the checkpoints left as they are (a re-run retries).
+_PASSING_ERRNOS = {errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.EMFILE,
+                   errno.ENFILE, errno.EIO, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED,
+                   errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+_PASSING_STATUS = re.compile(
+    r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED|CANCELLED)\b|"
+    r"[Oo]ut of memory|[Tt]imed out")
+
+
+def _passing(e: BaseException) -> bool:
+  """Whether `e` (or an error it was raised from) is a storage, network or memory failure
+  that says nothing about the checkpoint's own bytes."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, (MemoryError, TimeoutError, ConnectionError)) or (
+        isinstance(e, OSError) and e.errno in _PASSING_ERRNOS):
+      return True
+    if _PASSING_STATUS.search(str(e)):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+class CheckpointReadError(RuntimeError):
+  """A checkpoint could not be read for a reason outside it (storage, network, memory): the
+  run stops and nothing is moved, so that a re-run retries the same checkpoint."""
+
+
 def _reason(e: BaseException, limit: int = 300) -> str:
   """'Type: message' of the innermost error (the storage layer's, e.g. a short read): its first
   line without TensorStore's spec dumps, its end when longer than `limit` (the most specific
@@ -223,9 +254,12 @@ class Checkpointer:
   confirmed good (see `confirm`) and every newer one."""
 
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
-               meta: dict | None = None):
+               meta: dict | None = None, read_only: bool = False):
+    """`read_only`: another run's checkpoints (config.resume): restore passes over an
+    unreadable one without moving it, and nothing is written or deleted there."""
     self.directory = os.path.abspath(directory)
     self.meta = meta
+    self.read_only = read_only
     self.keep = keep
     self._pending = None  # The step of a save that may still be running.
     # Checkpoints of steps up to this one hold a good state: those a run resumes past were
@@ -235,7 +269,8 @@ class Checkpointer:
     # the last good checkpoint as soon as a newer one, perhaps diverged, is written.
     self.manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=None, create=not read_only,
+                                             read_only=read_only,
                                              enable_async_checkpointing=async_save),
     )
 
@@ -330,20 +365,22 @@ class Checkpointer:
     if wanted is not None and wanted not in available:
       raise ValueError(f"config.resume_step={wanted}: {self.directory} has no checkpoint of "
                        f"that step; it has steps {available}.")
-    for step in sorted(available if wanted is None else [wanted], reverse=True):
+    candidates = sorted(available if wanted is None else [wanted], reverse=True)
+    for i, step in enumerate(candidates):
+      older = len(candidates) - i - 1  # Checkpoints left to fall back to.
       try:  # A readable checkpoint of another configuration is the user's error: refuse.
         self._check_meta(step)
       except CheckpointMismatch:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        self._unreadable(step, e)
+        self._unreadable(step, e, older)
         continue
       grain_iter = data_iter
       if isinstance(data_iter, stream_position.TrainStream):
         try:
           position, same_topology = self._data_plan(step, data_iter)
         except Exception as e:  # pylint: disable=broad-except
-          self._unreadable(step, e)
+          self._unreadable(step, e, older)
           continue
         data_iter.restart(position)  # Outside the try: a refusal here is the caller's error.
         grain_iter = data_iter.iterator if same_topology else None
@@ -363,7 +400,7 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         # A tree or shape mismatch is refused, not moved.
         self._check_tree(step, {"params": weights, "train": _train_item(state)})
-        self._unreadable(step, e)
+        self._unreadable(step, e, older)
         continue
       restored = {**out["params"], **out["train"]}
       if "ema" in items:
@@ -372,8 +409,9 @@ class Checkpointer:
       self._good_through = step - 1
       return restored, step
     if wanted is not None:
+      where = "left in place" if self.read_only else f"moved to {self.directory}_corrupt/"
       raise ValueError(f"config.resume_step={wanted}: checkpoint step {wanted} in "
-                       f"{self.directory} is unreadable (moved to {self.directory}_corrupt/).")
+                       f"{self.directory} is unreadable ({where}).")
     if isinstance(data_iter, stream_position.TrainStream):
       # From the beginning, and rebuilt: a failed restore may have set the iterator's state.
       data_iter.restart(stream_position.Position(), rebuild=attempted)
@@ -436,6 +474,10 @@ class Checkpointer:
     it). grain's state is per process and per worker and cannot be re-split: with another
     process count or data.num_workers the stream continues from the global position."""
     data = os.path.join(self.directory, str(step), "data")
+    if not os.path.isdir(data):
+      console.warn(f"checkpoint step {step} in {self.directory} holds no data stream state "
+                   "(written without the train stream); the stream starts from its beginning.")
+      return stream_position.Position(), False
     counts = {int(m.group(1)) for m in (re.fullmatch(r"process_\d+-of-(\d+)\.json", f)
                                         for f in os.listdir(data)) if m}
     if len(counts) != 1:
@@ -463,14 +505,23 @@ class Checkpointer:
     console.warn(message)
     return position, False
 
-  def _unreadable(self, step: int, e: Exception) -> None:
+  def _unreadable(self, step: int, e: Exception, older: int) -> None:
+    """Reports checkpoint `step` unreadable and moves it aside (passes over it when
+    read-only), or raises CheckpointReadError when the cause is outside the checkpoint."""
+    if _passing(e):
+      raise CheckpointReadError(
+          f"reading checkpoint step {step} in {self.directory} failed ({_reason(e)}): a "
+          "storage, network or memory error, not the checkpoint's; nothing was moved. Re-run "
+          "the same command to retry.") from e
     _REPORTED.add(os.path.join(self.directory, str(step), ""))
     logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
                  type(e).__name__, e)
+    where = "left in place" if self.read_only else f"moved to {self.directory}_corrupt/"
+    then = "falling back to the previous checkpoint" if older else "no older one to fall back to"
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "
-                 f"({_reason(e)}); moved to {self.directory}_corrupt/, falling back to "
-                 "the previous checkpoint.")
-    self._move_aside(step, "corrupt")
+                 f"({_reason(e)}); {where}, {then}.")
+    if not self.read_only:
+      self._move_aside(step, "corrupt")
 
   def _move_aside(self, step: int, why: str) -> None:
     """Keeps a checkpoint for inspection in `<dir>_<why>/`, out of the manager's way; an

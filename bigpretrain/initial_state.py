@@ -43,7 +43,7 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   if restored is None and config.resume:
     source = "resume"
     with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False,
-                                        meta=checkpointer.meta)
+                                        meta=checkpointer.meta, read_only=True)
     restored = with_resume.restore(state, stream, step)
     with_resume.close()
     if restored is None:

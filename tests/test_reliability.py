@@ -1,6 +1,7 @@
 """Nothing lost, nothing silently wrong: a re-run with another config, two runs on one
 workdir, corrupt checkpoints and records, 16-bit images, and how faults are reported."""
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -143,6 +144,46 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
   assert absl_log.filter(absl_log.makeRecord("absl", logging.INFO, __file__, 0,
                                              f"{directory}/5/params cannot be restored", (),
                                              None))
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ETIMEDOUT, "Connection timed out"),
+    ValueError("UNAVAILABLE: Error reading local file: read of 4096 bytes failed"),
+    MemoryError()])
+def test_a_storage_or_memory_error_stops_the_restore_and_moves_nothing(tmp_path, error):
+  directory = tmp_path / "ckpt"
+  saver = checkpoint.Checkpointer(str(directory), async_save=False)
+  for step in (2, 4):
+    saver.save(step, _state(head_classes=3, value=float(step)))
+  saver.close()
+  before = _tree(directory)
+  reader = checkpoint.Checkpointer(str(directory), async_save=False)
+
+  def fail(*args, **kwargs):
+    raise ValueError("restore failed") from error
+
+  reader.manager.restore = fail
+  with pytest.raises(checkpoint.CheckpointReadError, match="step 4 .*nothing was moved"):
+    reader.restore(_state(head_classes=3))
+  reader.close()
+  assert _tree(directory) == before and not (tmp_path / "ckpt_corrupt").exists()
+
+
+def test_another_runs_checkpoints_are_read_only(tmp_path, capsys):
+  # config.resume: an unreadable checkpoint there is passed over and left where it is.
+  directory = tmp_path / "other"
+  saver = checkpoint.Checkpointer(str(directory), async_save=False)
+  for step in (2, 4):
+    saver.save(step, _state(head_classes=3, value=float(step)))
+  saver.close()
+  _truncate_arrays(directory / "4")
+  before = _tree(directory)
+  reader = checkpoint.Checkpointer(str(directory), async_save=False, read_only=True)
+  restored, step = reader.restore(_state(head_classes=3))
+  reader.close()
+  assert step == 2 and float(restored["params"]["body"]["w"][0]) == 2.0
+  assert "step 4 " in capsys.readouterr().out
+  assert _tree(directory) == before and not (tmp_path / "other_corrupt").exists()
 
 
 def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):

@@ -133,7 +133,7 @@ def train_stage(name: str, cfg, folder: epath.Path) -> dict:
   num_train = len(datasets.train_sources(cfg.data, datasets.get_dataset(cfg.data))[0][0])
   total = config_lib.resolve_total_steps(cfg, num_train)
   results = train.train_and_evaluate(cfg, str(folder))
-  ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False)
+  ckpt = checkpoint.Checkpointer(str(folder / "checkpoints"), async_save=False, read_only=True)
   reached = ckpt.latest_step()
   ckpt.close()
   if reached is None or reached < total:
