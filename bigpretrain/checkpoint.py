@@ -658,7 +658,7 @@ HEAD_PATTERN = r"^params/head/"
 
 
 def init_from(directory: str, state: dict, skip: str = "",
-              adapt=None) -> tuple[dict, list[str], list[str]]:
+              adapt=None) -> tuple[dict, list[str], list[str], list[str]]:
   """Initialises {'params', 'extra'} from a checkpoint whose model may differ (fine-tuning).
 
   Arrays whose path matches the `skip` regex, or absent from the checkpoint, keep their fresh
@@ -668,7 +668,9 @@ def init_from(directory: str, state: dict, skip: str = "",
   new image size), takes the adapted value. Any other shape difference is refused, naming
   the arrays: a changed backbone is never silently re-initialised. Loaded arrays get
   `state`'s shardings (the EMA weights when the checkpoint has them). Returns the new tree,
-  the paths kept fresh and the paths adapted.
+  the paths kept fresh, the paths adapted and the checkpoint's paths this model has no place
+  for (not loaded: e.g. SWAG's tanh pre-logits layer, which its fine-tuned ViTs drop; the
+  caller names them, as it names the other two).
   """
   directory = os.path.abspath(checkpoint_dir(directory))
   with ocp.CheckpointManager(directory) as manager:
@@ -718,6 +720,7 @@ def init_from(directory: str, state: dict, skip: str = "",
         f"model_init={directory}: the checkpoint's arrays {refused} have other shapes than "
         "this model's. Match the model to the checkpoint, or start these arrays fresh with "
         "config.model_init_skip (a regex over these paths).")
-  logging.info("Initialised from %s step %d; kept fresh: %s; resized: %s", directory, step,
-               fresh, resized)
-  return out, fresh, resized
+  dropped = sorted(set(loaded) - set(ours))
+  logging.info("Initialised from %s step %d; kept fresh: %s; resized: %s; not loaded: %s",
+               directory, step, fresh, resized, dropped)
+  return out, fresh, resized, dropped

@@ -55,14 +55,15 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     console.say(f"Resuming from step {start} in {workdir}")
   elif config.model_init:
     source = "model_init"
-    loaded, fresh, resized = ckpt_lib.init_from(
+    loaded, fresh, resized, dropped = ckpt_lib.init_from(
         config.model_init, {"params": state["params"], "extra": state["extra"]},
         skip=config.model_init_skip,
         adapt=exp.model_def.param_adapter(config.model_init_resize,
                                           lambda: ckpt_lib.origin(config.model_init)))
     state = {**state, **loaded}
     console.say(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
-                f"resized: {resized or 'nothing'}")
+                f"resized: {resized or 'nothing'}; not in this model, not loaded: "
+                f"{dropped or 'nothing'}")
     if config.model_init_head:  # A registered hook, e.g. SWAG's zero-shot head.
       hook = model_init.HOOKS.get(config.model_init_head)
       state = {**state, "params": hook(config.model_init, state["params"],

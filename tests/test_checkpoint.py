@@ -20,14 +20,24 @@ def test_init_from_keeps_mismatched_and_skipped_arrays_fresh(tmp_path):
   fresh_state = _state(head_classes=3, body_value=0.0)  # A 3-class fine-tuning model.
   target = {"params": fresh_state["params"], "extra": fresh_state["extra"]}
 
-  out, fresh, _ = checkpoint.init_from(str(tmp_path), target)
-  assert fresh == ["params/head/kernel"]  # Shape (4, 10) vs (4, 3): left at its init.
+  out, fresh, _, dropped = checkpoint.init_from(str(tmp_path), target)
+  assert fresh == ["params/head/kernel"] and dropped == []  # (4, 10) vs (4, 3): at its init.
   np.testing.assert_array_equal(out["params"]["blocks"][0]["w"], np.ones(3))
   np.testing.assert_array_equal(out["params"]["head"]["kernel"], np.full((4, 3), 7.0))
 
-  out, fresh, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
+  out, fresh, _, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
   assert sorted(fresh) == ["params/blocks/0/w", "params/head/kernel"]
   np.testing.assert_array_equal(out["params"]["blocks"][0]["w"], np.zeros(3))
+
+
+def test_init_from_names_the_checkpoints_arrays_the_model_has_no_place_for(tmp_path):
+  # E.g. SWAG's ViT with its tanh pre-logits layer, fine-tuned without it (Table 5).
+  _save(tmp_path, {"blocks": {"0": {"w": jnp.ones(3)}},
+                   "pre_logits": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}})
+  target = {"params": {"blocks": {"0": {"w": jnp.zeros(3)}}}, "extra": {}}
+  out, fresh, _, dropped = checkpoint.init_from(str(tmp_path), target)
+  assert fresh == [] and dropped == ["params/pre_logits/bias", "params/pre_logits/kernel"]
+  np.testing.assert_array_equal(out["params"]["blocks"]["0"]["w"], np.ones(3))
 
 
 def _save(path, params):
@@ -50,7 +60,7 @@ def test_init_from_takes_the_models_adaptation_of_another_shape(tmp_path):
     calls.append((path, tuple(saved.shape)))
     return jnp.full((1, 37, 3), saved[0, 0, 0])
 
-  out, fresh, resized = checkpoint.init_from(str(tmp_path), target, adapt=adapt)
+  out, fresh, resized, _ = checkpoint.init_from(str(tmp_path), target, adapt=adapt)
   assert calls == [("params/pos_embed", (1, 17, 3))]
   assert fresh == [] and resized == ["params/pos_embed (1, 17, 3) -> (1, 37, 3)"]
   np.testing.assert_array_equal(out["params"]["pos_embed"], np.full((1, 37, 3), pos[0, 0, 0]))
@@ -68,6 +78,6 @@ def test_init_from_refuses_other_shape_changes_naming_them(tmp_path):
                        "head": {"kernel": jnp.zeros((8, 3))}}, "extra": {}}
   with pytest.raises(ValueError, match=r"params/blocks/0/kernel \(4, 8\) -> \(4, 6\)"):
     checkpoint.init_from(str(tmp_path), target)
-  out, fresh, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
+  out, fresh, _, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
   assert sorted(fresh) == ["params/blocks/0/kernel", "params/head/kernel"]
   np.testing.assert_array_equal(out["params"]["blocks"]["0"]["kernel"], np.zeros((4, 6)))

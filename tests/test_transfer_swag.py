@@ -188,8 +188,8 @@ def test_zero_shot_initialised_logits_equal_the_mean_aggregation(tmp_path):
   target = models.get_model("vit_demo", num_classes=len(CLASS_WNIDS), rngs=nnx.Rngs(1), **kw)
   graphdef, tparams, textra = nnx.split(target, nnx.Param, ...)
   fresh = {"params": nnx.to_pure_dict(tparams), "extra": nnx.to_pure_dict(textra)}
-  loaded, kept_fresh, _ = checkpoint.init_from(str(tmp_path), fresh)
-  assert kept_fresh == ["params/head/bias", "params/head/kernel"]
+  loaded, kept_fresh, _, dropped = checkpoint.init_from(str(tmp_path), fresh)
+  assert kept_fresh == ["params/head/bias", "params/head/kernel"] and dropped == []
   new_params = head_init.zero_shot_init(str(tmp_path), loaded["params"], CLASS_WNIDS)
 
   images = np.random.default_rng(0).normal(size=(5, 16, 16, 3)).astype(np.float32)
