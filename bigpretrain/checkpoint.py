@@ -32,6 +32,7 @@ import sys
 from absl import logging
 import grain
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 from bigpretrain import registry
@@ -304,13 +305,15 @@ class Checkpointer:
 
   def confirm(self, step: int) -> None:
     """The states up to `step` gave good losses: their checkpoints count towards `keep`, and
-    the older ones beyond it are deleted. Checkpoints being written wait for the next call."""
+    the older ones beyond it are deleted. The last save counts from the next save or `wait`
+    on: every process decides alike (how far a save has got differs between processes, and
+    each deletion is a barrier of all of them)."""
     self._good_through = max(self._good_through, step)
     self._rotate()
 
   def _rotate(self) -> None:
-    writing = self._pending if self.manager.is_saving_in_progress() else None
-    good = [s for s in self.manager.all_steps() if s <= self._good_through and s != writing]
+    good = [s for s in self.manager.all_steps()
+            if s <= self._good_through and s != self._pending]
     for step in sorted(good)[:-self.keep]:
       self.manager.delete(step)
 
@@ -325,9 +328,15 @@ class Checkpointer:
 
   def check(self) -> None:
     """Raises CheckpointSaveError as soon as the last asynchronous save has failed; cheap
-    (the trainer calls it every step). Nothing while it runs or once it succeeded."""
+    (the trainer calls it every step). Nothing while it runs or once it succeeded; nothing
+    that other processes must join (see `confirm`)."""
     if self._pending is not None and not self.manager.is_saving_in_progress():
-      self.wait()
+      try:  # Both local: the finished save's thread joined, its errors raised.
+        self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+      except Exception as e:  # pylint: disable=broad-except
+        step, self._pending = self._pending, None
+        raise self._save_error(step, e) from e
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     cause = _root_cause(e)
@@ -536,6 +545,8 @@ class Checkpointer:
       if os.path.exists(src):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.move(src, dst)
+    if jax.process_count() > 1:  # The others list the steps once process 0 has moved it.
+      multihost_utils.sync_global_devices(f"bigpretrain checkpoint {step} moved aside")
     self.manager.reload()
 
   def wait(self, rotate: bool = True) -> None:
