@@ -103,8 +103,16 @@ def decode_scaled(image: Image.Image, max_factor: int = 1) -> tuple[Image.Image,
 
 def decode(image, min_width: int = 0, min_height: int = 0):
   """Pixels of an open_image result (RGB), JPEG-downscaled while both sides stay at least
-  (min_width, min_height); arrays and decoded images are returned as they are."""
+  (min_width, min_height); arrays and RGB images are returned as they are, other decoded
+  images converted (PIL decodes WebP and ICO when it opens them, in their own modes)."""
   if not is_undecoded(image):
+    if isinstance(image, Image.Image) and image.mode != "RGB":
+      try:
+        return to_rgb(image)
+      except CorruptImageError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        raise CorruptImageError(f"{type(e).__name__}: {e}") from e
     return image
   max_factor = min(image.width // min_width, image.height // min_height) if (
       min_width > 0 and min_height > 0) else 1

@@ -249,7 +249,8 @@ def record_fields(record: Mapping[str, Any], fields: Mapping[str, int], index) -
       raise KeyError(f"record {index} has no field {name!r} (keys: {sorted(record)})")
     value = record[name]
     if size == 0:
-      out[name] = np.asarray(value, np.float32 if isinstance(value, float) else np.int32)
+      floating = np.issubdtype(np.asarray(value).dtype, np.floating)  # float or np.float32.
+      out[name] = np.asarray(value, np.float32 if floating else np.int32)
       continue
     ids = np.asarray(value, np.int64).reshape(-1)
     if len(ids) > size:

@@ -476,6 +476,20 @@ def test_undecoded_png_grayscale_cmyk_and_corrupt_bytes():
   assert issubclass(decoding.CorruptImageError, ValueError)
 
 
+@pytest.mark.parametrize("fmt,mode", [("WEBP", "RGBA"), ("ICO", "L")])
+def test_images_pil_decodes_on_open_come_out_rgb(fmt, mode):
+  # PIL decodes WebP and ICO while opening them, in their own modes.
+  array = _blobby_photo(32, 32)
+  source = Image.fromarray(array).convert(mode)
+  buffer = io.BytesIO()
+  source.save(buffer, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+  image = decoding.open_image(buffer.getvalue())
+  out = decoding.decode(image)
+  assert out.mode == "RGB" and out.size == (32, 32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(source.convert("RGB")))
+  assert augment.squish(decoding.open_image(buffer.getvalue()), 16).mode == "RGB"
+
+
 # ------------------------------------------------------------------------------------------
 # The OpenCV / lookup-table ops against the PIL operations they replace (the implementation
 # the pipeline used before; PIL stays the reference).

@@ -101,6 +101,14 @@ def test_train_batch_format_and_image_label_pairs():
         expected[:, None, None, None], batch["image"].shape))
 
 
+def test_scalar_fields_keep_floats_whatever_their_python_type():
+  record = {"label": np.int64(3), "score": np.float32(1.75), "weight": 0.5}
+  out = pipeline.record_fields(record, {"label": 0, "score": 0, "weight": 0}, 0)
+  assert out["label"].dtype == np.int32 and int(out["label"]) == 3
+  assert out["score"].dtype == np.float32 and float(out["score"]) == 1.75  # Not truncated.
+  assert out["weight"].dtype == np.float32 and float(out["weight"]) == 0.5
+
+
 def test_train_epochs_are_shuffled_permutations():
   it = _train(_constant_source(12), _cfg(), gbs=4)
   labels = np.concatenate([b["label"] for b in _take(it, 6)])
