@@ -120,8 +120,12 @@ class _IteratorSnapshot:
     return self._state
 
 
-def _train_item(state):
-  return {k: state[k] for k in ("step", "opt_state", "skipped_records")}
+def _train_item(state, health: bool = True):
+  """The 'train' item: the optimizer's state and counters, and the divergence record
+  ('health', when the state has one and `health`)."""
+  keys = ("step", "opt_state", "skipped_records") + (
+      ("health",) if health and "health" in state else ())
+  return {k: state[k] for k in keys}
 
 
 META_VERSION = 1
@@ -394,10 +398,14 @@ class Checkpointer:
         data_iter.restart(position)  # Outside the try: a refusal here is the caller's error.
         grain_iter = data_iter.iterator if same_topology else None
       weights = {"params": state["params"], "extra": state["extra"]}
+      saved_health = self._saved_health(step, state)
+      train = _train_item(state, health=saved_health is not None)
+      abstract_train = _abstract(train)
+      if saved_health is not None:  # Read as saved; kept only when it fits (below).
+        abstract_train["health"] = saved_health
       items = {
           "params": ocp.args.StandardRestore(_abstract(weights)),
-          "train": ocp.args.StandardRestore(
-              _abstract(_train_item(state))),
+          "train": ocp.args.StandardRestore(abstract_train),
       }
       if "ema" in state and _has_item(self.directory, step, "ema"):
         items["ema"] = ocp.args.StandardRestore(_abstract(state["ema"]))
@@ -408,10 +416,12 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
         # A tree or shape mismatch is refused, not moved.
-        self._check_tree(step, {"params": weights, "train": _train_item(state)})
+        self._check_tree(step, {"params": weights, "train": train})
         self._unreadable(step, e, older)
         continue
       restored = {**out["params"], **out["train"]}
+      if saved_health is not None and not _same_shapes(restored["health"], state["health"]):
+        del restored["health"]  # Another config.divergence.window: the fresh record stands.
       if "ema" in items:
         restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
@@ -425,6 +435,23 @@ class Checkpointer:
       # From the beginning, and rebuilt: a failed restore may have set the iterator's state.
       data_iter.restart(stream_position.Position(), rebuild=attempted)
     return None
+
+  def _saved_health(self, step: int, state: dict):
+    """The abstract divergence record of checkpoint `step` (its shapes, `state`'s
+    shardings), or None when it has none (saved before the record was) or `state` has none.
+    """
+    if "health" not in state:
+      return None
+    try:
+      saved = _paths(_item_metadata(self.directory, step, "train"))
+    except Exception:  # pylint: disable=broad-except
+      return None  # Unreadable: the restore itself reports it.
+    paths = {f"health/{k}": k for k in state["health"]}
+    if not all(hasattr(saved.get(p), "shape") for p in paths):
+      return None
+    return {k: jax.ShapeDtypeStruct(tuple(saved[p].shape), state["health"][k].dtype,
+                                    sharding=_target(state["health"][k]).sharding)
+            for p, k in paths.items()}
 
   def _refuse(self, step: int, differences: list[str]) -> None:
     shown = differences[:8] + ([f"... {len(differences) - 8} more"] if len(differences) > 8
@@ -657,6 +684,11 @@ def load_arrays(directory: str, names: list[str]) -> dict:
     out = reader.restore(os.path.join(directory, str(step), item), args=ocp.args.PyTreeRestore(
         item=abstract, restore_args=args, partial_restore=True))
   return {name: out_leaf for name, out_leaf in _paths(out).items() if name in names}
+
+
+def _same_shapes(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      tuple(x.shape) == tuple(y.shape) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _paths(tree) -> dict:

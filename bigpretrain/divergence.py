@@ -14,7 +14,7 @@ so has every later one. Checkpoints of those states are moved aside, never kept 
 
 Policies (config.divergence.policy): 'stop' ends the run at the first bad step with one line
 naming it and the last good checkpoint; 'skip' applies no update on a bad step, counts it
-in 'train/skipped_steps' (since the run started or resumed) and stops only after
+in 'train/skipped_steps' (over the whole run, resumes included) and stops only after
 `max_consecutive_skips` bad steps in a row (the weights themselves have diverged: no batch
 gives a good loss any more). PaLM (Chowdhery et al. 2022, section 5.1) met loss spikes by
 restarting about 100 steps before one and skipping the 200-500 batches around it; 'skip' is
@@ -33,7 +33,9 @@ class Diverged(FloatingPointError):
 
 def init_health(window: int) -> dict:
   """The step's running record: the last `window` good losses (NaN = empty) and the count of
-  skipped steps. Restarted with each run (not checkpointed)."""
+  skipped steps. Saved in the checkpoints, so that a resumed run judges its steps as the
+  uninterrupted run would; one restored from a checkpoint without it (written before it
+  was saved, or with another window) starts anew."""
   return {"losses": jnp.full((window,), jnp.nan, jnp.float32),
           "skipped_steps": jnp.zeros((), jnp.int32)}
 

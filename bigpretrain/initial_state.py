@@ -49,9 +49,9 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     if restored is None:
       raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
   start = 0
-  if restored is not None:  # The divergence record starts anew (see divergence.init_health).
+  if restored is not None:  # A checkpoint without a divergence record keeps the fresh one.
     restored_state, start = restored
-    state = {**restored_state, "health": state["health"]}
+    state = {"health": state["health"], **restored_state}
     console.say(f"Resuming from step {start} in {workdir}")
   elif config.model_init:
     source = "model_init"

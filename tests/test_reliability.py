@@ -186,6 +186,32 @@ def test_another_runs_checkpoints_are_read_only(tmp_path, capsys):
   assert _tree(directory) == before and not (tmp_path / "other_corrupt").exists()
 
 
+def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):
+  # A resumed run judges spikes against the same window of recent losses as the
+  # uninterrupted run, and keeps counting skipped steps.
+  def with_health(window, losses=(), skipped=0):
+    values = np.full((window,), np.nan, np.float32)
+    values[:len(losses)] = losses
+    return {**_state(head_classes=3), "health": {"losses": jnp.asarray(values),
+                                                 "skipped_steps": jnp.int32(skipped)}}
+
+  saver = checkpoint.Checkpointer(str(tmp_path / "new"), async_save=False)
+  saver.save(3, with_health(4, (2.5, 2.0), skipped=1))
+  saver.close()
+  reader = checkpoint.Checkpointer(str(tmp_path / "new"), async_save=False)
+  restored, _ = reader.restore(with_health(4))
+  np.testing.assert_array_equal(restored["health"]["losses"], [2.5, 2.0, np.nan, np.nan])
+  assert int(restored["health"]["skipped_steps"]) == 1
+  assert "health" not in reader.restore(with_health(8))[0]  # Another window: none to restore.
+  reader.close()
+  old = checkpoint.Checkpointer(str(tmp_path / "old"), async_save=False)
+  old.save(3, _state(head_classes=3))  # Saved without a record.
+  old.close()
+  reader = checkpoint.Checkpointer(str(tmp_path / "old"), async_save=False)
+  assert "health" not in reader.restore(with_health(4))[0]
+  reader.close()
+
+
 def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
   rows = [{"step": s, "train/loss": float(s)} for s in (1, 2, 3)]
   rows += [{"step": 3, "eval/top1": 0.5}]
