@@ -291,7 +291,9 @@ def test_lock_staleness_rules(tmp_path, monkeypatch):
 
   owner(socket.gethostname(), dead.pid)  # This host, process gone: taken over.
   with workdir_lock.WorkdirLock(str(tmp_path)):
-    assert json.loads(path.read_text())["pid"] == os.getpid()
+    mine = json.loads(path.read_text())
+    space = workdir_lock._pid_space()  # pylint: disable=protected-access
+    assert mine["pid"] == os.getpid() and mine["pid_space"] == space
   assert not path.exists()
 
   owner("another-host", 1)  # Another host, fresh heartbeat: refused.
@@ -303,6 +305,13 @@ def test_lock_staleness_rules(tmp_path, monkeypatch):
   with workdir_lock.WorkdirLock(str(tmp_path)):
     assert json.loads(path.read_text())["host"] == socket.gethostname()
 
+  # This host name, but another pid namespace (a container sharing the host's network),
+  # fresh heartbeat: its pids mean nothing here, refused even though this one is dead.
+  path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "job": "",
+                              "started": "x", "pid_space": "another-boot:1"}))
+  with pytest.raises(workdir_lock.WorkdirLocked, match="in use by another run"):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      pass
   owner(socket.gethostname(), os.getpid())  # A live process of this host: refused.
   with pytest.raises(workdir_lock.WorkdirLocked):
     with workdir_lock.WorkdirLock(str(tmp_path)):

@@ -8,7 +8,9 @@ touches the file every HEARTBEAT_S seconds from a daemon thread and removes it w
 ends (normally, on an error or after SIGTERM).
 
 A lock left by a run that is gone does not block: it is taken over at once when its owner
-ran on this host and its pid is dead (a SIGKILL), or when it is empty or unreadable (a starter
+ran on this host, in this pid namespace since this boot (containers that share a host name,
+e.g. with the host's network, each number their own processes) and its pid is dead (a
+SIGKILL), or when it is empty or unreadable (a starter
 killed mid-write, or a full disk), and after STALE_S without heartbeat when the owner ran on
 another host (whose pids cannot be checked from here; a job restarted elsewhere after a hard
 kill is refused until then, with this explained). The take-over is atomic: the stale file is
@@ -85,9 +87,22 @@ def _pid_alive(pid: int) -> bool:
   return True
 
 
+def _pid_space() -> str:
+  """This boot's id and this process's pid namespace: where its pids mean the same ('' where
+  /proc does not tell)."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+  except OSError:
+    return ""
+
+
 def _stale_reason(owner: dict, age_s: float) -> str:
   """Why the lock `owner` holds can be taken over ('' if it cannot)."""
-  if owner.get("host") == socket.gethostname() and not _pid_alive(int(owner.get("pid", -1))):
+  here = owner.get("host") == socket.gethostname() and owner.get(
+      "pid_space", _pid_space()) == _pid_space()  # Locks written without it: the host's.
+  if here and not _pid_alive(int(owner.get("pid", -1))):
     return f"its process {owner.get('pid')} on this host is gone"
   if age_s > STALE_S:
     return f"its heartbeat is {age_s:.0f} s old"
@@ -111,7 +126,8 @@ class WorkdirLock:
     try:
       with os.fdopen(fd, "w") as f:
         json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
-                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "pid_space": _pid_space()}, f)
     except OSError as e:  # E.g. a full disk: an empty lock would block the next start.
       os.remove(self.path)
       raise WorkdirUnwritable(f"cannot write the workdir lock {self.path} ({e.strerror or e})."
@@ -188,12 +204,19 @@ class WorkdirLock:
         pass
 
   def __enter__(self):
-    message = self._acquire() if jax.process_index() == 0 else ""
+    message, error = "", None
+    if jax.process_index() == 0:
+      try:
+        message = self._acquire()
+      except Exception as e:  # pylint: disable=broad-except
+        error = e  # Raised below, once the other processes know (else they would wait).
     if jax.process_count() > 1:  # All processes start, or all stop.
       from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-      held = multihost_utils.broadcast_one_to_all(np.int32(not message))
-      if not message and not held:
+      held = multihost_utils.broadcast_one_to_all(np.int32(not message and error is None))
+      if not message and error is None and not held:
         message = "process 0 could not take the workdir lock (see its log)."
+    if error is not None:
+      raise error
     if message:
       raise WorkdirLocked(message)
     if jax.process_index() == 0:
