@@ -11,6 +11,7 @@ import time
 import pytest
 import yaml
 
+from bigpretrain.runtime import distributed
 from tests import helpers
 
 LAUNCH = helpers.ROOT / "launch"
@@ -145,6 +146,16 @@ def test_slurm_header_one_task_per_gpu_and_term_before_the_limit():
   signal_lines = [l for l in header if l.startswith("#SBATCH --signal=")]
   assert len(signal_lines) == 1 and signal_lines[0].startswith("#SBATCH --signal=B:TERM@")
   assert int(signal_lines[0].rsplit("@", 1)[1]) >= 120
+
+
+def test_a_slurm_batch_script_without_srun_is_told(monkeypatch):
+  monkeypatch.setenv("SLURM_JOB_ID", "123")
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  monkeypatch.delenv("SLURM_STEP_NODELIST", raising=False)
+  with pytest.raises(ValueError, match="SLURM_NTASKS=4 .* Start the tasks with srun"):
+    distributed.detect()
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "node[001-004]")  # A task srun started.
+  assert distributed.detect() == ("slurm", {})
 
 
 def test_slurm_dry_run_prints_srun():

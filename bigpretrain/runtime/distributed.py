@@ -40,6 +40,11 @@ def detect() -> tuple[str, dict]:
   if len([h for h in hosts.split(",") if h]) > 1 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
     return "tpu_pod", {}
   if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+    if "SLURM_STEP_NODELIST" not in os.environ:  # What JAX reads the coordinator from.
+      raise ValueError(
+          f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but this process is not one of the "
+          "job's tasks (no SLURM_STEP_NODELIST: it runs in the batch script itself). Start "
+          "the tasks with srun (launch/slurm.sbatch does), one per GPU.")
     return "slurm", {}
   return "single", {}
 
