@@ -435,13 +435,7 @@ class _StepOutputs:
     with timer.excluded():
       self.profiler.after_step(step, step_metrics)
     if log or stop:
-      row, diverged = self.pending.flush(timer)
-      row.update(self.perf.metrics())
-      if self.compile_s is not None:
-        row["perf/compile_s"], self.compile_s = self.compile_s, None
-      self.writer.write(step, row)
-      if diverged:
-        raise diverged
+      row = self._write_interval(step)
       self.bar.set_postfix(loss=f"{row['train/loss']:.4f}",
                            img_s=f"{row['train/images_per_sec']:.0f}")
     if stop:
@@ -455,12 +449,31 @@ class _StepOutputs:
     if save or any(_every(step, ev.every_steps, total_steps) for ev in self.evaluators):
       with timer.blocked():  # The steps so far belong to the interval, not to the evals.
         jax.block_until_ready(step_metrics)
-        self.pending.check()  # No evaluation or checkpoint of a diverged state.
+        try:
+          self.pending.check()  # No evaluation or checkpoint of a diverged state.
+          diverged = None
+        except divergence.Diverged as e:
+          diverged = e
+      if diverged:
+        self._write_interval(step)  # Its rows, the bad step's among them, then the error.
+        raise diverged
       with timer.excluded():
-        self.results.update(self.run_evals(step, state))
-        if save:
+        if save:  # First: a preemption during a long evaluation finds it taken.
           self.checkpointer.save(step, state, self.train_iter)
+        self.results.update(self.run_evals(step, state))
     return False
+
+  def _write_interval(self, step: int) -> dict:
+    """Writes the metrics row of the steps since the last one (at `step`) and returns it;
+    raises divergence.Diverged after writing it when one of them diverged."""
+    row, diverged = self.pending.flush(self.perf.timer)
+    row.update(self.perf.metrics())
+    if self.compile_s is not None:
+      row["perf/compile_s"], self.compile_s = self.compile_s, None
+    self.writer.write(step, row)
+    if diverged:
+      raise diverged
+    return row
 
 
 def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
