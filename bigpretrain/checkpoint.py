@@ -300,7 +300,7 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
     if self.meta is not None:
       items["meta"] = ocp.args.JsonSave(self.meta)
-    self.check()
+    self._join_pending()  # Its failure is its own step's, not this one's.
     try:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:  # pylint: disable=broad-except
@@ -335,12 +335,19 @@ class Checkpointer:
     (the trainer calls it every step). Nothing while it runs or once it succeeded; nothing
     that other processes must join (see `confirm`)."""
     if self._pending is not None and not self.manager.is_saving_in_progress():
-      try:  # Both local: the finished save's thread joined, its errors raised.
-        self.manager.wait_until_finished()
-        self.manager.check_for_errors()
-      except Exception as e:  # pylint: disable=broad-except
-        step, self._pending = self._pending, None
-        raise self._save_error(step, e) from e
+      self._join_pending()
+
+  def _join_pending(self) -> None:
+    """Waits for the save in flight, here only (no barrier); CheckpointSaveError naming its
+    step if it failed. It still counts as the last save (see `confirm`)."""
+    if self._pending is None:
+      return
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._pending = self._pending, None
+      raise self._save_error(step, e) from e
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
     cause = _root_cause(e)

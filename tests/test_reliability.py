@@ -609,6 +609,13 @@ def test_failed_async_save_is_reported_when_it_fails_and_not_counted(tmp_path, m
   monkeypatch.undo()
   assert saver.manager.all_steps() == [1]  # Step 2 is not counted as saved...
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # ...nor its partial folder kept.
+  # The next save, before any check: the error is the failed save's, not the new one's.
+  monkeypatch.setattr(ocp.CheckpointManager, "_finalize_checkpoint", full_disk)
+  saver.save(3, _state(head_classes=3))
+  with pytest.raises(checkpoint.CheckpointSaveError, match="^saving checkpoint step 3 "):
+    saver.save(4, _state(head_classes=3))
+  monkeypatch.undo()
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
   saver.close()
 
 
