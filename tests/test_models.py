@@ -226,6 +226,7 @@ def test_bfloat16_compute_gives_finite_float32_logits():
 def test_drop_path_rate_schedules():
   np.testing.assert_allclose(layers.drop_path_rates(0.3, 4, "linear"), [0.0, 0.1, 0.2, 0.3])
   assert layers.drop_path_rates(0.3, 4, "uniform") == [0.3] * 4
+  assert layers.drop_path_rates(0.3, 1, "linear") == [0.0]  # torch.linspace(0, 0.3, 1).
   model = models.get_model("vit_demo", num_classes=4, rngs=nnx.Rngs(0), drop_path_rate=0.15)
   np.testing.assert_allclose([b.drop_path_rate for b in model.blocks], [0, 0.05, 0.1, 0.15])
   with pytest.raises(ValueError, match="drop_path_schedule"):

@@ -133,14 +133,13 @@ def drop_path_rates(rate: float, depth: int, schedule: str = "linear") -> list[f
   """Per-block stochastic-depth rates.
 
   'linear' (DeiT): block i gets rate * i / (depth - 1), so the first block is never dropped
-  and the last one is dropped with `rate`. 'uniform' (cosub): every block gets `rate`.
+  (a single block neither, as DeiT's linspace(0, rate, 1) gives) and the last one is
+  dropped with `rate`. 'uniform' (cosub): every block gets `rate`.
   """
   if not 0.0 <= rate <= 1.0:
     raise ValueError(f"drop_path_rate must be in [0, 1], got {rate!r}")
   if schedule == "linear":
-    if depth == 1:
-      return [float(rate)]
-    return [float(rate) * i / (depth - 1) for i in range(depth)]
+    return [float(rate) * i / max(depth - 1, 1) for i in range(depth)]
   if schedule == "uniform":
     return [float(rate)] * depth
   raise ValueError(f"drop_path_schedule must be 'linear' or 'uniform', got {schedule!r}")

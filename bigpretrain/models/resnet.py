@@ -66,7 +66,9 @@ def check_convnet_stochastic_depth(stochastic_depth: str) -> None:
 
 
 def batch_norm(ch, *, dtype, param_dtype, rngs, zero_scale=False):
-  """BatchNorm with PyTorch's defaults (momentum 0.1 = Flax 0.9, eps 1e-5)."""
+  """BatchNorm with PyTorch's momentum (0.1 = Flax 0.9) and eps (1e-5). Its running variance
+  averages the biased batch variance where PyTorch's averages the unbiased one (n / (n - 1)
+  times it: negligible at a training batch's n)."""
   return layers.BatchNorm(ch, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype,
                           scale_init=(nnx.initializers.zeros if zero_scale
                                       else nnx.initializers.ones),
