@@ -6,6 +6,8 @@ predictions over a pool (pool_predictions.py), pooled features for few-shot prob
 and zero-shot scores are all this one forward with a different `outputs` function.
 """
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
 
 from bigpretrain import preprocess
 from bigpretrain import sharding
@@ -36,18 +38,26 @@ def make_forward(model_def, shardings, mesh, normalize: str, outputs):
       **outputs(module, batch["image"]), "index": batch["index"], "mask": batch["mask"]})
 
 
+def total_over_processes(count: int) -> int:
+  """`count` (e.g. the corrupt records of this process's slice) summed over the processes;
+  every process must call it alike."""
+  if jax.process_count() == 1:
+    return count
+  return int(np.sum(multihost_utils.process_allgather(np.int64(count))))
+
+
 def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh,
                  fields=None):
   """Runs a per-row step (make_forward, or make_step returning a 'mask') over `source`, every
   process its own slice as pipeline.eval_iterator reads it, with the record `fields` the
   step reads; yields (rows, skipped) per batch: rows are the batch's real records as numpy
   arrays, the same on every process ('index' = position in `source`), skipped the corrupt
-  records the pipeline dropped from the batch."""
+  records the pipeline dropped from the batch (on all processes)."""
   batches = pipeline.eval_iterator(source, data_cfg, global_batch_size=batch_size,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count(), fields=fields or {})
   for batch in batches:
-    skipped = int(batch.pop("_skipped"))
+    skipped = total_over_processes(int(batch.pop("_skipped")))
     result = jax.device_get(step(variables["params"], variables["extra"],
                                  sharding.global_batch(batch, mesh)))
     keep = result.pop("mask") > 0

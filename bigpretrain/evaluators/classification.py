@@ -37,7 +37,8 @@ def _add(totals, out):
 
 def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_size: int,
              fields) -> tuple[dict, int, int]:
-  """Sums `eval_step` over `split`: (host totals, corrupt records skipped, batches)."""
+  """Sums `eval_step` over `split`: (host totals, corrupt records skipped on all processes,
+  batches)."""
   batches = pipeline.eval_iterator(
       subset.split_source(dataset, split), data_cfg, global_batch_size=batch_size,
       process_index=jax.process_index(), process_count=jax.process_count(), fields=fields)
@@ -50,7 +51,7 @@ def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_siz
     count += 1
   if totals is None:
     raise ValueError(f"Split {split!r} of {dataset.info.name!r} is empty.")
-  return jax.device_get(totals), skipped, count
+  return jax.device_get(totals), inference.total_over_processes(skipped), count
 
 
 def check_topk(name: str, topk) -> tuple[int, ...]:
