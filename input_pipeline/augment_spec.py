@@ -178,6 +178,6 @@ def apply_train_ops(image: Img, ops: tuple[str, ...], rng: np.random.Generator,
   out = image if decoding.is_undecoded(image) else augment.to_array(image)
   for op in ops:  # Arrays between ops: the array-based ops then convert nothing.
     out = augment.to_array(_build(op)(out, rng, image_size))
-  return np.ascontiguousarray(out)
+  return np.ascontiguousarray(augment.to_array(out))  # No ops: decoded here.
 
 

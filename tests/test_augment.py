@@ -476,6 +476,16 @@ def test_undecoded_png_grayscale_cmyk_and_corrupt_bytes():
   assert issubclass(decoding.CorruptImageError, ValueError)
 
 
+def test_no_train_ops_still_decode_to_rgb_and_report_corrupt_bytes():
+  rng = np.random.default_rng(0)
+  grey = decoding.open_image(_encode(_blobby_photo(16, 16), mode="L"))
+  out = augment_spec.apply_train_ops(grey, (), rng, 16)
+  assert out.shape == (16, 16, 3) and out.dtype == np.uint8
+  truncated = decoding.open_image(_encode(_blobby_photo(600, 800))[:3000])
+  with pytest.raises(decoding.CorruptImageError, match="truncated"):
+    augment_spec.apply_train_ops(truncated, (), rng, 16)
+
+
 @pytest.mark.parametrize("fmt,mode", [("WEBP", "RGBA"), ("ICO", "L")])
 def test_images_pil_decodes_on_open_come_out_rgb(fmt, mode):
   # PIL decodes WebP and ICO while opening them, in their own modes.
