@@ -21,7 +21,6 @@ taken before it is never rotated out, nor a diverged one resumed from.
 Consumers of the weights (model_init, teachers, load_pretrained) read the 'ema' item when
 there is one: the weights the run evaluated.
 """
-import errno
 import json
 import logging as logging_std
 import os
@@ -37,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from bigpretrain import registry
 from bigpretrain.runtime import console
+from bigpretrain.runtime import transient
 from input_pipeline import stream_position
 
 
@@ -161,31 +161,6 @@ def _root_cause(e: BaseException) -> BaseException:
   while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
     e = e.__cause__ or e.__context__
   return e
-
-
-# Errors of the storage or the host rather than of the checkpoint's bytes: a restore that
-# meets one stops the run with the checkpoints left as they are (a re-run retries).
-_PASSING_ERRNOS = {errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.EMFILE,
-                   errno.ENFILE, errno.EIO, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED,
-                   errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
-_PASSING_STATUS = re.compile(
-    r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED|CANCELLED)\b|"
-    r"[Oo]ut of memory|[Tt]imed out")
-
-
-def _passing(e: BaseException) -> bool:
-  """Whether `e` (or an error it was raised from) is a storage, network or memory failure
-  that says nothing about the checkpoint's own bytes."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, (MemoryError, TimeoutError, ConnectionError)) or (
-        isinstance(e, OSError) and e.errno in _PASSING_ERRNOS):
-      return True
-    if _PASSING_STATUS.search(str(e)):
-      return True
-    e = e.__cause__ or e.__context__
-  return False
 
 
 class CheckpointReadError(RuntimeError):
@@ -551,7 +526,7 @@ class Checkpointer:
   def _unreadable(self, step: int, e: Exception, older: int) -> None:
     """Reports checkpoint `step` unreadable and moves it aside (passes over it when
     read-only), or raises CheckpointReadError when the cause is outside the checkpoint."""
-    if _passing(e):
+    if transient.is_transient(e):
       raise CheckpointReadError(
           f"reading checkpoint step {step} in {self.directory} failed ({_reason(e)}): a "
           "storage, network or memory error, not the checkpoint's; nothing was moved. Re-run "

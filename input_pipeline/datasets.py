@@ -42,6 +42,7 @@ datasets).
 import functools
 import pathlib
 import re
+import time
 from typing import Any, Mapping
 
 from array_record.python import array_record_module
@@ -51,6 +52,7 @@ from tensorflow_datasets.core import read_only_builder
 
 from bigpretrain import registry
 from bigpretrain.runtime import cache
+from bigpretrain.runtime import transient
 from input_pipeline import dataset_base
 from input_pipeline import decoding
 from input_pipeline import subset
@@ -92,6 +94,11 @@ def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | Non
   return None
 
 
+# Seconds before each new read of a record whose read failed for a storage or network
+# reason (runtime.transient); after the last, it counts as unreadable.
+READ_RETRY_WAITS_S = (0.5, 2.0)
+
+
 class RecordSource(Source):
   """Random-access records of one split, picklable for grain workers.
 
@@ -107,10 +114,14 @@ class RecordSource(Source):
     return len(self._source)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    try:
-      record = self._source[index]
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._read_error(index, e) from e
+    for wait_s in READ_RETRY_WAITS_S + (None,):
+      try:
+        record = self._source[index]
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        if wait_s is None or not transient.is_transient(e):
+          raise self._read_error(index, e) from e
+        time.sleep(wait_s)  # A storage blip: the record is read again, not skipped.
     return _clean(record)
 
   def __getitems__(self, indices) -> list[dict[str, Any]]:
@@ -155,7 +166,9 @@ def _shard_opens(path: str) -> bool:
   truncated or overwritten tail): no record of it is readable."""
   try:
     reader = array_record_module.ArrayRecordReader(path)
-  except Exception:  # pylint: disable=broad-except
+  except Exception as e:  # pylint: disable=broad-except
+    if transient.is_transient(e):
+      raise  # Not remembered: the next failed read looks again.
     return False
   ok = reader.ok()
   try:

@@ -22,6 +22,8 @@ import pytest
 from bigpretrain import checkpoint
 from bigpretrain.runtime import metric_writers
 from bigpretrain.runtime import workdir_lock
+from input_pipeline import datasets
+from input_pipeline import decoding
 from tests import helpers
 
 
@@ -446,6 +448,31 @@ def _gradients():
   ramp = np.linspace(0, 65535, 24 * 32).astype(np.uint16).reshape(24, 32)
   rgb = np.stack([ramp, ramp[::-1], np.full_like(ramp, 30000)], axis=-1)
   return ramp, rgb
+
+
+def test_a_record_read_that_fails_for_the_storage_is_read_again(monkeypatch):
+  monkeypatch.setattr(datasets, "READ_RETRY_WAITS_S", (0.0, 0.0))
+
+  class Flaky:
+    def __init__(self, errors):
+      self.errors = list(errors)
+
+    def __len__(self):
+      return 1
+
+    def __getitem__(self, index):
+      if self.errors:
+        raise self.errors.pop(0)
+      return {"label": np.int64(4)}
+
+  timeout = OSError(errno.ETIMEDOUT, "Connection timed out")
+  assert datasets.RecordSource(Flaky([timeout, timeout]), "train")[0] == {"label": 4}
+  with pytest.raises(decoding.CorruptRecordError, match="timed out"):  # Never came back.
+    _ = datasets.RecordSource(Flaky([timeout] * 3), "train")[0]
+  flaky = Flaky([ValueError("DATA_LOSS: checksum mismatch"), timeout])
+  with pytest.raises(decoding.CorruptRecordError, match="checksum"):  # Bad bytes: no retry.
+    _ = datasets.RecordSource(flaky, "train")[0]
+  assert flaky.errors == [timeout]
 
 
 def test_an_empty_or_non_image_file_is_told_without_the_stream_object():

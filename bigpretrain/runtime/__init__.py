@@ -7,5 +7,6 @@ workdir_lock.py   one trainer per workdir
 metric_writers.py metrics.jsonl, TensorBoard and the progress bar
 console.py        the one channel for what a run tells its user
 cache.py          the cache folder (WordNet files, demo dataset, compilation cache)
+transient.py      errors of the storage, network or memory, not of the data read
 tracer_sharding.py JAX's Tracer.sharding without its quadratic origin message (NNX tracing)
 """
