@@ -148,16 +148,20 @@ def test_corrupt_copies_of_one_step_are_all_kept(tmp_path, capsys):
                                              None))
 
 
+def _save_steps(directory, steps) -> None:
+  saver = checkpoint.Checkpointer(str(directory), async_save=False)
+  for step in steps:
+    saver.save(step, _state(head_classes=3, value=float(step)))
+  saver.close()
+
+
 @pytest.mark.parametrize("error", [
     OSError(errno.ETIMEDOUT, "Connection timed out"),
     ValueError("UNAVAILABLE: Error reading local file: read of 4096 bytes failed"),
     MemoryError()])
 def test_a_storage_or_memory_error_stops_the_restore_and_moves_nothing(tmp_path, error):
   directory = tmp_path / "ckpt"
-  saver = checkpoint.Checkpointer(str(directory), async_save=False)
-  for step in (2, 4):
-    saver.save(step, _state(head_classes=3, value=float(step)))
-  saver.close()
+  _save_steps(directory, (2, 4))
   before = _tree(directory)
   reader = checkpoint.Checkpointer(str(directory), async_save=False)
 
@@ -174,10 +178,7 @@ def test_a_storage_or_memory_error_stops_the_restore_and_moves_nothing(tmp_path,
 def test_another_runs_checkpoints_are_read_only(tmp_path, capsys):
   # config.resume: an unreadable checkpoint there is passed over and left where it is.
   directory = tmp_path / "other"
-  saver = checkpoint.Checkpointer(str(directory), async_save=False)
-  for step in (2, 4):
-    saver.save(step, _state(head_classes=3, value=float(step)))
-  saver.close()
+  _save_steps(directory, (2, 4))
   _truncate_arrays(directory / "4")
   before = _tree(directory)
   reader = checkpoint.Checkpointer(str(directory), async_save=False, read_only=True)
