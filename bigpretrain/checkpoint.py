@@ -2,16 +2,18 @@
 
 Items: 'params' ({'params', 'extra'}: the raw weights training resumes from), 'ema' (the
 same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 'opt_state',
-'skipped_records'}), 'data' (the grain iterator, one file per process), 'data_position'
-(JSON: the process count, data.num_workers and the stream_position.Position the train
-stream started from) and 'meta' (JSON: the model config, class names, dataset and input
+'skipped_records', 'health': the divergence record}), 'data' (the grain iterator, one file
+per process), 'data_position' (JSON: the process count, data.num_workers and the
+stream_position.Position the train stream started from) and 'meta' (JSON: the model config, class names, dataset and input
 settings, so that a checkpoint path alone rebuilds the model; see `run_meta`). Arrays are
 restored onto the current mesh's shardings, whatever mesh saved them; the train stream
 resumes from grain's own state on the same topology and from the global stream position on
 another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
 another model, class list or objective, or its arrays do not fit the state) is refused with
 the differing keys named, and nothing is moved; one whose data cannot be read is moved aside
-to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used.
+to `<dir>_corrupt/` (never over an earlier copy there) and the previous one used. A read that
+fails for the storage, network or memory (runtime.transient) stops the run with nothing
+moved: a re-run retries it.
 
 Rotation keeps the `keep` newest checkpoints whose state is known good (its loss, measured
 by the next step, was good: see bigpretrain/divergence.py) and every newer one; a diverged run

@@ -80,8 +80,8 @@ def main(argv):
     preemption.exit_interrupted()
   except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
           workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnwritable,
-          checkpoint.CheckpointSaveError, metric_writers.MetricWriteError,
-          train.DataWorkerDied) as e:
+          checkpoint.CheckpointSaveError, checkpoint.CheckpointReadError,
+          metric_writers.MetricWriteError, train.DataWorkerDied) as e:
     # Configuration and data errors: one clear line, not a traceback through jit. It
     # starts on a line of its own (a progress bar may be mid-line on the terminal).
     logging.exception("Run failed")
