@@ -52,10 +52,8 @@ def main(argv):
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
-  from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
-  from bigpretrain.runtime import metric_writers  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import preemption  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import workdir_lock  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value
@@ -78,10 +76,7 @@ def main(argv):
   except preemption.Interrupted as e:
     print(str(e), file=sys.stderr, flush=True)
     preemption.exit_interrupted()
-  except (ValueError, TypeError, FileNotFoundError, FloatingPointError,
-          workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnwritable,
-          checkpoint.CheckpointSaveError, checkpoint.CheckpointReadError,
-          metric_writers.MetricWriteError, train.DataWorkerDied) as e:
+  except cli.USER_ERRORS + cli.run_errors() as e:
     # Configuration and data errors: one clear line, not a traceback through jit. It
     # starts on a line of its own (a progress bar may be mid-line on the terminal).
     logging.exception("Run failed")

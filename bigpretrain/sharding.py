@@ -88,6 +88,12 @@ def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
   if global_batch_size % jax.process_count():
     raise ValueError(f"config.batch_size={global_batch_size} is not divisible by the "
                      f"{jax.process_count()} processes.")
+  if dp % jax.process_count():  # Each process loads rows of its own: shards of its own.
+    raise ValueError(f"the mesh splits the batch over {dp} data-parallel devices (data="
+                     f"{mesh.shape['data']} x fsdp={mesh.shape['fsdp']}), fewer than or not a "
+                     f"multiple of the {jax.process_count()} processes: processes sharing a "
+                     "batch shard would feed it different rows. Give data x fsdp a multiple "
+                     "of the process count (config.mesh).")
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

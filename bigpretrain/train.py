@@ -500,8 +500,10 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                 "evaluate the EMA weights.")
 
   if is_main:  # What `bigpretrain.tools.predict` and later readers rebuild the model from.
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    path = os.path.join(workdir, "config.json")  # Whole or not at all: resumes read it.
+    with open(path + ".tmp", "w") as f:
       f.write(config.to_json_best_effort(indent=2))
+    os.replace(path + ".tmp", path)
   writer = metric_writers.MetricWriter(workdir, enabled=is_main)
   cleanup.callback(writer.close)  # Also when the run stops on an error: nothing left to flush.
   step_fn = exp.train_step()

@@ -5,6 +5,7 @@ described in input_pipeline/jobs/selection_job.py's docstring.
 """
 import dataclasses
 import json
+import uuid
 from typing import Sequence
 
 from etils import epath
@@ -47,7 +48,15 @@ def write_info(pred_dir, *, class_names: Sequence[str], top_p: int, dataset: str
     info["num_records"] = int(num_records)
   if num_excluded is not None:
     info["num_excluded"] = int(num_excluded)
-  (epath.Path(pred_dir) / INFO_FILE).write_text(json.dumps(info, indent=1))
+  write_whole(epath.Path(pred_dir) / INFO_FILE, json.dumps(info, indent=1))
+
+
+def write_whole(path: epath.Path, text: str) -> None:
+  """Writes `path` whole or not at all (a temporary name, then a rename): a done-marker that
+  a kill mid-write leaves half written would be trusted by the re-run."""
+  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+  tmp.write_text(text)
+  tmp.replace(path)
 
 
 @dataclasses.dataclass(frozen=True)

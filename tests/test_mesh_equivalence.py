@@ -115,3 +115,13 @@ def test_tensor_parallel_mesh_matches_one_device(family):
   assert not bad, f"gradients differ from one device's: {bad}"
   for got, want in zip(jax.tree.leaves(new_rest), jax.tree.leaves(want_rest)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_shard_shared_by_processes_is_refused():
+  # 2 processes, the batch over 1 device (tensor parallelism across them): each would stitch
+  # its own rows into the one shard.
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": -1}, jax.devices()[:2])
+  with mock.patch.object(jax, "process_count", return_value=2):
+    with pytest.raises(ValueError, match="1 data-parallel devices .* the 2 processes"):
+      sharding.check_batch_size(16, mesh)
+  sharding.check_batch_size(16, mesh)  # One process: fine.

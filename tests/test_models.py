@@ -244,6 +244,11 @@ def test_drop_path_per_row_statistics_and_scaling():
   assert abs(np.mean(row == 0) - 0.3) < 0.03  # binomial std ~0.007
   np.testing.assert_array_equal(layers.drop_path(x, 1.0, jax.random.key(0)), np.zeros_like(x))
   np.testing.assert_array_equal(layers.drop_path(x, 0.0, None), x)
+  # In bfloat16 too a kept row is scaled by 1 / 0.9 as near as bfloat16 has it (1.109375, the
+  # scale rounded first, would bias every row low by 0.16%).
+  x16 = jnp.full((64, 1), 3.0, jnp.bfloat16)
+  kept = np.asarray(layers.drop_path(x16, 0.1, jax.random.key(0)), np.float32)
+  assert set(np.unique(kept).tolist()) <= {0.0, float(jnp.bfloat16(3.0 / 0.9))}
 
 
 def test_block_drops_each_branch_per_row_independently():

@@ -157,7 +157,8 @@ def drop_path(x: jax.Array, rate: float, rng: jax.Array) -> jax.Array:
     return jnp.zeros_like(x)
   keep_prob = 1.0 - rate
   keep = jax.random.bernoulli(rng, keep_prob, (x.shape[0],) + (1,) * (x.ndim - 1))
-  return x * (keep.astype(x.dtype) / jnp.asarray(keep_prob, x.dtype))
+  # The scale in float32: 1 / 0.9 in bfloat16 (1.109375) would bias every kept row low.
+  return (x * jnp.where(keep, 1.0 / keep_prob, 0.0).astype(jnp.float32)).astype(x.dtype)
 
 
 STOCHASTIC_DEPTH_MODES = ("mask", "esd")

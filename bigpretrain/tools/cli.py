@@ -10,6 +10,20 @@ from absl import logging
 USER_ERRORS = (FileNotFoundError, ValueError)
 
 
+def run_errors() -> tuple[type, ...]:
+  """What a training run stops with, in one line (bigpretrain.main's, and commands that
+  train: a locked or unwritable workdir, a failed save or checkpoint read, a dead worker)."""
+  # pylint: disable=import-outside-toplevel
+  from bigpretrain import checkpoint
+  from bigpretrain import train
+  from bigpretrain.runtime import metric_writers
+  from bigpretrain.runtime import workdir_lock
+  return (TypeError, FloatingPointError, workdir_lock.WorkdirLocked,
+          workdir_lock.WorkdirUnwritable, checkpoint.CheckpointSaveError,
+          checkpoint.CheckpointReadError, metric_writers.MetricWriteError,
+          train.DataWorkerDied)
+
+
 @contextlib.contextmanager
 def user_errors(*more: type, log_traceback: bool = False):
   """Turns USER_ERRORS (and `more`) raised inside into `ERROR: <message>` on stderr and exit 1;

@@ -34,7 +34,7 @@ def main(argv):
   os.makedirs(f.workdir, exist_ok=True)
   logging.get_absl_handler().use_absl_log_file("log", f.workdir)
   started = time.time()
-  with cli.user_errors(TypeError, FloatingPointError, log_traceback=True):
+  with cli.user_errors(*cli.run_errors(), log_traceback=True):
     try:
       semi_supervised.run(f.config, f.workdir)
     except (semi_supervised.Interrupted, preemption.Interrupted) as e:  # Nothing lost.

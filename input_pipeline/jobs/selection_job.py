@@ -621,7 +621,7 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
       "report": build_report(k_arr, raw["candidates"], raw["records"], stats,
                              preds.class_names, excluded=raw["excluded"]),
   }
-  done.write_text(json.dumps(info))
+  formats.write_whole(done, json.dumps(info))
   raw_path.unlink()
   return info
 
