@@ -274,7 +274,7 @@ def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
   # config.model_init into a 3-class model keeps everything; into 5 classes, a fresh head.
   model_def = models.ModelDef.from_config({"name": "vit_ti16", "image_size": 32}, 5)
   params, extra = model_def.create(jax.random.key(1))
-  _, fresh, _ = checkpoint.init_from(str(tmp_path / "c"), {"params": params, "extra": extra})
+  _, fresh, _, _ = checkpoint.init_from(str(tmp_path / "c"), {"params": params, "extra": extra})
   assert fresh == ["params/head/bias", "params/head/kernel"]
 
 

@@ -266,7 +266,7 @@ def _initialised_logits(config, num_classes):
   model_def = models.ModelDef.from_config(config.model, num_classes,
                                           image_size=config.data.image_size)
   params, extra = model_def.create(jax.random.key(0))
-  loaded, _, resized = checkpoint.init_from(
+  loaded, _, resized, _ = checkpoint.init_from(
       config.model_init, {"params": params, "extra": extra}, skip=config.model_init_skip,
       adapt=model_def.param_adapter(config.model_init_resize))
   size = config.data.image_size
