@@ -23,6 +23,7 @@ the in-step form, skipping the bad batches alone, and `resume_step` the restart.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 POLICIES = ("stop", "skip")
 
@@ -58,8 +59,18 @@ def assess(health: dict, loss, grad_norm, loss_factor: float, min_rise: float = 
 
 
 def keep_if(healthy, new, old):
-  """`new` where the step was healthy, else `old` (leaf by leaf): the skip policy's update."""
-  return jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+  """`new` where the step was healthy, else `old` (leaf by leaf): the skip policy's update.
+
+  The learning-rate schedule's own counter (optax.ScaleByScheduleState) always advances: the
+  schedule follows the run's step, so a run with skipped steps still ends its schedule at
+  total_steps and the logged train/lr is the one applied. The optimizer's moments and their
+  bias-correction count stay as they were, as no update was applied."""
+  def pick(n, o):
+    if isinstance(n, optax.ScaleByScheduleState):
+      return n
+    return jnp.where(healthy, n, o)
+  return jax.tree.map(pick, new, old,
+                      is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 
 def _reason(row: dict, loss_factor: float, window: int) -> str:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -101,6 +102,23 @@ def test_skip_policy_keeps_the_weights_of_bad_steps_and_counts_them(tmp_path):
   # The skipped steps applied no update: the weights stay step 1's (exploded, finite).
   norms = [r["train/param_norm"] for r in rows]
   assert 1e9 < norms[0] < np.inf and norms[1:] == [norms[0]] * 3
+
+
+def test_a_skipped_step_keeps_the_moments_but_the_schedule_follows_the_step():
+  schedule = optax.linear_schedule(0.0, 1.0, 10)
+  tx = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule))
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  grads = {"w": jnp.full(3, 2.0)}
+  for step, healthy in enumerate((True, False, False, True)):
+    updates, new = tx.update(grads, state, params)
+    np.testing.assert_allclose(updates["w"], -schedule(step) * np.ones(3), rtol=1e-4)
+    state = divergence.keep_if(jnp.bool_(healthy), new, state)
+  adam_state, schedule_state = state
+  # Two updates applied: adam's bias-correction count and moments saw two steps (mu of a
+  # constant gradient g after n steps: g * (1 - 0.9^n)); the schedule saw all four.
+  assert int(adam_state.count) == 2 and int(schedule_state.count) == 4
+  np.testing.assert_allclose(adam_state.mu["w"], 2.0 * (1 - 0.9**2) * np.ones(3), rtol=1e-6)
 
 
 def test_a_bad_step_is_a_non_finite_one_or_a_spike_over_the_running_median():
