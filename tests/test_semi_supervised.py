@@ -228,6 +228,19 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
   with pytest.raises(ValueError, match=r"\[teacher\] .* another config \(keys \['total_steps'\]\)"):
     semi_supervised.run(_tiny_config(**{"teacher.total_steps": 7}), str(tmp_path))
 
+  # A stage whose inputs changed is refused, never reused: another top_p for inference, a
+  # student trained again (its marker differs) under a fine-tuning that read the old one.
+  with pytest.raises(ValueError, match=r"\[infer unlabeled\] .*round1/predictions/unlabeled was "
+                                       r"built from another infer than now"):
+    semi_supervised.run(_tiny_config(**{"infer.top_p": 5}), str(tmp_path))
+  marker = r1 / "student" / semi_supervised.DONE_FILE
+  done = json.loads(marker.read_text())
+  done["results"]["eval/top1"] = -1.0
+  marker.write_text(json.dumps(done))
+  with pytest.raises(ValueError, match=r"\[round 1 fine-tuning\] .* built from another "
+                                       r"model_init than now .* delete it and the folders"):
+    semi_supervised.run(_tiny_config(rounds=2), str(tmp_path))
+
 
 def test_bad_input_gets_clear_errors(tmp_path):
   with pytest.raises(ValueError, match=r"pool_splits names \['nope'\]"):

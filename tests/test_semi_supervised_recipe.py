@@ -76,8 +76,8 @@ def test_dedup_is_on_at_paper_scale_against_the_validation_set():
   assert recipe.get_config("scale=paper,dedup=off").dedup.against == ""
 
 
-def _predictions(folder, split, n):
-  folder.mkdir(parents=True)
+def _predictions(folder, split, n, exist_ok=False):
+  folder.mkdir(parents=True, exist_ok=exist_ok)
   index = np.arange(n)
   selection_formats.write_predictions(folder / "a.parquet", "demo", split, index,
                                       np.zeros((n, 1)), np.full((n, 1), 0.5))
@@ -96,6 +96,7 @@ def test_dedup_stage_removes_its_records_from_the_pool(tmp_path, monkeypatch):
     return {}
 
   monkeypatch.setattr(dedup, "run", fake_run)
+  monkeypatch.setattr(semi_supervised, "model_identity", lambda workdir: f"id of {workdir}")
   removed = semi_supervised.dedup_stage(config, "/teacher", "unlabeled",
                                         tmp_path / "dedup" / "unlabeled")
   assert calls == [("/teacher", "demo:unlabeled", "demo:validation", 20, None)]
@@ -112,6 +113,14 @@ def test_dedup_stage_removes_its_records_from_the_pool(tmp_path, monkeypatch):
                              tmp_path / "pool")
   with pytest.raises(ValueError, match="other exclusions"):
     semi_supervised.pool_stage({"unlabeled": preds}, {}, ["a", "b"], tmp_path / "pool")
+  # Predictions made again (another teacher): the pool built from the old ones is refused.
+  _predictions(preds, "unlabeled", 9, exist_ok=True)
+  with pytest.raises(ValueError, match=r"\[pool\] .* built from another predictions than now"):
+    semi_supervised.pool_stage({"unlabeled": preds}, {"unlabeled": removed}, ["a", "b"],
+                               tmp_path / "pool")
+  # The dedup folder records its model: another teacher is refused there too.
+  with pytest.raises(ValueError, match=r"\[dedup unlabeled\] .* built from another model"):
+    semi_supervised.dedup_stage(config, "/other", "unlabeled", tmp_path / "dedup" / "unlabeled")
 
 
 def test_step_schedule_decay_at_is_checked():

@@ -8,7 +8,10 @@ rounds) and, last, its completion marker; DIR/baseline holds the supervised base
 DIR/results.json the numbers. Re-running the command skips finished stages and resumes an
 interrupted one: the trainer from its checkpoint (SIGTERM saves one and stops the command
 with exit 0), inference shard by shard, the selection from scratch (it writes its index
-files, then selection.json). With `rounds` > 1 the fine-tuned student of
+files, then selection.json). Each stage's folder records what it was built from
+(inputs.json: the identity of the teacher, predictions, pool, selection or student it read);
+a stage whose inputs have changed since (a teacher trained again, another top_p) is refused
+with the folders to delete, never reused. With `rounds` > 1 the fine-tuned student of
 round r is round r + 1's teacher (supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
@@ -63,6 +66,7 @@ from input_pipeline import exclusions
 from input_pipeline import selection_formats
 
 DONE_FILE = "stage_done.json"
+INPUTS_FILE = "inputs.json"  # What a stage's folder was built from.
 POOL_EXCLUDED_FILE = "excluded.json"  # The pool stage's record of what it left out.
 RESULTS_FILE = "results.json"
 METRIC = "eval/top1"
@@ -96,6 +100,43 @@ def _say(text: str) -> None:
     console.say(text)
 
 
+def identity(marker: epath.Path) -> str:
+  """A finished stage's identity: the hash of its completion marker, which holds its config,
+  parameters and results, so a stage built again differently gets another."""
+  return hashlib.sha256(marker.read_bytes()).hexdigest()[:16]
+
+
+def model_identity(workdir: str) -> str:
+  """A model folder's identity: its stage marker's when this runner trained it, else (a model
+  trained elsewhere, e.g. config.teacher_workdir) its latest checkpoint step."""
+  marker = epath.Path(workdir) / DONE_FILE
+  if marker.exists():
+    return identity(marker)
+  ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(workdir), async_save=False,
+                                 read_only=True)
+  try:
+    return f"{workdir} step {ckpt.latest_step()}"
+  finally:
+    ckpt.close()
+
+
+def check_inputs(stage: str, folder: epath.Path, inputs: dict) -> None:
+  """Refuses to reuse or resume `folder` when it was built from other inputs; records them
+  in a folder that has no record yet."""
+  path = folder / INPUTS_FILE
+  if path.exists():
+    before = json.loads(path.read_text())
+    if before != inputs:
+      changed = sorted(k for k in set(before) | set(inputs) if before.get(k) != inputs.get(k))
+      raise ValueError(f"[{stage}] {folder} was built from another {' and '.join(changed)} than "
+                       f"now ({before} then, {inputs} now): delete it and the folders of the "
+                       "stages after it to build them again, or use another --workdir.")
+    return
+  if is_main():
+    folder.mkdir(parents=True, exist_ok=True)
+  _write_json(path, inputs)
+
+
 def stage_config(section, seed: int, data: dict) -> ml_collections.ConfigDict:
   """A fresh, unlocked trainer config from a config section, with the run's seed and the
   stage's data (name, dir, subset keys) set."""
@@ -116,8 +157,9 @@ def labelled_data(config) -> dict:
   return {k: config.data[k] for k in _DATA_KEYS if k in config.data}
 
 
-def train_stage(name: str, cfg, folder: epath.Path) -> dict:
-  """Trains `cfg` in `folder` unless its marker says it is done; returns the marker."""
+def train_stage(name: str, cfg, folder: epath.Path, inputs: dict | None = None) -> dict:
+  """Trains `cfg` in `folder` unless its marker says it is done; returns the marker.
+  `inputs`: the identities of the stages it reads (check_inputs)."""
   done = _read_done(folder)
   plain = json.loads(json.dumps(cfg.to_dict(), default=str))
   if done is not None:
@@ -126,8 +168,10 @@ def train_stage(name: str, cfg, folder: epath.Path) -> dict:
                     if plain.get(k) != (done.get("config") or {}).get(k))
       raise ValueError(f"[{name}] {folder} was trained with another config (keys {diff}); "
                        "use another --workdir, or delete that folder to train it again.")
+    check_inputs(name, folder, inputs or {})
     _say(f"[{name}] done already in {folder}: skipped ({METRIC}={_metric(done)})")
     return done
+  check_inputs(name, folder, inputs or {})
   _say(f"[{name}] training in {folder}")
   folder.mkdir(parents=True, exist_ok=True)
   num_train = len(datasets.train_sources(cfg.data, datasets.get_dataset(cfg.data))[0][0])
@@ -174,12 +218,15 @@ def check_pool(config, info: datasets.DatasetInfo) -> list[str]:
 
 def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
   """The teacher's top-P predictions over one split (bigpretrain.tools.infer; resumes by shard)."""
+  c = config.infer
+  name = pool_name(config)
+  check_inputs(f"infer {split}", folder, {
+      "teacher": model_identity(teacher), "pool": name,
+      "infer": {"top_p": c.top_p, "logits": c.logits, "shard_size": c.shard_size}})
   if (folder / selection_formats.INFO_FILE).exists():
     _say(f"[infer {split}] done already in {folder}: skipped")
     return
   _say(f"[infer {split}] teacher {teacher} -> {folder}")
-  c = config.infer
-  name = pool_name(config)
   pool_predictions.run(teacher, name, split, str(folder), data_dir=config.data.dir,
             top_p=c.top_p, batch_size=c.batch_size, logits=c.logits, shard_size=c.shard_size,
             fsdp=c.fsdp, num_workers=c.num_workers, progress=is_main(),
@@ -206,6 +253,8 @@ def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
   excluded = {split: {"num_records": int(len(v)), "sha256": hashlib.sha256(
       np.unique(np.asarray(v, np.int64)).astype("<i8").tobytes()).hexdigest()}
               for split, v in sorted(exclude.items()) if len(v)}
+  check_inputs("pool", folder, {"predictions": {
+      s: identity(d / selection_formats.INFO_FILE) for s, d in sorted(pred_dirs.items())}})
   if (folder / selection_formats.INFO_FILE).exists():
     marker = folder / POOL_EXCLUDED_FILE
     before = json.loads(marker.read_text()) if marker.exists() else excluded  # Older pools.
@@ -248,8 +297,7 @@ def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarra
   top_n = c.top_n if c.top_n > 0 else None
   max_distance = c.max_distance if c.max_distance >= 0 else None
   _say(f"[dedup {split}] against {c.against} with {model} -> {folder}")
-  if is_main():
-    folder.mkdir(parents=True, exist_ok=True)
+  check_inputs(f"dedup {split}", folder, {"model": model_identity(model)})
   _sync(f"dedup_{split}_start")
   dedup.run(model, f"{pool_name(config)}:{split}", c.against, str(folder),
                      top_n=top_n, max_distance=max_distance, data_dir=config.data.dir,
@@ -274,6 +322,7 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
     with open(c.class_sizes, encoding="utf-8") as f:
       class_sizes = json.load(f)
   k = None if c.variant == "unbalanced_ranked" else c.k
+  check_inputs("selection", folder, {"pool": identity(pool / selection_formats.INFO_FILE)})
   if (folder / selection_formats.SELECTION_FILE).exists():
     _say(f"[selection] done already in {folder}: skipped")
   else:
@@ -316,6 +365,7 @@ def run(config, workdir: str) -> dict:
   teacher = config.teacher_workdir
   if not teacher:
     teacher_cfg = stage_config(config.teacher, config.seed, labelled)
+    inputs = {}
     if config.get("teacher_pretrain"):  # Semi-weakly supervised: hashtags, then D.
       teacher_cfg.model_init = config.get("teacher_pretrained") or ""
       if not teacher_cfg.model_init:
@@ -324,7 +374,8 @@ def run(config, workdir: str) -> dict:
             config.teacher_pretrain, config.seed, {"dir": config.data.dir}), folder)
         teacher_cfg.model_init = str(folder)
         results["teacher_pretrain"] = done["results"]
-    done = train_stage("teacher", teacher_cfg, root / "round1" / "teacher")
+      inputs["model_init"] = model_identity(teacher_cfg.model_init)
+    done = train_stage("teacher", teacher_cfg, root / "round1" / "teacher", inputs)
     teacher = str(root / "round1" / "teacher")
     results["teacher"] = done["results"]
   if config.get("dedup") and config.dedup.against:
@@ -352,10 +403,12 @@ def run(config, workdir: str) -> dict:
     if foreign_pool:  # D-hat has no eval split of its own (selection_source.py).
       for evaluator in student_cfg.evals.values():
         evaluator.dataset = evaluator.get("dataset") or config.data.name
-    student = train_stage(f"round {r} student", student_cfg, rdir / "student")
+    student = train_stage(f"round {r} student", student_cfg, rdir / "student", {
+        "selection": identity(rdir / "selection" / selection_formats.SELECTION_FILE)})
     ft_cfg = stage_config(config.finetune, config.seed, labelled)
     ft_cfg.model_init = str(rdir / "student")
-    finetune = train_stage(f"round {r} fine-tuning", ft_cfg, rdir / "finetune")
+    finetune = train_stage(f"round {r} fine-tuning", ft_cfg, rdir / "finetune",
+                           {"model_init": identity(rdir / "student" / DONE_FILE)})
     steps = student["total_steps"] + finetune["total_steps"]
     results["rounds"].append({"teacher": teacher, "selected": sel["report"]["num_selected"],
                               "student": student["results"], "finetune": finetune["results"],
