@@ -1,7 +1,6 @@
 """Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
 import io
 import logging as std_logging
-import re
 import sys
 import tempfile
 
@@ -20,30 +19,6 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Total number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config"])
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad --config.KEY override (ml_collections raises
-  AttributeError/KeyError/TypeError through three chained tracebacks) reported in one
-  line: its message, which names the key and suggests the closest one."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"ERROR: {e}\nPass --help for the flags.", file=sys.stderr, flush=True)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    text = str(e).replace("\\'", "'").replace("\\n", " ")
-    hint = re.search(r'Did you mean "[^"]+" instead of "([^"]+)"\?', text)
-    name = re.search(r"'([\w-]+)'", text)
-    bad = hint.group(1) if hint else name.group(1) if name else ""
-    given = next((a.split("=")[0] for a in argv if a.startswith("--config.") and
-                  bad in a.split("=")[0].split(".")), "") if bad else ""
-    if bad and isinstance(e, (AttributeError, KeyError)):
-      print(f"ERROR: unknown config key {given or bad}. {hint.group(0) if hint else ''}".strip(),
-            file=sys.stderr, flush=True)
-    else:
-      print(f"ERROR: bad config override: {type(e).__name__}: {text}", file=sys.stderr,
-            flush=True)
-  sys.exit(2)
 
 
 def main(argv):
@@ -86,4 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

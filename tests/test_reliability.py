@@ -658,7 +658,8 @@ def test_full_disk_in_the_data_iterator_save_is_one_error_line(tmp_path):
       "handler.CheckpointHandler.save = full\n"
       "from absl import app\n"
       "from bigpretrain import main\n"
-      "app.run(main.main, argv=['main'] + sys.argv[1:], flags_parser=main.parse_flags)\n")
+      "from bigpretrain.tools import cli\n"
+      "app.run(main.main, argv=['main'] + sys.argv[1:], flags_parser=cli.parse_flags)\n")
   r = subprocess.run(
       [sys.executable, "-c", code] + helpers.main_args(tmp_path, total_steps=50,
                                                         ckpt_every_steps=3),
@@ -678,6 +679,22 @@ def test_unknown_config_key_prints_only_the_suggestion(tmp_path):
   assert r.stderr.strip() == ('ERROR: unknown config key --config.batchsize. '
                               'Did you mean "batch_size" instead of "batchsize"?')
   assert os.listdir(tmp_path) == []  # Refused before training: nothing written.
+
+
+def test_a_config_file_that_does_not_load_is_one_error_line(tmp_path):
+  # ml_collections defers a missing file's error to the config's first use (inside the run)
+  # and puts get_config's traceback in its flag error: both are one line, before any run.
+  missing = tmp_path / "nonexistent.py"
+  r = helpers.run_main([f"--config={missing}", f"--workdir={tmp_path / 'run'}"], timeout=120)
+  assert (r.returncode, r.stderr.strip()) == (
+      2, f"ERROR: --config={missing}: [Errno 2] No such file or directory: '{missing}'")
+  recipe = helpers.ROOT / "configs" / "semantic_softmax.py"
+  r = helpers.run_main([f"--config={recipe}:bogus=1", f"--workdir={tmp_path / 'run'}"],
+                       timeout=120)
+  assert r.returncode == 2 and r.stderr.strip() == (
+      f"ERROR: --config={recipe}:bogus=1: ValueError: config arg 'bogus' is unknown; valid "
+      "keys: ['data_dir', 'dataset', 'epochs', 'init', 'model']"), r.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1,5 +1,6 @@
 """What the commands share: an expected error is one `ERROR:` line and exit status 1."""
 import contextlib
+import re
 import sys
 
 from absl import app
@@ -22,6 +23,44 @@ def run_errors() -> tuple[type, ...]:
           workdir_lock.WorkdirUnwritable, checkpoint.CheckpointSaveError,
           checkpoint.CheckpointReadError, metric_writers.MetricWriteError,
           train.DataWorkerDied)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing for commands with a --config file flag, each bad --config in one line
+  and exit status 2: a bad --config.KEY override (ml_collections raises AttributeError/
+  KeyError/TypeError through three chained tracebacks; the line names the key and suggests the
+  closest one), a get_config that raises (its error, not the traceback ml_collections puts in
+  the flag error) and a file that does not load (ml_collections defers that error to the
+  config's first use, deep inside the run)."""
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    parsing = re.match(r"flag (--\S+): Error whilst parsing config file:", str(e))
+    if parsing:  # The last line of the traceback in the message: get_config's error.
+      _usage_error(f"{parsing.group(1)}: {str(e).strip().splitlines()[-1]}")
+    _usage_error(f"{e}\nPass --help for the flags.")
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    text = str(e).replace("\\'", "'").replace("\\n", " ")
+    hint = re.search(r'Did you mean "[^"]+" instead of "([^"]+)"\?', text)
+    name = re.search(r"'([\w-]+)'", text)
+    bad = hint.group(1) if hint else name.group(1) if name else ""
+    given = next((a.split("=")[0] for a in argv if a.startswith("--config.") and
+                  bad in a.split("=")[0].split(".")), "") if bad else ""
+    if bad and isinstance(e, (AttributeError, KeyError)):
+      _usage_error(f"unknown config key {given or bad}. {hint.group(0) if hint else ''}".strip())
+    _usage_error(f"bad config override: {type(e).__name__}: {text}")
+  if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+    try:
+      flags.FLAGS["config"].value.keys()
+    except OSError as e:  # A file that did not load: the cause's last line says why.
+      cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+      _usage_error(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: {cause}")
+  return rest
+
+
+def _usage_error(message: str) -> None:
+  print(f"ERROR: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
 
 
 @contextlib.contextmanager
