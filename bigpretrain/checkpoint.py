@@ -23,6 +23,7 @@ taken before it is never rotated out, nor a diverged one resumed from.
 Consumers of the weights (model_init, teachers, load_pretrained) read the 'ema' item when
 there is one: the weights the run evaluated.
 """
+import contextlib
 import json
 import logging as logging_std
 import os
@@ -179,6 +180,33 @@ def _reason(e: BaseException, limit: int = 300) -> str:
   text = re.split(r" \[(?:tensorstore_spec|source locations)", text)[0]
   text = text if len(text) <= limit else "..." + text[-limit:]
   return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+class CheckpointUnreadable(ValueError):
+  """A checkpoint read for its weights or meta (model_init, a teacher, a command's model) is
+  damaged: the command stops with one line naming it (nothing is moved; the trainer's own
+  checkpoints fall back instead, see Checkpointer.restore)."""
+
+
+@contextlib.contextmanager
+def _reading(directory: str, step: int):
+  """A read of checkpoint `step` in `directory`: a failure is one error naming it,
+  CheckpointReadError when the cause is outside the checkpoint (runtime.transient), else
+  CheckpointUnreadable; the storage layer's echoes of it are silenced."""
+  _quiet_storage_noise()
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    if transient.is_transient(e):
+      raise CheckpointReadError(
+          f"reading checkpoint step {step} in {directory} failed ({_reason(e)}): a storage, "
+          "network or memory error, not the checkpoint's. Re-run the same command to "
+          "retry.") from e
+    _REPORTED.add(os.path.join(directory, str(step), ""))
+    logging.info("Checkpoint %s/%d cannot be read: %s: %s", directory, step,
+                 type(e).__name__, e)
+    raise CheckpointUnreadable(f"checkpoint step {step} in {directory} cannot be read "
+                               f"({_reason(e)}): damaged or incompletely copied.") from e
 
 
 class CheckpointMismatch(ValueError):
@@ -611,7 +639,8 @@ def read_meta(path: str, step: int | None = None) -> dict:
       raise ValueError(f"Checkpoint {directory}/{step} has no 'meta' item (model config and "
                        "class names), so it cannot describe its model; it was written by an "
                        "older bigpretrain. Re-save it with a current run or convert it.")
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    with _reading(directory, step):
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   if meta.get("version") != META_VERSION:
     raise ValueError(f"Checkpoint {directory}/{step} has meta version {meta.get('version')!r}; "
                      f"this bigpretrain reads version {META_VERSION}.")
@@ -635,8 +664,9 @@ def load_params(directory: str, abstract_params: dict, step: int | None = None) 
     if step is None:
       raise FileNotFoundError(f"No checkpoint found in {directory}.")
     item = _weights_item(directory, step)
-    out = manager.restore(step, args=ocp.args.Composite(
-        **{item: ocp.args.StandardRestore(_abstract(abstract_params))}))
+    with _reading(directory, step):
+      out = manager.restore(step, args=ocp.args.Composite(
+          **{item: ocp.args.StandardRestore(_abstract(abstract_params))}))
   logging.info("Loaded %s from %s step %d", item, directory, step)
   return out[item]
 
@@ -664,7 +694,7 @@ def load_arrays(directory: str, names: list[str]) -> dict:
       node, arg_node = node.setdefault(p, {}), arg_node.setdefault(p, {})
     node[leaf] = jax.ShapeDtypeStruct(saved[name].shape, saved[name].dtype, sharding=device)
     arg_node[leaf] = ocp.ArrayRestoreArgs(sharding=device)
-  with ocp.PyTreeCheckpointer() as reader:
+  with ocp.PyTreeCheckpointer() as reader, _reading(directory, step):
     out = reader.restore(os.path.join(directory, str(step), item), args=ocp.args.PyTreeRestore(
         item=abstract, restore_args=args, partial_restore=True))
   return {name: out_leaf for name, out_leaf in _paths(out).items() if name in names}
@@ -717,8 +747,9 @@ def init_from(directory: str, state: dict, skip: str = "",
       return _target(jax.ShapeDtypeStruct(meta.shape, meta.dtype))
 
     abstract = jax.tree_util.tree_map_with_path(target, saved)
-    loaded = _paths(manager.restore(step, args=ocp.args.Composite(
-        **{item: ocp.args.StandardRestore(abstract)}))[item])
+    with _reading(directory, step):
+      loaded = _paths(manager.restore(step, args=ocp.args.Composite(
+          **{item: ocp.args.StandardRestore(abstract)}))[item])
   fresh, resized, refused = [], [], []
 
   def pick(path, mine):

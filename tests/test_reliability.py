@@ -44,6 +44,23 @@ def _truncate_arrays(step_dir) -> None:
         pathlib.Path(path).write_bytes(data[:len(data) // 2])
 
 
+def test_a_damaged_checkpoint_read_for_its_weights_or_meta_is_one_error(tmp_path):
+  from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
+  path = helpers.random_checkpoint(tmp_path / "run")
+  step_dir = tmp_path / "run" / "checkpoints" / "1"
+  _truncate_arrays(step_dir)
+  expected = (rf"^checkpoint step 1 in {tmp_path}/run/checkpoints cannot be read "
+              r"\(ValueError: .*\): damaged or incompletely copied\.$")
+  with pytest.raises(checkpoint.CheckpointUnreadable, match=expected):
+    pretrained.load(path)  # What predict, evaluate, infer and the teachers load with.
+  for meta in (step_dir / "meta").rglob("*"):
+    if meta.is_file():
+      meta.write_text("{not json")
+  with pytest.raises(checkpoint.CheckpointUnreadable, match=expected.replace("ValueError", ".*")):
+    checkpoint.read_meta(path)
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]  # Nothing moved.
+
+
 # ------------------------------------------------------------------------------------------
 # Checkpoints of another configuration are refused; nothing a user trained is deleted.
 

@@ -8,7 +8,7 @@ from absl import flags
 from absl import logging
 
 # Bad flags, configs, inputs or data: the user's to fix, so no traceback through jit.
-USER_ERRORS = (FileNotFoundError, ValueError)
+USER_ERRORS = (FileNotFoundError, PermissionError, ValueError)
 
 
 def run_errors() -> tuple[type, ...]:
@@ -65,15 +65,22 @@ def _usage_error(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors(*more: type, log_traceback: bool = False):
-  """Turns USER_ERRORS (and `more`) raised inside into `ERROR: <message>` on stderr and exit 1;
+  """Turns USER_ERRORS (and `more`, and a checkpoint read that failed for a storage reason)
+  raised inside into `ERROR: <message>` on stderr and exit 1;
   with `log_traceback` the traceback also goes to the absl log."""
   try:
     yield
-  except USER_ERRORS + more as e:
+  except USER_ERRORS + more + _read_errors() as e:
     if log_traceback:
       logging.exception("Run failed")
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _read_errors() -> tuple[type, ...]:
+  """A checkpoint read failed for a reason outside it (evaluated only when an error is met)."""
+  from bigpretrain import checkpoint  # pylint: disable=import-outside-toplevel
+  return (checkpoint.CheckpointReadError,)
 
 
 def check_usage(argv, *required: str) -> None:
