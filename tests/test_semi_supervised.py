@@ -233,6 +233,9 @@ def test_stages_end_to_end_with_sigterm_resume_and_a_second_round(tmp_path, monk
   with pytest.raises(ValueError, match=r"\[infer unlabeled\] .*round1/predictions/unlabeled was "
                                        r"built from another infer than now"):
     semi_supervised.run(_tiny_config(**{"infer.top_p": 5}), str(tmp_path))
+  with pytest.raises(ValueError, match=r"\[selection\] .*round1/selection was built from "
+                                       r"another selection than now"):
+    semi_supervised.run(_tiny_config(**{"selection.k": 4}), str(tmp_path))
   marker = r1 / "student" / semi_supervised.DONE_FILE
   done = json.loads(marker.read_text())
   done["results"]["eval/top1"] = -1.0
