@@ -322,7 +322,8 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
     with open(c.class_sizes, encoding="utf-8") as f:
       class_sizes = json.load(f)
   k = None if c.variant == "unbalanced_ranked" else c.k
-  params = {k: v for k, v in c.to_dict().items() if k not in ("beam_runner", "beam_options")}
+  params = {key: v for key, v in c.to_dict().items()
+            if key not in ("beam_runner", "beam_options")}  # How, not what, it selects.
   check_inputs("selection", folder, {"pool": identity(pool / selection_formats.INFO_FILE),
                                      "selection": params})
   if (folder / selection_formats.SELECTION_FILE).exists():
