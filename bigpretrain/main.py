@@ -28,6 +28,7 @@ def main(argv):
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  from bigpretrain.runtime import console  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import preemption  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import workdir_lock  # pylint: disable=import-outside-toplevel
@@ -42,6 +43,7 @@ def main(argv):
 
   def log_to_workdir():
     handler.use_absl_log_file("log", workdir)
+    console.report_log_errors_once(handler.python_handler)
     handler.python_handler.stream.write(early.getvalue())
 
   try:

@@ -44,6 +44,26 @@ def _truncate_arrays(step_dir) -> None:
         pathlib.Path(path).write_bytes(data[:len(data) // 2])
 
 
+def test_a_log_file_that_cannot_be_written_is_said_once(capsys):
+  from bigpretrain.runtime import console  # pylint: disable=import-outside-toplevel
+
+  class FullDisk(io.StringIO):
+    def write(self, text):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  handler = logging.StreamHandler(FullDisk())
+  console.report_log_errors_once(handler)
+  logger = logging.getLogger("test_full_log")
+  logger.addHandler(handler)
+  try:
+    for i in range(3):
+      logger.warning("line %d", i)
+  finally:
+    logger.removeHandler(handler)
+  assert capsys.readouterr().err == ("WARNING: the log cannot be written (OSError: [Errno 28] No "
+                                     "space left on device); its later lines are lost.\n")
+
+
 def test_a_damaged_checkpoint_read_for_its_weights_or_meta_is_one_error(tmp_path):
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
   path = helpers.random_checkpoint(tmp_path / "run")

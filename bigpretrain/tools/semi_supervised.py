@@ -13,6 +13,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from bigpretrain.runtime import console
 from bigpretrain.runtime import distributed
 from bigpretrain.runtime import preemption
 from bigpretrain.semisup import semi_supervised
@@ -33,6 +34,7 @@ def main(argv):
   distributed.initialize_from_flags()
   os.makedirs(f.workdir, exist_ok=True)
   logging.get_absl_handler().use_absl_log_file("log", f.workdir)
+  console.report_log_errors_once(logging.get_absl_handler().python_handler)
   started = time.time()
   with cli.user_errors(*cli.run_errors(), log_traceback=True):
     try:
