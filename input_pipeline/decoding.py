@@ -39,6 +39,17 @@ def is_non_image(name: str) -> bool:
   return suffix not in Image.registered_extensions()
 
 
+def text_name(name: str) -> str:
+  """A file name as valid UTF-8 text: the bytes of a name that are not UTF-8 (the OS and
+  tarfile hand them over as lone surrogates) written as \\xNN, as Python's backslashreplace
+  does: latin-1 b'caf\\xe9.jpg' -> the text caf\\xe9.jpg. tfds text features and Beam's string
+  coder refuse lone surrogates; UTF-8 names are returned unchanged."""
+  try:
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+  except UnicodeEncodeError:  # Other lone surrogates (a JSON '\\ud800' escape): kept visible.
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 _STREAM_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 

@@ -8,6 +8,7 @@ Every count below is worked out by hand in the comments.
 """
 import io
 import json
+import os
 import pathlib
 import struct
 import tarfile
@@ -252,6 +253,29 @@ def test_a_sample_with_an_oversized_tag_file_is_rejected_under_one_reason(tmp_pa
   assert [(type(i).__name__, i.reason if hasattr(i, "reason") else i.name) for i in items] == [
       ("Skip", "bad_tags"), ("DroppedTag", "non_utf8_tag"), ("Sample", "s.tar/b")]
   assert items[2].tags == ("dog",)
+
+
+def test_names_that_are_not_utf8_are_read_and_stored_escaped(tmp_path):
+  # Latin-1 names (b'caf\xe9', not UTF-8) of a shard, its members, a manifest's image and id:
+  # the OS, tarfile and the manifest reader give them with lone surrogates, which tfds text
+  # and Beam's string coder refuse.
+  raw = tmp_path / "raw"
+  (raw / "train").mkdir(parents=True)
+  shard = os.path.join(os.fsencode(raw / "train"), b"caf\xe9.tar")
+  with tarfile.open(os.fsdecode(shard), "w", format=tarfile.GNU_FORMAT) as tar:
+    for key, seed in (("a", 0), (os.fsdecode(b"caf\xe9"), 1)):
+      _add(tar, f"{key}.jpg", _jpeg(seed))
+      _add(tar, f"{key}.json", json.dumps({"hashtags": ["dog"]}).encode())
+  with open(os.path.join(os.fsencode(raw), b"caf\xe9.jpg"), "wb") as f:
+    f.write(_jpeg(2))
+  (raw / "train" / "m.jsonl").write_bytes(
+      b'{"id": "m\xe9", "image": "../caf\xe9.jpg", "hashtags": ["dog"]}\n')
+  hashtag_job.prepare(raw, tmp_path / "out", NAME, min_raw_count=1, beam_options=BEAM)
+  source = datasets.get_dataset({"name": f"hashtags:{NAME}", "dir": str(tmp_path / "out")}
+                                ).source("train")
+  assert {source[i]["file_name"]: source[i]["image"] for i in range(len(source))} == {
+      "train/caf\\xe9.tar/a": _jpeg(0), "train/caf\\xe9.tar/caf\\xe9": _jpeg(1),
+      "train/m.jsonl:m\\xe9": _jpeg(2)}
 
 
 def _records(dataset) -> dict[str, set]:

@@ -551,6 +551,43 @@ def test_image_folder_lookup_errors(tmp_path):
   assert [(s.class_name, s.split) for s in sources] == [("a", "train"), ("a", "validation")]
 
 
+@pytest.mark.parametrize("layout", ["folder", "tar"])
+def test_a_file_name_that_is_not_utf8_is_read_and_stored_escaped(tmp_path, layout):
+  # b'caf\xe9.png' is latin-1, not UTF-8: the OS and tarfile give it as 'caf\udce9.png', a
+  # lone surrogate that tfds text and Beam's string coder refuse.
+  images = {name: _png(i) for i, name in enumerate((b"a.png", b"b.png", b"caf\xe9.png"))}
+  raw, out = tmp_path / "raw", tmp_path / "out"
+  if layout == "folder":
+    folder = os.path.join(os.fsencode(raw), TENCH.encode())
+    os.makedirs(folder)
+    for name, data in images.items():
+      with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+    builder = image_folder.prepare(raw, out, "latin1", val_per_class=1)
+    os.makedirs(os.path.join(os.fsencode(tmp_path / "classes"), b"caf\xe9s"))
+    _, sources, _ = image_folder.detect_layout(tmp_path / "classes")
+    assert [s.class_name for s in sources] == ["caf\\xe9s"]  # A class name alike.
+  else:
+    raw.mkdir()
+    with tarfile.open(raw / f"{TENCH}.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+      for name, data in images.items():
+        info = tarfile.TarInfo(os.fsdecode(name))
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    builder = i21k.prepare(raw, out, min_images=3, val_per_class=1)
+  # The hash rule on the name's own bytes; the stored name has them as \xNN.
+  first = min(images, key=lambda n: hashlib.sha256(TENCH.encode() + b"/" + n).hexdigest())
+  text = {n: f"{TENCH}/{n.decode('utf-8', 'backslashreplace')}" for n in images}
+  assert text[b"caf\xe9.png"] == TENCH + "/caf\\xe9.png"
+  records = {s: {r["file_name"]: r["image"] for r in _records(builder, s)}
+             for s in ("train", "validation")}
+  assert set(records["validation"]) == {text[first]}
+  assert set(records["train"]) == {text[n] for n in images if n != first}
+  if layout == "folder":  # PNGs are kept byte for byte.
+    assert {**records["train"], **records["validation"]} == {text[n]: d for n, d in images.items()}
+  assert i21k.report(builder)["corrupt_files"] == []
+
+
 def test_command_line_output_is_identical_under_another_hash_seed(prepared, raw, tmp_path):
   """The exact documented command, in a fresh process with a fixed PYTHONHASHSEED, writes the
   same records in the same order and the same report as the in-process run. (Shard bytes may

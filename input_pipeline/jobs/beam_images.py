@@ -6,14 +6,17 @@ Step 1 counts each class's files in a small Beam job (listing the tars of a 1.3 
 real work) so the caller can choose classes. Steps 2-3 are the Beam pipeline of a
 `BeamImageBuilder`: files split by a name-hash rule (`validation_names`), images squished or
 re-encoded (`ImageOptions`), corrupt files skipped and reported in the metadata with their
-error, never fatal. Beam counters (namespace COUNTER_NAMESPACE) are logged at the end and
-kept in the metadata. `generate` runs it on any Beam runner; `find_prepared`, `reuse` and
-`note_incomplete` make re-running a finished or interrupted preparation safe.
+error, never fatal. A file name that is not UTF-8 (latin-1 b'caf\\xe9.jpg') is read as any other
+and stored with those bytes as \\xNN (decoding.text_name: the text caf\\xe9.jpg). Beam counters
+(namespace COUNTER_NAMESPACE) are logged at the end and kept in the metadata. `generate` runs
+it on any Beam runner; `find_prepared`, `reuse` and `note_incomplete` make re-running a
+finished or interrupted preparation safe.
 """
 import dataclasses
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 import uuid
@@ -83,9 +86,10 @@ def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
   return [f for f in files if not decoding.is_non_image(f[0])]
 
 
-def read_file(path: str, offset: int, size: int) -> bytes:
-  """Bytes of a listed file: the whole file (offset -1) or `size` bytes at `offset`."""
-  with epath.Path(path).open("rb") as f:
+def read_file(path: str | bytes, offset: int, size: int) -> bytes:
+  """Bytes of a listed file: the whole file (offset -1) or `size` bytes at `offset`. A path
+  may be bytes (os.fsencode), as for names that are not UTF-8."""
+  with epath.Path(os.fsdecode(path)).open("rb") as f:
     if offset < 0:
       return f.read()
     f.seek(offset)
@@ -97,9 +101,11 @@ def read_file(path: str, offset: int, size: int) -> bytes:
 
 def validation_names(class_name: str, names: Iterable[str], val_per_class: int) -> set[str]:
   """The hash rule: the `val_per_class` names with the smallest sha256('class/name') hex
-  digest (ties by name) go to validation."""
+  digest (ties by name) go to validation. The string is hashed as UTF-8, or as the name's own
+  bytes where it is not UTF-8."""
   def rank(name):
-    return hashlib.sha256(f"{class_name}/{name}".encode("utf-8")).hexdigest(), name
+    data = f"{class_name}/{name}".encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data).hexdigest(), name
   return set(sorted(names, key=rank)[:max(val_per_class, 0)])
 
 
@@ -263,7 +269,8 @@ def choose_classes(sources: Sequence[ClassSource], counts: Sequence[tuple[int, s
 
 class _ListClass(beam.DoFn):
   """ClassSource -> one work item per file: (split, label, key, path, offset, size); path is
-  the file's, or the tar's for a member."""
+  the file's (bytes, since a name need not be UTF-8), or the tar's for a member; key is
+  'class/name' as text (decoding.text_name)."""
 
   def __init__(self, labels: dict[str, int], val_per_class: int):
     self._labels = labels
@@ -287,8 +294,9 @@ class _ListClass(beam.DoFn):
     label = self._labels[source.class_name]
     for name, offset, size in files:
       split = source.split or ("validation" if name in validation else "train")
-      path = source.path if source.kind == "tar" else str(epath.Path(source.path) / name)
-      yield split, label, f"{source.class_name}/{name}", path, offset, size
+      path = (source.path if source.kind == "tar"
+              else os.fsencode(str(epath.Path(source.path) / name)))
+      yield split, label, f"{source.class_name}/{decoding.text_name(name)}", path, offset, size
     self._files.inc(len(files))
     logging.info("Listed %s: %d files (%d to validation)", source.class_name, len(files),
                  len(validation))

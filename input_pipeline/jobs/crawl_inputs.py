@@ -23,7 +23,9 @@ Tags are normalised as the vocabulary does (one leading '#' stripped, lower case
 sample count once). Bad input never stops a reader: a tar member with an absolute or '..' path
 (never extracted: members are read in memory), a member that is not a regular file, an
 oversized tag file, an unparsable manifest row, a sample without an image, and tags that are
-not valid UTF-8 are each yielded as a Skip (reason, where) for the job to count.
+not valid UTF-8 are each yielded as a Skip (reason, where) for the job to count. A name that is
+not UTF-8 (a latin-1 shard, member or manifest id) is read as usual and kept with those bytes
+as \\xNN, as the image job does (decoding.text_name: b'caf\\xe9.jpg' -> the text caf\\xe9.jpg).
 """
 import base64
 import dataclasses
@@ -37,6 +39,7 @@ from typing import Any, Iterator
 from etils import epath
 
 from bigpretrain.swag import vocabulary
+from input_pipeline import decoding
 
 SPLIT_DIRS = {"train": "train", "val": "validation", "validation": "validation",
               "test": "test"}
@@ -87,7 +90,7 @@ class DroppedTag:
 @dataclasses.dataclass(frozen=True)
 class InputFile:
   path: str
-  relpath: str  # Relative to RAW, '/'-separated.
+  relpath: str  # Relative to RAW, '/'-separated, as text (decoding.text_name).
   split: str  # '' when the file is not in a split folder.
 
 
@@ -103,7 +106,7 @@ def find_inputs(raw_dir) -> list[InputFile]:
       continue
     if path.suffix.lower() in INPUT_SUFFIXES:
       split = SPLIT_DIRS.get(rel.parts[0].lower(), "") if len(rel.parts) > 1 else ""
-      found.append(InputFile(str(path), rel.as_posix(), split))
+      found.append(InputFile(str(path), decoding.text_name(rel.as_posix()), split))
   if not found:
     raise ValueError(f"No input under {raw}: expected WebDataset shards (*.tar) or manifests "
                      "(*.jsonl, *.parquet), optionally in train/, val/, validation/, test/.")
@@ -207,15 +210,16 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
   with epath.Path(f.path).open("rb") as fileobj, tarfile.open(fileobj=fileobj,
                                                                mode="r|") as tar:
     for member in tar:
-      where = f"{f.relpath}/{member.name}"
-      if unsafe_member_name(member.name):
+      name = decoding.text_name(member.name)  # Names are kept as text, even if not UTF-8.
+      where = f"{f.relpath}/{name}"
+      if unsafe_member_name(name):
         yield Skip("unsafe_tar_member", where)
         continue
       if not member.isreg():
         if not member.isdir():
           yield Skip("tar_member_not_a_file", where)
         continue
-      key, ext = _member_key(member.name)
+      key, ext = _member_key(name)
       if key != current:
         yield from finish()
         current, parts = key, {}
@@ -223,7 +227,7 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
         parts.setdefault(ext, (member.offset_data, member.size))
       elif ext in TAG_EXTENSIONS:
         if member.size > MAX_TAG_BYTES:
-          parts["_bad_tags"] = f"tag file {member.name} of {member.size} bytes"
+          parts["_bad_tags"] = f"tag file {name} of {member.size} bytes"
           continue
         parts[ext] = tar.extractfile(member).read()
     yield from finish()
@@ -232,7 +236,7 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
 def _row_sample(row: dict, f: InputFile, n: int) -> Iterator[Sample | Skip]:
   """One manifest row -> a Sample (and Skips of its bad tags), or a Skip."""
   ident = next((row[k] for k in ID_KEYS if row.get(k) is not None), n)
-  where = f"{f.relpath}:{ident}"
+  where = decoding.text_name(f"{f.relpath}:{ident}")
   split = row.get("split") or f.split or "train"
   if not isinstance(split, str) or split.lower() not in SPLIT_DIRS:
     yield Skip("bad_manifest_row", where, f"split {split!r} is not one of {list(SPLIT_DIRS)}")

@@ -11,7 +11,8 @@ Layouts (detected):
 With --val_per_class=K and no validation folder, K images per class move from train to
 `validation` by the imagenet21k_p hash rule (smallest sha256('class/name')).
 
-Classes: the class folder names of all splits, sorted (label = index). A class with
+Classes: the class folder names of all splits, sorted (label = index; a name that is not
+UTF-8 is stored with those bytes as \\xNN, as file names are: beam_images.py). A class with
 fewer than `min_images` files over all splits is dropped and reported (default 1: empty
 folders).
 Images are kept as they are (decodable JPEG/PNG bytes unchanged, other formats re-encoded as
@@ -29,6 +30,7 @@ from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
+from input_pipeline import decoding
 from input_pipeline.jobs import beam_images as job
 
 BUILDER_NAME = "bigpretrain_folder"
@@ -54,7 +56,7 @@ def check_name(name: str) -> str:
 
 
 def _class_dirs(folder: epath.Path) -> tuple[list[epath.Path], list[str]]:
-  """(non-hidden sub-folders sorted by name, names of other non-hidden entries)."""
+  """(non-hidden sub-folders sorted by name, names of other non-hidden entries as text)."""
   dirs, other = [], []
   for entry in sorted(folder.iterdir(), key=lambda p: p.name):
     if entry.name.startswith("."):
@@ -62,7 +64,7 @@ def _class_dirs(folder: epath.Path) -> tuple[list[epath.Path], list[str]]:
     if entry.is_dir():
       dirs.append(entry)
     else:
-      other.append(entry.name)
+      other.append(decoding.text_name(entry.name))
   return dirs, other
 
 
@@ -88,18 +90,20 @@ def detect_layout(raw_dir, val_per_class: int = 0
     if val_per_class and any(SPLIT_DIRS[n] == "validation" for n in names):
       raise ValueError(f"{raw} already has a validation folder; drop --val_per_class "
                        f"(got {val_per_class}).")
-    ignored += [d.name for d in dirs if d.name not in SPLIT_DIRS]
+    ignored += [decoding.text_name(d.name) for d in dirs if d.name not in SPLIT_DIRS]
     sources = []
     for split_dir in split_dirs:
       split = SPLIT_DIRS[split_dir.name]
       class_dirs, other = _class_dirs(split_dir)
       ignored += [f"{split_dir.name}/{o}" for o in other]
       carve = split == "train" and val_per_class > 0
-      sources += [job.ClassSource(d.name, str(d), "dir", "" if carve else split)
+      sources += [job.ClassSource(decoding.text_name(d.name), str(d), "dir",
+                                  "" if carve else split)
                   for d in class_dirs]
   else:
     layout = "classes"
-    sources = [job.ClassSource(d.name, str(d), "dir", "" if val_per_class else "train")
+    sources = [job.ClassSource(decoding.text_name(d.name), str(d), "dir",
+                               "" if val_per_class else "train")
                for d in dirs]
   if not sources:
     raise ValueError(f"No class folder found in {raw}: expected RAW/<class>/<image> or "

@@ -21,7 +21,8 @@ The job follows the paper's three steps:
      first 50 to `validation`, the rest to `train`. It depends on the file names only, so the
      same input gives the same split on any runner, worker count or layout (folder or tar).
      A corrupt file is skipped where the rule put it, not replaced, so such a class has
-     fewer than 50 validation images.
+     fewer than 50 validation images. A name that is not UTF-8 is hashed as its own bytes
+     and stored with them as \\xNN (latin-1 b'caf\\xe9.JPEG' -> the text caf\\xe9.JPEG).
   3. Squish-resize to 224x224 (aspect ratio not kept); images whose longer side is already
      below 224 keep their size (never upscaled); everything is re-encoded as RGB JPEG at
      `jpeg_quality` (default 75, PIL's default; the paper's ~250 GB for 12.4M images is
@@ -58,6 +59,7 @@ import tensorflow_datasets as tfds
 
 from bigpretrain.semantic import tree as tree_lib
 from bigpretrain.semantic import wordnet
+from input_pipeline import decoding
 from input_pipeline.jobs import beam_images as job
 
 NAME = "imagenet21k_p"
@@ -85,7 +87,7 @@ def detect_layout(raw_dir) -> tuple[str, list[job.ClassSource], list[str]]:
     elif entry.name.endswith(".tar") and wordnet.is_wnid(entry.name[:-4]) and entry.is_file():
       tars.append(job.ClassSource(entry.name[:-4], str(entry), "tar"))
     else:
-      ignored.append(entry.name)
+      ignored.append(decoding.text_name(entry.name))
   if folders and tars:
     raise ValueError(
         f"{root} holds both wnid folders ({len(folders)}, e.g. {folders[0].class_name}) and "
