@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tarfile
 
+import apache_beam as beam
 import ml_collections
 import numpy as np
 from PIL import Image
@@ -232,6 +233,27 @@ def test_list_files_tar_offsets(raw):
   assert [f[0] for f in files] == [f"{BIRD}_{i}.JPEG" for i in range(COUNTS[BIRD])]  # './' gone.
   for name, offset, size in files:
     assert beam_images.read_file(source.path, offset, size) == raw["files"][f"{BIRD}/{name}"]
+
+
+def test_a_tar_member_name_held_twice_is_read_from_its_last_copy(tmp_path):
+  # As `tar -x` leaves it; the earlier copy is skipped and reported, so that no two examples
+  # share a key at the write.
+  path = tmp_path / f"{TENCH}.tar"
+  with tarfile.open(path, "w") as tar:
+    for name, data in (("a.JPEG", b"first"), ("b.JPEG", b"b"), ("./a.JPEG", b"last")):
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  source = beam_images.ClassSource(TENCH, str(path), "tar")
+  files = beam_images.list_files(source)
+  assert [f[0] for f in files] == ["a.JPEG", "b.JPEG"]
+  assert beam_images.read_file(source.path, *files[0][1:]) == b"last"
+  list_class = beam_images._ListClass({TENCH: 0}, 0)  # pylint: disable=protected-access
+  out = list(list_class.process(source))
+  assert [o[2] for o in out if isinstance(o, tuple)] == [f"{TENCH}/a.JPEG", f"{TENCH}/b.JPEG"]
+  [skipped] = [o.value for o in out if isinstance(o, beam.pvalue.TaggedOutput)]
+  assert skipped["file"] == f"{TENCH}/a.JPEG" and skipped["split"] == "train"
+  assert skipped["error"].startswith(f"duplicate tar member: an earlier copy in {path}")
 
 
 def test_bad_parameters(tmp_path):

@@ -6,11 +6,14 @@ Step 1 counts each class's files in a small Beam job (listing the tars of a 1.3 
 real work) so the caller can choose classes. Steps 2-3 are the Beam pipeline of a
 `BeamImageBuilder`: files split by a name-hash rule (`validation_names`), images squished or
 re-encoded (`ImageOptions`), corrupt files skipped and reported in the metadata with their
-error, never fatal. A file name that is not UTF-8 (latin-1 b'caf\\xe9.jpg') is read as any other
-and stored with those bytes as \\xNN (decoding.text_name: the text caf\\xe9.jpg). Beam counters
-(namespace COUNTER_NAMESPACE) are logged at the end and kept in the metadata. `generate` runs
-it on any Beam runner; `find_prepared`, `reuse` and `note_incomplete` make re-running a
-finished or interrupted preparation safe.
+error, never fatal. Beam counters (namespace COUNTER_NAMESPACE) are logged at the end and
+kept in the metadata. `generate` runs it on any Beam runner; `find_prepared`, `reuse` and
+`note_incomplete` make re-running a finished or interrupted preparation safe.
+
+Names: a file name that is not UTF-8 (latin-1 b'caf\\xe9.jpg') is read as any other and stored
+with those bytes as \\xNN (decoding.text_name: the text caf\\xe9.jpg). A member name a tar holds
+twice is read from its last copy, as extraction leaves it; each earlier copy is skipped and
+reported with the corrupt files.
 """
 import dataclasses
 import hashlib
@@ -59,31 +62,46 @@ class ClassSource:
 
 
 def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
-  """Image files of a class as (name, offset, size), sorted by name.
+  """Image files of a class as (name, offset, size), sorted by name, each name once.
 
   Folder: regular non-hidden files directly inside, offset = size = -1 (read whole).
-  Tar: regular members, name without a leading './', offset/size of the member's data.
-  Files with a non-image extension (decoding.is_non_image) are left out and logged.
+  Tar: regular members, name without a leading './', offset/size of the member's data; a name
+  held more than once is its last copy (what extraction leaves, and tarfile.getmember's
+  choice). Files with a non-image extension (decoding.is_non_image) are left out and logged.
   """
+  return _list_files(source)[0]
+
+
+def _list_files(source: ClassSource) -> tuple[list[tuple[str, int, int]], list[str]]:
+  """(list_files(source), the names of the earlier copies of repeated tar members it left
+  out, one entry per copy)."""
   path = epath.Path(source.path)
+  replaced = []
   if source.kind == "dir":
     files = [(p.name, -1, -1) for p in sorted(path.iterdir(), key=lambda p: p.name)
              if not p.name.startswith(".") and p.is_file()]
   elif source.kind == "tar":
-    files = []
+    members = {}
     with path.open("rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
       for member in tar:
         if member.isreg():
           name = member.name[2:] if member.name.startswith("./") else member.name
-          files.append((name, member.offset_data, member.size))
-    files.sort()
+          if name in members:
+            replaced.append(name)
+          members[name] = (member.offset_data, member.size)
+    files = sorted((name, *place) for name, place in members.items())
   else:
     raise ValueError(f"Unknown class source kind {source.kind!r} for {source.path}.")
   ignored = [f[0] for f in files if decoding.is_non_image(f[0])]
   if ignored:
     logging.info("Ignoring %d non-image files of %s: %s", len(ignored), source.path,
                  ignored[:5])
-  return [f for f in files if not decoding.is_non_image(f[0])]
+  replaced = sorted(n for n in replaced if not decoding.is_non_image(n))
+  if replaced:
+    logging.warning("%s: %d members repeat an earlier member's name (e.g. %s); each name is "
+                    "read from its last copy, as extraction leaves it", source.path,
+                    len(replaced), replaced[:5])
+  return [f for f in files if not decoding.is_non_image(f[0])], replaced
 
 
 def read_file(path: str | bytes, offset: int, size: int) -> bytes:
@@ -277,10 +295,11 @@ class _ListClass(beam.DoFn):
     self._val_per_class = val_per_class
     self._files = _counter("files_listed")
     self._unreadable = _counter("classes_unreadable_at_listing")
+    self._duplicates = _counter("duplicate_tar_members")
 
   def process(self, source: ClassSource):
     try:
-      files = list_files(source)
+      files, replaced = _list_files(source)
     except Exception as e:  # pylint: disable=broad-except
       self._unreadable.inc()
       yield beam.pvalue.TaggedOutput(_CORRUPT, {
@@ -292,6 +311,13 @@ class _ListClass(beam.DoFn):
       validation = validation_names(source.class_name, [f[0] for f in files],
                                     self._val_per_class)
     label = self._labels[source.class_name]
+    for name in replaced:  # Skipped and reported, as a corrupt file is.
+      self._duplicates.inc()
+      yield beam.pvalue.TaggedOutput(_CORRUPT, {
+          "file": f"{source.class_name}/{decoding.text_name(name)}",
+          "split": source.split or ("validation" if name in validation else "train"),
+          "error": f"duplicate tar member: an earlier copy in {source.path}, skipped for "
+                   "the last one (as extraction leaves it)"})
     for name, offset, size in files:
       split = source.split or ("validation" if name in validation else "train")
       path = (source.path if source.kind == "tar"
