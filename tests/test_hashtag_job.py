@@ -278,6 +278,29 @@ def test_names_that_are_not_utf8_are_read_and_stored_escaped(tmp_path):
       "train/m.jsonl:m\\xe9": _jpeg(2)}
 
 
+def test_a_manifest_row_whose_split_is_not_its_folders_is_skipped_not_lost(tmp_path):
+  # The job writes the splits that splits_of finds, which for an input in a split folder is
+  # that folder's: a 'test' row in train/ went to a split never written.
+  for folder, rows in (("train", [("same", "train"), ("other", "test"), ("none", None)]),
+                       ("val", [("v", "val")])):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "m.jsonl").write_text("".join(
+        json.dumps({"id": i, "image": "x.jpg", "hashtags": ["dog"], "split": s}) + "\n"
+        for i, s in rows))
+  samples, skips = {}, []
+  for f in crawl_inputs.find_inputs(tmp_path):
+    for item in crawl_inputs.read_input(f):
+      if isinstance(item, crawl_inputs.Sample):
+        assert item.split in crawl_inputs.splits_of(f)
+        samples[item.name] = item.split
+      else:
+        skips.append(item)
+  assert samples == {"train/m.jsonl:same": "train", "train/m.jsonl:none": "train",
+                     "val/m.jsonl:v": "validation"}
+  assert [(s.reason, s.where) for s in skips] == [("split_mismatch", "train/m.jsonl:other")]
+  assert "'test' is not its folder's 'train'" in skips[0].error
+
+
 def _records(dataset) -> dict[str, set]:
   """Split -> every record as the repr of its sorted (field, value) pairs (order-free)."""
   out = {}

@@ -15,9 +15,10 @@ Inputs are found under RAW by suffix (hidden entries ignored):
 Text tags (.txt, or a str in JSON): the '#'-words if there are any (a caption), else the
 words separated by whitespace or commas (a tag list).
 
-Split of a sample: the manifest row's "split" if it has one, else the input's first folder
-under RAW when that is a split folder (train, val -> validation, validation, test), else
-'train'.
+Split of a sample: the input's first folder under RAW when that is a split folder (train,
+val -> validation, validation, test), else the manifest row's "split" if it has one, else
+'train'. A row in a split folder whose "split" names another split is skipped (split_mismatch,
+counted and named): a manifest is split by its rows outside split folders.
 
 Tags are normalised as the vocabulary does (one leading '#' stripped, lower case; repeats in one
 sample count once). Bad input never stops a reader: a tar member with an absolute or '..' path
@@ -240,6 +241,10 @@ def _row_sample(row: dict, f: InputFile, n: int) -> Iterator[Sample | Skip]:
   split = row.get("split") or f.split or "train"
   if not isinstance(split, str) or split.lower() not in SPLIT_DIRS:
     yield Skip("bad_manifest_row", where, f"split {split!r} is not one of {list(SPLIT_DIRS)}")
+    return
+  if f.split and SPLIT_DIRS[split.lower()] != f.split:  # The job writes the folder's split only.
+    yield Skip("split_mismatch", where, f"the row's split {split!r} is not its folder's "
+               f"{f.split!r}; a manifest is split by its rows outside split folders")
     return
   try:
     tags, skips = parse_tags(next((row[k] for k in TAG_KEYS if k in row), None), where)
