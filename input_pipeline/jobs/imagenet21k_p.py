@@ -15,7 +15,9 @@ The job follows the paper's three steps:
   1. Classes with fewer than `min_images` (500) listed files are dropped ("removing
      infrequent classes, with less than 500 labels"); a class with 500 or more is kept
      (corrupt files included in that count, as they are files of the release). Dropped wnids
-     and their counts go to the metadata.
+     and their counts go to the metadata. This follows the paper's text; the authors' script
+     (github.com/Alibaba-MIIL/ImageNet21K, dataset_preprocessing/processing_script.sh) keeps
+     `count -gt 500`, more than 500, and notes 11,221 classes: --min_images=501 reproduces it.
   2. Validation split, `val_per_class` (50) images per kept class. The rule: rank the class's
      files by sha256 of the UTF-8 string 'wnid/name' (hex digest, ties by name) and send the
      first 50 to `validation`, the rest to `train`. It depends on the file names only, so the
