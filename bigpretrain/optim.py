@@ -61,6 +61,10 @@ def optim_defaults() -> ml_collections.ConfigDict:
           warmup_frac=0.0,  # Fraction of total_steps.
           warmup_init_factor=0.0,  # Linear warmup starts at lr * this.
           end_factor=0.0,  # cosine: final lr as a fraction of lr.
+          # The same two as absolute lrs (timm's --warmup-lr, --min-lr; -1 = use the factor),
+          # of the lr applied (times C_LD with LayerDecay on); one above the peak is the peak.
+          warmup_init_lr=-1.0,
+          end_lr=-1.0,
           pct_start=0.2,  # onecycle: fraction of the run spent increasing the lr.
           div_factor=25.0,  # onecycle: starts at lr / div_factor.
           final_div_factor=1e4,  # onecycle: ends at lr / (div_factor * final_div_factor).
@@ -138,6 +142,10 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
       (f'{ps}.warmup_init_factor', s['warmup_init_factor'], 0 <= s['warmup_init_factor'] <= 1,
        'must be in [0, 1]'),
       (f'{ps}.end_factor', s['end_factor'], 0 <= s['end_factor'] <= 1, 'must be in [0, 1]'),
+      (f'{ps}.warmup_init_lr', s['warmup_init_lr'], s['warmup_init_lr'] == -1 or
+       s['warmup_init_lr'] >= 0, 'must be >= 0, or -1 to use warmup_init_factor'),
+      (f'{ps}.end_lr', s['end_lr'], s['end_lr'] == -1 or s['end_lr'] >= 0,
+       'must be >= 0, or -1 to use end_factor'),
       (f'{ps}.pct_start', s['pct_start'], 0 <= s['pct_start'] < 1, 'must be in [0, 1)'),
       (f'{ps}.div_factor', s['div_factor'], s['div_factor'] > 0, 'must be > 0'),
       (f'{ps}.final_div_factor', s['final_div_factor'], s['final_div_factor'] > 0,
@@ -150,6 +158,10 @@ def validate_optim_config(cfg: Mapping[str, Any], prefix: str = 'optim') -> None
   for key, value, ok, why in checks:
     if not ok:
       raise _err(key, value, why)
+  for absolute, factor in (('warmup_init_lr', 'warmup_init_factor'), ('end_lr', 'end_factor')):
+    if s[absolute] >= 0 and s[factor] > 0:
+      raise _err(f'{ps}.{factor}', s[factor], f'set either {absolute} ({s[absolute]}) or '
+                 f'{factor}, not both')
   if s['warmup_steps'] >= 0 and s['warmup_frac'] > 0:
     raise _err(f'{ps}.warmup_frac', s['warmup_frac'],
                f'set either warmup_steps ({s["warmup_steps"]}) or warmup_frac, not both')
@@ -180,6 +192,11 @@ def resolve_warmup_steps(schedule_cfg: Mapping[str, Any], total_steps: int,
   return warmup
 
 
+def _fraction(s, absolute: str, factor: str, lr: float) -> float:
+  """A schedule end as a fraction of the peak `lr`: s[absolute] / lr (at most 1) when set."""
+  return min(1.0, s[absolute] / lr) if s[absolute] >= 0 else s[factor]
+
+
 def make_schedule(schedule_cfg: Mapping[str, Any], *, lr: float,
                   total_steps: int) -> optax.Schedule:
   """The learning-rate schedule peaking at `lr` named by schedule_cfg['name']."""
@@ -202,7 +219,8 @@ def _warmup_then(decay):
     main = decay(s, lr, max(total_steps - warmup, 1))
     if warmup == 0:
       return main
-    ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
+    ramp = optax.linear_schedule(
+        lr * _fraction(s, 'warmup_init_lr', 'warmup_init_factor', lr), lr, warmup)
     return optax.join_schedules([ramp, main], [warmup])
 
   return schedule
@@ -211,7 +229,8 @@ def _warmup_then(decay):
 @SCHEDULES.register('cosine')
 @_warmup_then
 def _cosine(s, lr: float, steps: int) -> optax.Schedule:
-  return optax.cosine_decay_schedule(lr, decay_steps=steps, alpha=s['end_factor'])
+  return optax.cosine_decay_schedule(lr, decay_steps=steps,
+                                     alpha=_fraction(s, 'end_lr', 'end_factor', lr))
 
 
 @SCHEDULES.register('constant')
@@ -237,7 +256,8 @@ def _step_schedule(s, lr: float, total_steps: int) -> optax.Schedule:
   main = optax.piecewise_constant_schedule(lr, scales)
   if warmup == 0:
     return main
-  ramp = optax.linear_schedule(lr * s['warmup_init_factor'], lr, warmup)
+  ramp = optax.linear_schedule(
+      lr * _fraction(s, 'warmup_init_lr', 'warmup_init_factor', lr), lr, warmup)
   return lambda step: jnp.where(step < warmup, ramp(step), main(step))
 
 

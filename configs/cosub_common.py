@@ -44,12 +44,11 @@ def sqrt_lr(config: ml_collections.ConfigDict, base_lr: float):
   return base_lr * (batch.to_float() / float(BASE_BATCH)) ** 0.5
 
 
-def deit_schedule_ends(config: ml_collections.ConfigDict, lr_scale: float = 1.0) -> None:
-  """Warm-up from WARMUP_LR, floor at MIN_LR: fractions of the peak lr * lr_scale (by reference,
-  so lr and batch-size overrides keep the absolute values)."""
-  peak = config.optim.get_ref("lr") * lr_scale
-  config.optim.schedule.warmup_init_factor = WARMUP_LR / peak
-  config.optim.schedule.end_factor = MIN_LR / peak
+def deit_schedule_ends(config: ml_collections.ConfigDict) -> None:
+  """Warm-up from WARMUP_LR, floor at MIN_LR: absolute lrs, as DeiT-III's --warmup-lr and
+  --min-lr (held at the peak when a small batch's sqrt-scaled peak is below them)."""
+  config.optim.schedule.warmup_init_lr = WARMUP_LR
+  config.optim.schedule.end_lr = MIN_LR
 
 
 def cosub_model(name: str, tau: float) -> dict:

@@ -92,5 +92,5 @@ def get_config(arg=None):
     config.num_epochs = arg.epochs
     config.optim.lr = cosub_common.sqrt_lr(config, BASE_LR)
     config.optim.schedule.warmup_frac = 5.0 / arg.epochs
-  cosub_common.deit_schedule_ends(config, config.optim.layer_decay_lr_scale)
+  cosub_common.deit_schedule_ends(config)
   return config

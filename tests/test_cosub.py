@@ -298,6 +298,19 @@ def test_cosub_objective_stops_gradients_through_the_teacher(kind):
   np.testing.assert_allclose(grad[0::2], want1, rtol=1e-4, atol=1e-7)
 
 
+def test_binarised_bce_refuses_the_mixup_steps_label_smoothing():
+  from bigpretrain import objectives  # pylint: disable=import-outside-toplevel
+  from input_pipeline import datasets  # pylint: disable=import-outside-toplevel
+  config = cosub_in1k.get_config()
+  info = datasets.get_dataset(config.data).info
+  objectives.check(objectives.get_objective(config.objective, info), info, config)
+  with config.unlocked():
+    config.mixup.label_smoothing = 0.1  # Where objective.label_smoothing's error sends users.
+  with pytest.raises(ValueError, match=r"config.mixup.label_smoothing=0.1 with "
+                                       r"config.objective.bce_binarize=True"):
+    objectives.check(objectives.get_objective(config.objective, info), info, config)
+
+
 def test_cosub_objective_errors_are_clear():
   images, w, d, labels = _stub_case()
   batch = {"image": images, "label": labels}
@@ -462,6 +475,12 @@ def test_config_recipe_details():
     assert float(schedule(0)) == pytest.approx(1e-6, rel=1e-4)
     assert max(float(schedule(s)) for s in range(0, 1000, 5)) == pytest.approx(peak, rel=1e-3)
     assert float(schedule(1000)) == pytest.approx(1e-5, rel=1e-4)
+  # Without LayerDecay no C_LD applies: the same absolute ends around the plain peak.
+  no_ld = cosub_finetune_in1k.get_config("dataset=tfds:imagenet2012,init=/ckpt,layer_decay=0")
+  _, schedule = optim.make_optimizer(no_ld.optim, total_steps=1000, layers=_layers(no_ld))
+  assert [float(schedule(0)), float(schedule(1000))] == pytest.approx([1e-6, 1e-5], rel=1e-4)
+  assert max(float(schedule(s)) for s in range(0, 1000, 5)) == pytest.approx(no_ld.optim.lr,
+                                                                             rel=1e-3)
   assert cosub_in1k.get_config("submodels=1").objective.num_submodels == 1
   with pytest.raises(ValueError, match="Table A.1"):
     cosub_in1k.get_config("dataset=tfds:imagenet2012,model=vit_ti16")

@@ -39,6 +39,15 @@ def test_finetune_stage_is_deit3s_20_epochs_at_224_with_cosubs_changes():
   assert float(lr(0)) == pytest.approx(1e-6, rel=1e-4)
   assert float(lr(total // 4)) == pytest.approx(peak, rel=1e-4)  # 5 of 20 epochs.
   assert float(lr(total)) == pytest.approx(1e-5, rel=1e-4)
+  # A smaller batch (A.1: "during the fine-tuning stage") puts the sqrt-scaled peak below
+  # deit's --min-lr: the floor is then the peak, a constant lr after the warm-up.
+  small = cosub_in1k.get_config(PAPER + "vit_b16,stage=finetune,init=/runs/in1k")
+  small.batch_size = 256
+  config_lib.validate(small)
+  peak = 1e-5 * np.sqrt(256 / 512)
+  lr = optim.make_schedule(small.optim.schedule, lr=small.optim.lr, total_steps=total)
+  assert float(lr(0)) == pytest.approx(1e-6, rel=1e-4)
+  assert [float(lr(t)) for t in (total // 4, total // 2, total)] == pytest.approx([peak] * 3)
   with pytest.raises(ValueError, match="stage=finetune needs init="):
     cosub_in1k.get_config(PAPER + "vit_b16,stage=finetune")
   with pytest.raises(ValueError, match="init= is for stage=finetune"):

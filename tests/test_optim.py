@@ -58,6 +58,22 @@ def test_warmup_frac_equals_warmup_steps_and_init_factor():
     assert from_tenth(s) == pytest.approx(0.1 + 0.9 * s / 20, rel=1e-6)
 
 
+def test_absolute_ends_are_the_factors_of_the_applied_peak_and_never_above_it():
+  # timm's --warmup-lr 1e-6 / --min-lr 1e-5 around a peak of 1e-4.
+  ends = {'schedule.warmup_steps': 10, 'schedule.warmup_init_lr': 1e-6,
+          'schedule.end_lr': 1e-5, 'layer_decay': 0.0}
+  sched = _sched(110, lr=1e-4, **ends)
+  by_factor = _sched(110, lr=1e-4, **{'schedule.warmup_steps': 10,
+                                      'schedule.warmup_init_factor': 1e-2,
+                                      'schedule.end_factor': 1e-1})
+  for s in (0, 5, 10, 60, 110):
+    assert sched(s) == pytest.approx(by_factor(s), rel=1e-5), s
+  low = _sched(110, lr=4e-6, **ends)  # The floor is above this peak: held at the peak.
+  assert [low(s) for s in (0, 10, 60, 110)] == pytest.approx([1e-6, 4e-6, 4e-6, 4e-6])
+  with pytest.raises(ValueError, match=r"schedule.end_factor=0.1: set either end_lr"):
+    optim.validate_optim_config(_cfg(**{'schedule.end_lr': 1e-5, 'schedule.end_factor': 0.1}))
+
+
 def test_constant_schedule():
   sched = _sched(50, lr=0.3, **{'schedule.name': 'constant', 'schedule.warmup_steps': 4})
   assert [sched(s) for s in (0, 2, 4, 30, 49)] == pytest.approx([0, 0.15, 0.3, 0.3, 0.3])

@@ -52,6 +52,11 @@ def check(objective: base.Objective, info, config) -> None:
           f"(config.mixup.mixup_alpha={config.mixup.mixup_alpha}, cutmix_alpha="
           f"{config.mixup.cutmix_alpha}) would train on mixed images against unmixed labels. "
           "Set both to 0, or use an objective that takes soft targets.")
+    if getattr(objective, "bce_binarize", False) and config.mixup.label_smoothing > 0:
+      raise ValueError(
+          f"config.mixup.label_smoothing={config.mixup.label_smoothing} with "
+          f"config.objective.bce_binarize=True: smoothed targets are all > 0, so binarising "
+          "them makes every class positive. Set one of them off.")
     if getattr(objective, "label_smoothing", 0.0) > 0:
       raise ValueError(
           f"config.objective.label_smoothing={objective.label_smoothing} with mixup/cutmix on: "
