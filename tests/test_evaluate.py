@@ -120,6 +120,8 @@ def test_real_accuracy_by_hand():
 def test_parse_flags():
   assert evaluate.parse_datasets("demo:validation, tfds:imagenet_v2,tfds:imagenet_v2:test") == [
       ("demo", "validation"), ("tfds:imagenet_v2", ""), ("tfds:imagenet_v2", "test")]
+  assert evaluate.parse_datasets("demo:validation[10:20],tfds:imagenet2012:validation[:500]") == [
+      ("demo", "validation[10:20]"), ("tfds:imagenet2012", "validation[:500]")]
   assert evaluate.parse_drop_blocks("3,7") == (3, 7)
   assert evaluate.parse_drop_blocks("sweep") == "sweep"
   assert evaluate.parse_drop_blocks("") == ()

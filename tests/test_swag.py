@@ -236,8 +236,9 @@ def test_zero_shot_command_end_to_end_json(hashtag_run):
 
 def test_zero_shot_text_output_and_paper_aggregation(hashtag_run):
   proc = _zero_shot_cli(f"--workdir={hashtag_run}", "--dataset=demo", "--platt=off",
-                        "--aggregation=mean", "--batch_size=250")
+                        "--aggregation=mean", "--batch_size=250", "--split=validation[:500]")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Zero-shot on demo:validation[:500] (500 images, 100 classes" in proc.stdout
   assert "without Platt scaling" in proc.stdout and "with Platt scaling:" not in proc.stdout
   assert "(mean aggregation)" in proc.stdout
   assert zero_shot.paper_aggregation("regnety_16gf", True) == "sum"

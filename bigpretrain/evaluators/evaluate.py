@@ -34,6 +34,7 @@ metrics}}, "not_removable": [blocks]}.
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import ml_collections
@@ -51,13 +52,16 @@ from input_pipeline import subset
 def parse_datasets(text: str) -> list[tuple[str, str]]:
   """'demo:validation,tfds:imagenet_v2' -> [('demo', 'validation'), ('tfds:imagenet_v2', '')].
 
-  The text after the last ':' is a split unless that ':' ends a name prefix ('tfds:')."""
+  The text after the last ':' is a split unless that ':' ends a name prefix ('tfds:'); a
+  split may be sliced ('demo:validation[:1000]': subset.split_source), its ':' kept."""
   prefixes = tuple(p for p in datasets.name_prefixes() if p.endswith(":"))
   out = []
   for spec in (s.strip() for s in text.split(",")):
     if not spec:
       continue
-    name, sep, split = spec.rpartition(":")
+    head, sliced = re.fullmatch(r"(.*?)(\[[^\[\]]*\])?", spec).groups()
+    name, sep, split = head.rpartition(":")
+    split += sliced or ""
     if not sep or (name + ":") in prefixes:
       name, split = spec, ""
     if not name:

@@ -36,6 +36,7 @@ from bigpretrain.models import pretrained
 from bigpretrain.semantic import wordnet
 from bigpretrain.swag import vocabulary
 from input_pipeline import datasets
+from input_pipeline import subset
 
 AGGREGATIONS = ("sum", "mean", "max_split")
 PLATT_MODES = ("on", "off", "both")
@@ -395,7 +396,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   hashtags = check_hashtag_model(meta, workdir)
   data = datasets.get_dataset({"name": dataset, "dir": data_dir})
   info = data.info
-  if split not in info.splits:
+  if re.sub(r"\[.*\]$", "", split) not in info.splits:  # 'validation[:1000]': its records.
     raise ValueError(f"dataset {dataset!r} has no split {split!r}; its splits: "
                      f"{list(info.splits)}")
   wnids = check_wordnet_classes(info.class_names, dataset)
@@ -410,7 +411,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
   step = scores_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
                      mapping, sorted(set(chosen.values())))
-  rows = collect_scores(step, loaded.variables, data.source(split),
+  rows = collect_scores(step, loaded.variables, subset.split_source(data, split),
                         eval_data_config(meta["data"], num_workers, eval_resize),
                         batch_size=batch_size, mesh=mesh)
   return {**top1_from_rows(rows, chosen),
