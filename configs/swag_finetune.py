@@ -37,8 +37,10 @@ N: 500 steps for N <= 20,000 ("small"), 10,000 for N <= 500,000 ("medium"), 20,0
 ViTs on the whole of ImageNet-1k train VIT_IN1K_EPOCHS = 28 epochs instead ("we finetuned
 ViTs for 28 epochs on ImageNet-1k"). EMA of the weights with "decay 1e-4", i.e. momentum
 0.9999 (ClassyVision's hook averages params and BatchNorm statistics), used for eval; the
-paper uses it for ImageNet-1k only, so here it is on for "large" datasets and off otherwise
-unless `ema=` says (0.9999 over 500 steps would leave the EMA at 95% of the starting weights).
+paper uses it for ImageNet-1k only ("For ImageNet-1k finetuning, we additionally compute an
+exponential moving average"), so here it is on for ImageNet-1k at the "large" length and off
+otherwise unless `ema=` says (0.9999 over a few-shot draw's 500 steps would leave the EMA at
+95% of the starting weights).
 Resolution (section 4.1, Table 1 "Fine." column): RegNetY and ViT B/16 at 384, ViT L/16 at
 512, ViT H/14 at 518 (FINETUNE_RES); Table 2's runs (few-shot draws and the zero-shot-
 initialised head) are "at 224x224", the pre-training's, as is any model the paper does not
@@ -234,7 +236,7 @@ def get_config(arg=None):
     else:
       config.total_steps = steps = STEPS[size]
     config.eval_every_steps = max(steps // 4, 250)
-    ema = EMA_MOMENTUM if size == "large" else 0.0
+    ema = EMA_MOMENTUM if task == "in1k" and size == "large" else 0.0
   config.ema.momentum = ema if arg.ema < 0 else arg.ema
   if arg.lr > 0:
     lr_at_batch, lr_batch = arg.lr, None

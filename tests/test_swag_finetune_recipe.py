@@ -28,6 +28,7 @@ def test_finetunes_at_table1_resolution(init_from, model, res):
                      "dataset=tfds:caltech_birds2011")
   assert config.data.image_size == res  # Not the checkpoint's 224.
   assert config.total_steps == 20_000 and config.num_epochs == -1  # Not ImageNet-1k.
+  assert config.ema.momentum == 0.0  # The paper's EMA is ImageNet-1k's alone.
 
 
 def test_table2_runs_and_overrides_keep_pretraining_resolution(init_from):

@@ -221,7 +221,8 @@ def test_swag_finetune_config():
       "small", "medium", "medium", "large"]
   assert swag_finetune.size_of(round(1_281_167 * 0.01)) == "small"  # 1% of ImageNet-1k.
   paper = swag_finetune.get_config("dataset=tfds:x,size=large,task=other")
-  assert paper.total_steps == 20_000 and paper.ema.momentum == 0.9999
+  assert paper.total_steps == 20_000 and paper.ema.momentum == 0.0  # EMA: ImageNet-1k's.
+  assert swag_finetune.get_config("dataset=tfds:x,size=large,task=in1k").ema.momentum == 0.9999
   assert paper.batch_size == 512 and paper.optim.lr == pytest.approx(6e-3)
   with pytest.raises(ValueError, match="size="):
     swag_finetune.get_config("size=huge")
