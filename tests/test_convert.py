@@ -260,7 +260,7 @@ def test_position_embedding_resize_equals_torch_interpolate(method, torch_option
   np.testing.assert_allclose(got[:, 1:], want, atol=2e-5)
 
 
-def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
+def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path, capsys):
   torch_model = _timm("vit_tiny_patch16_224", img_size=32, num_classes=10)
   meta = convert.import_weights("timm:vit_tiny_patch16_224",
                                 _save(torch_model, tmp_path / "w.safetensors"),
@@ -276,6 +276,19 @@ def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path):
   params, extra = model_def.create(jax.random.key(1))
   _, fresh, _, _ = checkpoint.init_from(str(tmp_path / "c"), {"params": params, "extra": extra})
   assert fresh == ["params/head/bias", "params/head/kernel"]
+  # timm's num_classes=0 ("no head") and other sizes no model has: refused before writing.
+  for key, value in (("num_classes", 0), ("num_classes", -2), ("image_size", 0)):
+    with pytest.raises(ValueError, match=f"--{key}={value} must be an int >= 1"):
+      convert.import_weights("timm:vit_tiny_patch16_224", str(tmp_path / "w.safetensors"),
+                             str(tmp_path / "bad"), **{key: value})
+  assert not (tmp_path / "bad").exists()
+  # Exported for a library that normalises its inputs otherwise: the weights as they are,
+  # and a warning naming both presets.
+  capsys.readouterr()
+  convert.export_weights(str(tmp_path / "c"), str(tmp_path / "tv.safetensors"),
+                         "torchvision:vit_ti_16")
+  assert "normalised as 'minus1_1'; torchvision:vit_ti_16's models are fed 'imagenet'" in (
+      capsys.readouterr().out)
 
 
 def test_converted_checkpoint_serves_predict(tmp_path):

@@ -462,6 +462,10 @@ def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None
   `class_names`: a file naming the head's classes (teachers and infer compare them with
   their dataset's); without it the meta has none."""
   get_arch(spec)
+  for flag, value in (("--num_classes", num_classes), ("--image_size", image_size)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"{flag}={value!r} must be an int >= 1 (a head of 0 classes is not "
+                       "a model this trainer can fine-tune or evaluate).")
   model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
                                            num_classes=num_classes, image_size=image_size)
   names = (read_class_names(class_names, int(model_def.kwargs["num_classes"]))
@@ -514,6 +518,11 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
                      "--to=FORMAT:ARCH")
   sd = from_bigpretrain(jax.device_get(loaded.variables), loaded.model_def, spec)
   warn_bad_values(sd)
+  trained, expects = loaded.meta["data"]["normalize"], get_arch(spec).normalize
+  if trained != expects:
+    console.warn(f"{ckpt}'s model takes inputs normalised as {trained!r}; {spec}'s "
+                 f"models are fed {expects!r} by their library: give it {trained!r} inputs, "
+                 "or its outputs will be off.")
   write_state_dict(sd, out)
   return sd
 
