@@ -354,6 +354,30 @@ def test_nan_weights_and_negative_variances_are_named_in_a_warning(capsys):
       "weights are converted as they are; check their source."]
 
 
+def test_imported_eval_crop_is_one_the_source_library_evaluates_with():
+  import timm  # pylint: disable=import-outside-toplevel
+  import torchvision  # pylint: disable=import-outside-toplevel
+  checked = 0
+  for spec, arch in convert.ARCHS.items():
+    library, name = spec.split(":")
+    if library == "timm":
+      cfg = timm.models.get_pretrained_cfg(name.replace("_miil_in21k", "_miil.in21k"))
+      if cfg is None:
+        continue
+      # Full crop at 1.0; the 87.5% preset stands for timm's 0.875-0.95.
+      fractions = [cfg.crop_pct]
+    else:
+      try:
+        weights = torchvision.models.get_model_weights(name)
+      except ValueError:  # vit_ti_16 / vit_s_16: test-size models of no builder.
+        continue
+      fractions = [w.transforms().crop_size[0] / w.transforms().resize_size[0] for w in weights]
+    full = arch.eval_resize == "shorter_center_crop"
+    assert any((f == 1.0) == full for f in fractions), (spec, arch.eval_resize, fractions)
+    checked += 1
+  assert checked >= 40, checked
+
+
 def test_export_refuses_another_architecture(tmp_path):
   convert.import_weights("timm:resnet18", _save(_timm("resnet18", num_classes=10),
                                                 tmp_path / "w.safetensors"), str(tmp_path / "c"))

@@ -113,14 +113,16 @@ _DEIT3 = {"layerscale_init": 1e-6, "pos_embed_cls": False}  # DeiT-III: LS, no c
 
 def _archs() -> dict[str, Arch]:
   out = {}
-  # timm ViTs (AugReg weights: mean = std = 0.5).
+  # timm ViTs (AugReg weights: mean = std = 0.5). timm evaluates its 384-px weights on the
+  # full centre crop (crop_pct 1.0), the others at 0.9, closest to the 87.5% crop here.
+  full = {224: "center_crop", 384: "shorter_center_crop"}
   sizes = {"tiny": "ti", "small": "s", "medium": "m", "base": "b", "large": "l", "huge": "h"}
   for name in ("tiny_patch16", "small_patch16", "small_patch32", "base_patch16",
                "base_patch32", "large_patch16", "large_patch32"):
     size, patch = name.split("_patch")
     for res in (224, 384):
       out[f"timm:vit_{name}_{res}"] = Arch(f"vit_{sizes[size]}{patch}", _TIMM_VIT, "minus1_1",
-                                           sized_by="pos_embed")
+                                           sized_by="pos_embed", eval_resize=full[res])
   # ImageNet-21K-P ViT-B/16 (Ridnik et al. 2021; timm 'vit_base_patch16_224_miil.in21k'):
   # no qkv bias, inputs in [0, 1] (timm's cfg: mean 0, std 1), 11,221 classes, bilinear.
   miil = Arch("vit_b16", _TIMM_VIT, "0_1", {"qkv_bias": False}, sized_by="pos_embed")
@@ -128,17 +130,19 @@ def _archs() -> dict[str, Arch]:
   for size in ("small", "medium", "base", "large"):
     for res in (224, 384):
       out[f"timm:deit3_{size}_patch16_{res}"] = Arch(f"vit_{sizes[size]}16", _TIMM_VIT,
-                                                     "imagenet", _DEIT3, sized_by="pos_embed")
+                                                     "imagenet", _DEIT3, sized_by="pos_embed",
+                                                     eval_resize=full[res])
   out["timm:deit3_huge_patch14_224"] = Arch("vit_h14", _TIMM_VIT, "imagenet", _DEIT3,
                                             sized_by="pos_embed")
   # torchvision's VisionTransformer (SWAG's ViTs are vit_b_16 / vit_l_16 / vit_h_14 at
-  # 384 / 512 / 518 px, evaluated on a full centre crop of the shorter side). vit_ti_16 and
+  # 384 / 512 / 518 px, evaluated on a full centre crop of the shorter side; vit_b_32 and
+  # vit_l_32 have only IMAGENET1K_V1 weights, resize 256 and crop 224). vit_ti_16 and
   # vit_s_16 are that class at DeiT sizes (not torchvision builders; small test models).
   for size, patch in (("ti", 16), ("s", 16), ("b", 16), ("b", 32), ("l", 16), ("l", 32),
                       ("h", 14)):
     out[f"torchvision:vit_{size}_{patch}"] = Arch(
         f"vit_{size}{patch}", _TORCHVISION_VIT, "imagenet", sized_by="pos_embed",
-        eval_resize="shorter_center_crop")
+        eval_resize="center_crop" if patch == 32 else "shorter_center_crop")
   for depth, stages in _RESNET_STAGES.items():
     for fmt in ("timm", "torchvision"):
       out[f"{fmt}:resnet{depth}"] = Arch(f"resnet{depth}", _resnet_rules(stages), "imagenet")
@@ -148,12 +152,15 @@ def _archs() -> dict[str, Arch]:
                       ("resnext101_32x8d", "101"), ("resnext101_32x16d", "101"),
                       ("resnext101_32x48d", "101")):
     out[f"torchvision:{name}"] = Arch(name, _resnet_rules(_RESNET_STAGES[depth]), "imagenet")
-  # torchvision RegNetY (regnet_y_128gf carries SWAG's RegNetY-128GF weights).
+  # torchvision RegNetY (regnet_y_128gf carries only SWAG's RegNetY-128GF weights, evaluated
+  # on the full centre crop: 384 px end to end, 224 for the linear head, --image_size).
   from bigpretrain.models import regnet  # pylint: disable=import-outside-toplevel
   for size in ("400mf", "8gf", "16gf", "32gf", "128gf"):
     name = f"regnety_{size}"
     stages = tuple(n for _, n, _ in regnet.regnet_stages(*regnet._REGNETY[name]))  # pylint: disable=protected-access
-    out[f"torchvision:regnet_y_{size}"] = Arch(name, _regnet_rules(stages), "imagenet")
+    out[f"torchvision:regnet_y_{size}"] = Arch(
+        name, _regnet_rules(stages), "imagenet",
+        eval_resize="shorter_center_crop" if size == "128gf" else "center_crop")
   # TResNet (timm cfg: mean 0, std 1).
   out["timm:tresnet_m"] = Arch("tresnet_m", _TRESNET, "0_1")
   out["timm:tresnet_l"] = Arch("tresnet_l", _TRESNET, "0_1")
