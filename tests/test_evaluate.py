@@ -193,20 +193,28 @@ def test_original_label_is_read_as_label():
 def test_a_saved_run_evaluates_to_the_trainers_final_eval(run):
   workdir, trained = run
   out = evaluate.evaluate(workdir, run_config=evaluate.read_run_config(workdir))
-  got = out[f"evalhead:{N}:validation"]
+  got = out[f"evalhead:{N}:validation{helpers.EVAL_RECORDS}"]  # The run's own eval split.
   for key in ("top1", "top5", "num_examples"):
     assert got[key] == trained[f"eval/{key}"], key
   assert got["num_examples"] == N
   logits, labels = _dataset_logits(workdir, f"evalhead:{N}",
                                    lambda m, x: m(x, train=False))
   np.testing.assert_allclose(got["top1"], np.mean(np.argmax(logits, -1) == labels))
+  # A run that evaluated a slice of its split: that slice again, not the whole split.
+  sliced = evaluate.read_run_config(workdir)
+  sliced["data"]["eval_split"] = "validation[:8]"
+  out = evaluate.evaluate(workdir, run_config=sliced)
+  got = out[f"evalhead:{N}:validation[:8]"]
+  assert got["num_examples"] == 8
+  np.testing.assert_allclose(got["top1"], np.mean(np.argmax(logits[:8], -1) == labels[:8]))
 
 
 def test_two_datasets_in_one_call_with_real_labels(run):
   workdir, results = run
   out = evaluate.evaluate(workdir, [(f"evalhead:{N}", ""), (f"evalreal:{N}", "validation")],
                           run_config=evaluate.read_run_config(workdir))
-  assert sorted(out) == [f"evalhead:{N}:validation", f"evalreal:{N}:validation"]
+  own = f"evalhead:{N}:validation{helpers.EVAL_RECORDS}"  # No split: the run's eval split.
+  assert sorted(out) == [own, f"evalreal:{N}:validation"]
   real = out[f"evalreal:{N}:validation"]
   logits, labels = _dataset_logits(workdir, f"evalreal:{N}", lambda m, x: m(x, train=False))
   pred = np.argmax(logits, -1)
@@ -216,7 +224,7 @@ def test_two_datasets_in_one_call_with_real_labels(run):
   expected = np.mean([pred[k] in sets[k] for k in counted])
   np.testing.assert_allclose(real["real_top1"], expected)
   # Its original labels give the same top-1 as the same images without ReaL labels.
-  np.testing.assert_allclose(real["top1"], out[f"evalhead:{N}:validation"]["top1"])
+  np.testing.assert_allclose(real["top1"], out[own]["top1"])
   # The run's own 'mapped' evaluator, on the same final weights, gave the same numbers.
   for key in ("real_top1", "top1", "num_real_examples"):
     np.testing.assert_allclose(results[f"real/{key}"], real[key], atol=1e-6)

@@ -135,7 +135,7 @@ class Evaluation:
     if not split:
       defaults = ([data_cfg.get("eval_split", "validation")] if own else []) + [
           "validation", "test"]
-      split = next((s for s in defaults if s in info.splits),
+      split = next((s for s in defaults if subset.split_name(s) in info.splits),
                    info.splits[0] if len(info.splits) == 1 else "")
       if not split:
         raise ValueError(f"Dataset {name!r} has splits {list(info.splits)}: name one, "

@@ -396,7 +396,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   hashtags = check_hashtag_model(meta, workdir)
   data = datasets.get_dataset({"name": dataset, "dir": data_dir})
   info = data.info
-  if re.sub(r"\[.*\]$", "", split) not in info.splits:  # 'validation[:1000]': its records.
+  if subset.split_name(split) not in info.splits:  # 'validation[:1000]': a range of it.
     raise ValueError(f"dataset {dataset!r} has no split {split!r}; its splits: "
                      f"{list(info.splits)}")
   wnids = check_wordnet_classes(info.class_names, dataset)
