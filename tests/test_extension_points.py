@@ -332,10 +332,14 @@ def test_kd_teacher_with_other_classes_is_refused(tmp_path):
     train.build(config)
 
 
-def test_kd_teacher_with_another_normalisation_is_refused(demo_run):
+def test_kd_teacher_with_another_normalisation_or_size_is_refused(demo_run):
   config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint": demo_run,
                                                  "data.normalize": "imagenet"})
   with pytest.raises(ValueError, match="normalised by '0_1'"):
+    train.build(config)
+  config = helpers.tiny_config("semantic_kd", **{"objective.teacher_checkpoint": demo_run,
+                                                 "data.image_size": 48})
+  with pytest.raises(ValueError, match=r"trained at 32 px, but config.data.image_size=48"):
     train.build(config)
 
 

@@ -70,6 +70,13 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
           f"The teacher in {self.teacher_dir} was trained on images normalised by {expects!r}, "
           f"but config.data.normalize={data_cfg.normalize!r}: the teacher would see inputs "
           f"it was not trained on. Set --config.data.normalize={expects}.")
+    size = meta["data"]["image_size"]
+    if size != data_cfg.image_size:  # It sees the student's batch.
+      raise ValueError(
+          f"The teacher in {self.teacher_dir} was trained at {size} px, but "
+          f"config.data.image_size={data_cfg.image_size}: the teacher sees the student's "
+          f"images (a ViT's grid is fixed, a convnet's accuracy falls at another size). Set "
+          f"--config.data.image_size={size}, or distil from a teacher trained at this size.")
 
   def teacher_logits(self, frozen, images):
     teacher = self.teacher_def.merge(frozen["params"], frozen["extra"])
