@@ -178,6 +178,18 @@ def test_a_class_with_subclasses_is_credited_with_them():
     got = mapped.mapped_scores(multi, jnp.log(sig / (1 - sig)), columns,
                                mapped.nested_pairs(tree, columns))
     np.testing.assert_allclose(got, [want], atol=1e-6)
+  # One dataset class mapped to A and its child a1: the best of the two memberships, nothing
+  # taken off A (A's subtree for semantic and single softmax, as if mapped to A alone).
+  same_row = np.array([[0, 2], [1, 1]])
+  for objective in (semantic, single, multi):
+    got = mapped.mapped_scores(objective, logits, same_row,
+                               mapped.nested_pairs(tree, same_row))
+    member = np.asarray(objective.membership(logits))
+    np.testing.assert_allclose(got, [[member[0, [0, 2]].max(), member[0, 1]]], atol=1e-6)
+    if objective is not multi:
+      np.testing.assert_allclose(got, mapped.mapped_scores(objective, logits, two,
+                                                           mapped.nested_pairs(tree, two)),
+                                 atol=1e-6)
   # Every model class mapped: the scores are the answer (exactly that class) again.
   every = np.arange(4)[:, None]
   for objective in (semantic, single, multi):

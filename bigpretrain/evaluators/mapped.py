@@ -7,7 +7,8 @@ A model class scores the probability that the image's label is that class or lie
 the model's class tree (objective.membership), less what the mapped classes under it take: an
 ImageNet-1k class that has subclasses among ImageNet-21K's (266 of the 991 in
 ImageNet-21K-P) is credited with the images the model places in them, and a dataset class
-nested in another is still ranked by itself. With every model class mapped this is
+nested in another is still ranked by itself (a class map listing a class and one under it
+for one dataset class scores that subtree). With every model class mapped this is
 objective.answer, the probability of being exactly that class."""
 import json
 
@@ -83,14 +84,18 @@ def class_columns(model_names, dataset_names, dataset: str, class_map=None) -> n
 
 def nested_pairs(tree, columns) -> tuple[np.ndarray, np.ndarray]:
   """(inner, outer) int32: each model class in `columns` with a proper ancestor there, and
-  its nearest such ancestor."""
-  mapped = set(np.unique(columns).tolist())
+  its nearest such ancestor, unless both score one dataset class (a row of `columns`): that
+  class is the best of its model classes, the ancestor's subtree with the inner one in it."""
+  columns = np.asarray(columns)
+  rows = {int(c): set(np.nonzero((columns == c).any(axis=-1))[0].tolist())
+          for c in np.unique(columns)}
   inner, outer = [], []
-  for m in sorted(mapped):
+  for m in sorted(rows):
     for a in tree.target_table[m][:tree.class_depth[m]][::-1]:
-      if int(a) in mapped:
-        inner.append(m)
-        outer.append(int(a))
+      if int(a) in rows:
+        if not rows[m] & rows[int(a)]:
+          inner.append(m)
+          outer.append(int(a))
         break
   return np.array(inner, np.int32), np.array(outer, np.int32)
 
