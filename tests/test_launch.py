@@ -185,7 +185,7 @@ def test_slurm_forwards_sigterm_to_the_tasks_and_requeues(tmp_path, requeue):
   fake_tool(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
   fake_tool(bin_dir, "scontrol", "exit 0\n")
   trainer = tmp_path / "trainer"  # saves and exits 0 on SIGTERM, like bigpretrain.train
-  trainer.write_text("#!/usr/bin/env bash\ntrap 'echo saved > \"$SAVED\"; kill $!; exit 0' TERM\n"
+  trainer.write_text("#!/usr/bin/env bash\ntrap 'echo saved > \"$SAVED\"; kill $! 2>/dev/null; exit 0' TERM\n"
                      "touch \"$STARTED\"\nsleep 60 & wait\n")
   trainer.chmod(0o755)
   env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(trainer),
@@ -320,7 +320,7 @@ def test_local_dry_run_prints_the_processes_it_starts(tmp_path):
   r = run([*cmd, "--dry_run", "--", *MAIN], env)
   assert r.returncode == 0, r.stderr
   printed = lines(r.stdout)
-  flags = "--xla_force_host_platform_device_count=4 "
+  flags = "--xla_force_host_platform_device_count=4"
   assert printed == [["env", f"XLA_FLAGS={flags}", "JAX_PLATFORMS=cpu", str(fake_python), "-m",
                       "bigpretrain.main", *MAIN, "--coordinator_address=127.0.0.1:23456",
                       "--num_processes=2", f"--process_id={i}"] for i in range(2)]
@@ -329,3 +329,32 @@ def test_local_dry_run_prints_the_processes_it_starts(tmp_path):
   assert r.returncode == 0, r.stderr
   started = sorted((tmp_path / "log").read_text().splitlines())
   assert started == [f"{p[1][len('XLA_FLAGS='):]}|cpu|{' '.join(p[4:])}" for p in printed]
+
+
+def test_local_waits_for_the_saves_on_sigterm_and_stops_all_when_one_fails(tmp_path):
+  trainer = tmp_path / "python"  # A stand-in: saves for 1 s on SIGTERM; FAIL=i exits 3.
+  trainer.write_text(
+      '#!/usr/bin/env bash\nfor a in "$@"; do [[ $a == --process_id=* ]] && id=${a#*=}; done\n'
+      '[[ $id == "$FAIL" ]] && exit 3\n'
+      "trap 'sleep 1; echo $id >> \"$SAVED\"; kill $! 2>/dev/null; exit 0' TERM\n"
+      'touch "$STARTED.$id"\nsleep 60 & wait\n')
+  trainer.chmod(0o755)
+  env = {**os.environ, "PYTHON": str(trainer), "SAVED": str(tmp_path / "saved"),
+         "STARTED": str(tmp_path / "started"), "FAIL": ""}
+  cmd = [str(LAUNCH / "local.sh"), "2", "--", *MAIN]
+  proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 30
+  while not all((tmp_path / f"started.{i}").exists() for i in range(2)):
+    assert time.time() < deadline and proc.poll() is None, proc.communicate()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=30)
+  assert proc.returncode == 0, stderr  # Only once both processes had saved.
+  assert sorted((tmp_path / "saved").read_text().split()) == ["0", "1"]
+  start = time.time()
+  r = subprocess.run(cmd, env={**env, "FAIL": "1"}, capture_output=True, text=True, timeout=60)
+  assert r.returncode == 3 and time.time() - start < 15, r.stderr
+  assert "exited with status 3; stopping the others" in r.stderr
+  r = subprocess.run([str(LAUNCH / "local.sh"), "two", "--", *MAIN], capture_output=True,
+                     text=True, timeout=30)
+  assert r.returncode == 2 and "N=two must be a positive integer" in r.stderr
