@@ -23,9 +23,18 @@ Modes:
     of the weights 0.995, squish resize to 224 for train and eval. Their augmentation is
     timm's AutoAugment v0 and random erasing 0.5, which bigpretrain lacks: the pretraining's
     RandAugment + Cutout stand in (the recipe's own augmentations, configs/semantic_softmax.py).
-    BatchNorm statistics over the whole batch (the command states none). Multi-label datasets
-    (MS-COCO, Pascal-VOC) train with ASL, as the paper's multi-label transfers do
-    (`multi_label`).
+    BatchNorm statistics over the whole batch (the command states none). `multi_label`
+    trains with ASL and logs eval/mAP, as the paper's multi-label transfers (its Table 2:
+    MS-COCO and Pascal-VOC mAP) do, on a dataset whose records carry their classes as an id
+    list: a tfds dataset with a top-level Sequence(ClassLabel) 'labels' and no 'label'
+    (Pascal-VOC: `dataset=tfds:voc/2007`, each image's distinct object classes; its
+    'labels_no_difficult' by --config.objective.field) or a hashtag dataset ('hashtag_ids');
+    the config reads the dataset's info and sets objective.field (multi_label.py) to that
+    field. MS-COCO is not supported as tfds prepares it: tfds coco/2017 has no 'labels',
+    only per-object 'objects/label' (repeats, nested in 'objects'), which the pipeline does
+    not ship; it needs each image's object labels gathered into a top-level 'labels'
+    Sequence(ClassLabel) in a re-prepared dataset first. On a single-label dataset with
+    WordNet class names (the demo's) multi_label instead takes label + ancestors (below).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
     decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval, a ViT without its
     tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
@@ -64,6 +73,8 @@ Multi-label with mAP: `...:mode=finetune,init=/tmp/ss_demo,multi_label` trains w
 (objective multi_label: an image's positives are its class and the class's WordNet
 ancestors among the dataset's classes: on demo_coarse, whose 12 classes are all at level 1,
 the class alone; on demo_plain_coarse a level-1 class and its root) and logs eval/mAP.
+`dataset=hashtags:demo,multi_label` is the demo of the id-list case: the demo's images with
+their hashtags as labels (objective.field='hashtag_ids'), a demo-sized run.
 
 Args: mode (finetune | linear | fewshot), init (checkpoint; required but for
 finetune with model=, the from-scratch baseline), dataset, data_dir, recipe (in21k | swag |
@@ -82,6 +93,8 @@ from configs import cosub_finetune_in1k
 from configs import swag_finetune
 from input_pipeline.sources import demo as demo_lib
 from input_pipeline.sources import demo_coarse
+from input_pipeline.sources import hashtag_source
+from input_pipeline import datasets
 from input_pipeline import pipeline
 
 MODES = ("finetune", "linear", "fewshot")
@@ -103,10 +116,35 @@ SEMISUP_CUB_BN_GROUP = 24
 RECIPE_RESIZE = {"in21k": "bicubic_antialias", "swag": swag_finetune.CLASSY_RESIZE,
                  "cosub": "bicubic", "semisup_cub": "bicubic"}
 DEMO_BATCH, DEMO_STEPS, DEMO_LR = 64, 300, 1e-3
+HASHTAG_DEMO = hashtag_source.PREFIX + hashtag_source.DEMO_NAME  # Multi-label demo (id lists).
 
 
 def is_demo(dataset: str) -> bool:
+  return (demo_lib.is_demo_name(dataset) or dataset in ("demo_coarse", "demo_plain_coarse")
+          or dataset == HASHTAG_DEMO)
+
+
+def _has_label(dataset: str) -> bool:
   return demo_lib.is_demo_name(dataset) or dataset in ("demo_coarse", "demo_plain_coarse")
+
+
+def multi_label_field(dataset: str, data_dir: str) -> str:
+  """objective.field of multi_label on `dataset`: '' (label + ancestors) when it has a single
+  'label'; else its id-list field: 'labels' (datasets.LABEL_LIST, tfds voc) if it has one,
+  else its only id-list field (a hashtag dataset's 'hashtag_ids'). Reads the dataset's info."""
+  if _has_label(dataset):
+    return ""
+  features = datasets.get_dataset({"name": dataset, "dir": data_dir}).info.features
+  if "label" in features:
+    return ""
+  lists = sorted(k for k, size in features.items() if size)
+  if datasets.LABEL_LIST in lists:
+    return datasets.LABEL_LIST
+  if len(lists) == 1:
+    return lists[0]
+  raise ValueError(f"multi_label on dataset {dataset!r}: it has no 'label' and no single "
+                   f"id-list field to read the labels from (id lists: {lists}); set "
+                   "--config.objective.field.")
 
 
 def _set_length(config, demo: bool, batch_size: int, epochs: float, lr: float,
@@ -186,7 +224,8 @@ def _finetune(arg, demo: bool) -> ml_collections.ConfigDict:
       raise ValueError("multi_label with recipe=cosub: cosub trains submodels with its own "
                        "loss; use recipe=in21k (ASL, as the paper's multi-label transfers).")
     config.objective = dict(name="multi_label", loss="asl", gamma_neg=4.0, gamma_pos=0.0,
-                            clip=0.05, map_bins=1000, loss_scale=1.0)
+                            clip=0.05, map_bins=1000, loss_scale=1.0,
+                            field=multi_label_field(arg.dataset, arg.data_dir))
     config.mixup = config_lib.base_config().mixup  # Mixing multi-hot targets: not the recipe.
     config.evals.eval.topk = (1,)
   return config
@@ -257,6 +296,8 @@ def get_config(arg=None):
   config.model_init = arg.init
   config.model_init_skip = HEAD if arg.init else ""
   if arg.mode == "finetune":  # On the demo's datasets: probes the demo they come from.
-    common_fewshot.add(config, demo, dataset=demo_coarse.FINE.get(arg.dataset, arg.dataset)
-                       if demo else "demo")
+    # hashtags:demo has no single labels to probe: the demo it is made from.
+    probe = "demo" if arg.dataset == HASHTAG_DEMO else demo_coarse.FINE.get(arg.dataset,
+                                                                             arg.dataset)
+    common_fewshot.add(config, demo, dataset=probe if demo else "demo")
   return config

@@ -77,6 +77,19 @@ _TEXT_KEYS = ("file_name",)  # tfds Text features: bytes -> str.
 # Features read as 'label' in datasets without one: ReaL (tfds imagenet2012_real) keeps the
 # ImageNet validation label as 'original_label' beside its 'real_label' lists.
 _LABEL_ALIASES = ("original_label",)
+# A multi-label dataset without a single 'label': its class list is this top-level
+# Sequence(ClassLabel) feature, read as an id-list field (tfds voc: each image's distinct
+# object classes, sorted).
+LABEL_LIST = "labels"
+
+
+def _label_list(features):
+  """The ClassLabel inside features['labels'] when that is a Sequence(ClassLabel), else None."""
+  feature = features[LABEL_LIST] if LABEL_LIST in features else None
+  inner = getattr(feature, "feature", None)
+  if isinstance(feature, tfds.features.Sequence) and isinstance(inner, tfds.features.ClassLabel):
+    return inner
+  return None
 
 
 def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | None:
@@ -84,8 +97,10 @@ def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | Non
   if isinstance(feature, tfds.features.Text):
     return None
   shape, dtype = getattr(feature, "shape", None), getattr(feature, "np_dtype", None)
-  if dtype is None or not (np.issubdtype(np.dtype(dtype), np.integer)
-                           or np.issubdtype(np.dtype(dtype), np.floating)):
+  if dtype is None or isinstance(dtype, Mapping):  # Nested features (tfds voc's 'objects').
+    return None
+  if not (np.issubdtype(np.dtype(dtype), np.integer)
+          or np.issubdtype(np.dtype(dtype), np.floating)):
     return None
   if shape == ():
     return 0
@@ -200,15 +215,20 @@ class TfdsDataset(Dataset):
     self.builder = builder
     features = builder.info.features
     label_key = next((k for k in ("label",) + _LABEL_ALIASES if k in features), None)
-    if "image" not in features or label_key is None:
-      raise ValueError(f"Dataset {name!r} needs 'image' and 'label' features; it has "
-                       f"{sorted(features.keys())}.")
-    label = features[label_key]
+    label_list = _label_list(features) if label_key is None else None
+    if "image" not in features or (label_key is None and label_list is None):
+      raise ValueError(f"Dataset {name!r} needs an 'image' feature and a 'label' feature "
+                       f"(or a '{LABEL_LIST}' Sequence(ClassLabel) of a multi-label dataset); "
+                       f"it has {sorted(features.keys())}.")
+    label = features[label_key] if label_key is not None else label_list
     names = list(label.names) if hasattr(label, "names") else []
     shape = getattr(features["image"], "shape", (None, None, None))
     size = shape[0] if shape[0] is not None and shape[0] == shape[1] else None
     splits = tuple(sorted(builder.info.splits.keys()))
     max_lengths = dict((builder.info.metadata or {}).get("max_lengths", {}))
+    if label_list is not None:
+      # Without a stated max length: distinct classes per image (tfds voc), at most C.
+      max_lengths.setdefault(LABEL_LIST, int(label.num_classes))
     self.info = DatasetInfo(
         name=name,
         num_classes=int(label.num_classes),

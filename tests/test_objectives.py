@@ -1,4 +1,5 @@
 """Objectives beyond the loss math: multi-label targets, mAP, and semantic KD end to end."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -150,3 +151,76 @@ def test_multi_label_config_scales_asl_at_paper_scale_only():
   assert multi_label_config.get_config().objective.loss_scale == 1.0  # The demo: unchanged.
   bce = multi_label_config.get_config("dataset=imagenet21k_p,data_dir=/data,loss=bce")
   assert bce.objective.loss_scale == 1.0
+
+
+# ------------------------------------------------ multi_label on an id-list field (field=NAME)
+C_ML = 5
+# Padded id lists (-1 = padding): repeats, an image without labels, all classes.
+ML_IDS = np.array([[2, 0, -1], [4, 4, 1], [-1, -1, -1], [3, -1, -1], [0, 1, 2]], np.int32)
+ML_SETS = [{0, 2}, {1, 4}, set(), {3}, {0, 1, 2}]
+
+
+def _ml_field_objective(**cfg):
+  from ml_collections import ConfigDict
+  info = datasets.DatasetInfo(name="voc_like", num_classes=C_ML,
+                              class_names=["cat", "dog", "car", "bus", "cow"], num_examples={},
+                              image_size=8, splits=("train",), features={"labels": 3})
+  return multi_label.MultiLabel(ConfigDict(dict(name="multi_label", field="labels", **cfg)),
+                                info)
+
+
+def test_multi_label_field_loss_is_asl_on_the_listed_classes():
+  from tests.test_losses import _np_asl
+  obj = _ml_field_objective()  # Class names are not wnids: no tree needed.
+  assert obj.reads == ("labels",) and obj.tree is None
+  logits = np.random.default_rng(0).normal(size=(len(ML_IDS), C_ML)).astype(np.float32) * 2
+  y = np.zeros((len(ML_IDS), C_ML))
+  for b, s in enumerate(ML_SETS):
+    y[b, sorted(s)] = 1
+  np.testing.assert_array_equal(obj.dense_targets({"labels": jnp.asarray(ML_IDS)}), y)
+  model = lambda images, train, rng: jnp.asarray(logits)  # noqa: E731
+  loss, _ = obj.loss(model, {"image": None, "labels": ML_IDS}, None)
+  np.testing.assert_allclose(float(loss), _np_asl(logits, y, 4.0, 0.0, 0.05), rtol=1e-5)
+  bce = _ml_field_objective(loss="bce", loss_scale=3.0)
+  p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  want = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+  np.testing.assert_allclose(float(bce.loss(model, {"image": None, "labels": ML_IDS}, None)[0]),
+                             3.0 * want, rtol=1e-5)
+  np.testing.assert_allclose(obj.answer(jnp.asarray(logits)), p, rtol=1e-5)
+  np.testing.assert_allclose(obj.membership(jnp.asarray(logits)), p, rtol=1e-5)
+
+
+def test_multi_label_field_eval_map_and_topk_against_numpy():
+  obj = _ml_field_objective(map_bins=100_000)
+  rng = np.random.default_rng(1)
+  ids = np.concatenate([ML_IDS, ML_IDS[:2]])  # Rows 5, 6: padding (mask 0).
+  mask = np.array([1, 1, 1, 1, 1, 0, 0], np.float32)
+  logits = rng.normal(size=(len(ids), C_ML)).astype(np.float32) * 3
+  model = lambda images, train: jnp.asarray(logits)  # noqa: E731
+  out = jax.device_get(obj.eval_metrics(model, {"image": None, "labels": ids, "mask": mask},
+                                        (1, 2)))
+  assert "top1" not in out and "semantic_top1" not in out  # No single label, no tree.
+  rows = [b for b in range(5) if ML_SETS[b]]  # Labelled real rows: 0, 1, 3, 4.
+  top = np.argsort(-logits, axis=1)
+  assert tuple(out["labelled_share"]) == (4, 5)
+  np.testing.assert_allclose(out["precision_at_1"][0] / out["precision_at_1"][1],
+                             np.mean([top[b, 0] in ML_SETS[b] for b in rows]))
+  np.testing.assert_allclose(
+      out["recall_at_2"][0] / out["recall_at_2"][1],
+      np.mean([len(set(top[b, :2]) & ML_SETS[b]) / len(ML_SETS[b]) for b in rows]), rtol=1e-6)
+  # mAP over the 5 real rows (the unlabelled one a negative of every class), sigmoid scores,
+  # exact AP of the unbinned scores; 1e5 bins separate these scores (within 1e-5 of exact).
+  p = 1 / (1 + np.exp(-logits[:5].astype(np.float64)))
+  y = np.array([[c in ML_SETS[b] for c in range(C_ML)] for b in range(5)], np.float64)
+  want = np.mean([_sklearn_style_ap(p[:, c], y[:, c]) for c in range(C_ML) if y[:, c].any()])
+  got = obj.finalize_eval({"ap_hist": out["ap_hist"]})["mAP"]
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert 0 < got < 1
+
+
+def test_multi_label_without_field_still_needs_the_tree():
+  from ml_collections import ConfigDict
+  info = datasets.DatasetInfo(name="voc_like", num_classes=2, class_names=["cat", "dog"],
+                              num_examples={}, image_size=8, splits=("train",))
+  with pytest.raises(ValueError, match="objective.field"):
+    multi_label.MultiLabel(ConfigDict(dict(name="multi_label")), info)

@@ -94,6 +94,37 @@ def eval_mask(batch, batch_size: int):
   return batch["mask"] if "mask" in batch else jnp.ones((batch_size,), jnp.float32)
 
 
+def id_list_multi_hot(ids, num_classes: int) -> jax.Array:
+  """int [B, K] ids padded with -1 -> float32 [B, C], 1 at each listed id (repeats once).
+
+  A compare-and-reduce over K that XLA fuses: no [B, K, C] array is materialised.
+  """
+  ids = jnp.asarray(ids)
+  hot = jnp.any(ids[:, :, None] == jnp.arange(num_classes)[None, None, :], axis=1)
+  return hot.astype(jnp.float32)
+
+
+def id_list_metrics(logits, y, mask, topk) -> tuple[dict, jax.Array]:
+  """Top-k metrics of an id-list target y [B, C] (0/1), over the rows with mask 1 that have
+  at least one label (L = the row's labels): labelled_share (such rows / rows),
+  precision_at_1 (top-1 in L), recall_at_k (|top-k ∩ L| / |L|, k capped at C).
+  Returns (metrics, the labelled-row mask [B])."""
+  num_classes = logits.shape[-1]
+  count = jnp.sum(y, axis=-1)
+  labelled = (count > 0).astype(jnp.float32) * mask
+  num_labelled = jnp.sum(labelled)
+  out = {"labelled_share": (num_labelled, jnp.sum(mask))}
+  top1 = jnp.argmax(logits, axis=-1)
+  hit = jnp.take_along_axis(y, top1[:, None], axis=-1)[:, 0]
+  out["precision_at_1"] = (jnp.sum(hit * labelled), num_labelled)
+  for k in sorted(set(min(int(k), num_classes) for k in topk)):
+    _, top = jax.lax.top_k(logits, k)
+    found = jnp.sum(jnp.take_along_axis(y, top, axis=-1), axis=-1)
+    recall = found / jnp.maximum(count, 1.0)
+    out[f"recall_at_{k}"] = (jnp.sum(recall * labelled), num_labelled)
+  return out, labelled
+
+
 def class_tree(class_names):
   """The WordNet tree over the classes, or None when the class names are not wnids."""
   names = list(class_names or ())

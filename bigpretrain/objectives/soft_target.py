@@ -48,13 +48,8 @@ class SoftTarget(base.Objective):
       raise ValueError(f"config.objective.map_bins={self.bins} must be >= 1.")
 
   def multi_hot(self, ids) -> jax.Array:
-    """int [B, K] ids padded with -1 -> float32 [B, C], 1 at each listed id (repeats once).
-
-    A compare-and-reduce over K that XLA fuses: no [B, K, C] array is materialised.
-    """
-    ids = jnp.asarray(ids)
-    hot = jnp.any(ids[:, :, None] == jnp.arange(self.num_classes)[None, None, :], axis=1)
-    return hot.astype(jnp.float32)
+    """int [B, K] ids padded with -1 -> float32 [B, C], 1 at each listed id (repeats once)."""
+    return base.id_list_multi_hot(ids, self.num_classes)
 
   def dense_targets(self, batch) -> jax.Array:
     """1/K on each of an image's K distinct labels; all zero for an image without labels."""
@@ -85,18 +80,7 @@ class SoftTarget(base.Objective):
     logits = model(batch["image"], train=False).astype(jnp.float32)
     mask = base.eval_mask(batch, logits.shape[0])
     y = self.multi_hot(batch[self.field])
-    count = jnp.sum(y, axis=-1)
-    labelled = (count > 0).astype(jnp.float32) * mask
-    num_labelled = jnp.sum(labelled)
-    out = {"labelled_share": (num_labelled, jnp.sum(mask))}
-    top1 = jnp.argmax(logits, axis=-1)
-    hit = jnp.take_along_axis(y, top1[:, None], axis=-1)[:, 0]
-    out["precision_at_1"] = (jnp.sum(hit * labelled), num_labelled)
-    for k in sorted(set(min(int(k), self.num_classes) for k in topk)):
-      _, top = jax.lax.top_k(logits, k)
-      found = jnp.sum(jnp.take_along_axis(y, top, axis=-1), axis=-1)
-      recall = found / jnp.maximum(count, 1.0)
-      out[f"recall_at_{k}"] = (jnp.sum(recall * labelled), num_labelled)
+    out, labelled = base.id_list_metrics(logits, y, mask, topk)
     out["ap_hist"] = multi_label.ap_histograms(self.scores(logits), y, labelled, self.bins)
     return out
 
