@@ -224,3 +224,62 @@ def test_multi_label_without_field_still_needs_the_tree():
                               num_examples={}, image_size=8, splits=("train",))
   with pytest.raises(ValueError, match="objective.field"):
     multi_label.MultiLabel(ConfigDict(dict(name="multi_label")), info)
+
+
+def _fake_builder(features):
+  import types
+  import tensorflow_datasets as tfds
+  split = types.SimpleNamespace(num_examples=3)
+  return types.SimpleNamespace(info=types.SimpleNamespace(
+      features=tfds.features.FeaturesDict(features), splits={"train": split}, metadata=None))
+
+
+def test_tfds_dataset_reads_voc_style_labels_lists():
+  """tfds voc's features (voc.py): no 'label', a top-level Sequence(ClassLabel) 'labels'."""
+  import tensorflow_datasets as tfds
+  from input_pipeline import pipeline
+  names = ["aeroplane", "bicycle", "bird"]
+  voc = datasets.TfdsDataset("tfds:voc_like", _fake_builder({
+      "image": tfds.features.Image(),
+      "image/filename": tfds.features.Text(),
+      "objects": tfds.features.Sequence({"label": tfds.features.ClassLabel(names=names),
+                                         "bbox": tfds.features.BBoxFeature()}),
+      "labels": tfds.features.Sequence(tfds.features.ClassLabel(names=names)),
+      "labels_no_difficult": tfds.features.Sequence(tfds.features.ClassLabel(names=names))}))
+  info = voc.info
+  assert info.num_classes == 3 and info.class_names == names
+  assert info.features["labels"] == 3  # Distinct classes per image: padded to C.
+  assert info.features["objects"] is None and info.features["image/filename"] is None
+  assert "label" not in info.features
+  got = pipeline.record_fields({"labels": np.array([0, 2])}, {"labels": 3}, 0)
+  np.testing.assert_array_equal(got["labels"], [0, 2, -1])
+  assert got["num_labels"] == 2
+  # A dataset with 'label' is read as before; COCO-style per-object labels only: refused.
+  single = datasets.TfdsDataset("tfds:single", _fake_builder({
+      "image": tfds.features.Image(), "label": tfds.features.ClassLabel(names=names),
+      "labels": tfds.features.Sequence(tfds.features.ClassLabel(names=names))}))
+  assert single.info.features["label"] == 0 and single.info.features["labels"] is None
+  with pytest.raises(ValueError, match="'labels' Sequence"):
+    datasets.TfdsDataset("tfds:coco_like", _fake_builder({
+        "image": tfds.features.Image(),
+        "objects": tfds.features.Sequence({"label": tfds.features.ClassLabel(names=names)})}))
+
+
+def test_multi_label_transfer_trains_on_hashtag_id_lists(tmp_path):
+  """configs/transfer.py's multi_label on a dataset without 'label' (hashtags:demo): the
+  objective reads its id lists; a few steps log a finite loss and eval/mAP."""
+  import math
+  from configs import transfer
+  config = transfer.get_config(
+      "mode=finetune,model=vit_demo,dataset=hashtags:demo,multi_label,steps=3")
+  assert config.objective.field == "hashtag_ids" and config.batch_size == transfer.DEMO_BATCH
+  helpers.set_overrides(config, {
+      "batch_size": 16, "eval_every_steps": 3, "log_every_steps": 1,
+      "compilation_cache_dir": helpers.JAX_CACHE, "evals.fewshot.datasets": {},
+      "data.eval_split": f"validation{helpers.EVAL_RECORDS}"})
+  results = train.train_and_evaluate(config, str(tmp_path))
+  rows = metric_writers.read_metrics(str(tmp_path))
+  losses = [r["train/loss"] for r in rows if "train/loss" in r]
+  assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
+  assert math.isfinite(results["eval/mAP"]) and 0.0 < results["eval/mAP"] <= 1.0
+  assert 0.0 <= results["eval/precision_at_1"] <= 1.0
