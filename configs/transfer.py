@@ -24,11 +24,14 @@ Modes:
     timm's AutoAugment v0 and random erasing 0.5, which bigpretrain lacks: the pretraining's
     RandAugment + Cutout stand in (the recipe's own augmentations, configs/semantic_softmax.py).
     BatchNorm statistics over the whole batch (the command states none). `multi_label`
-    trains with ASL and logs eval/mAP, as the paper's multi-label transfers (its Table 2:
-    MS-COCO and Pascal-VOC mAP) do, on a dataset whose records carry their classes as an id
-    list: a tfds dataset with a top-level Sequence(ClassLabel) 'labels' and no 'label'
-    (Pascal-VOC: `dataset=tfds:voc/2007`, each image's distinct object classes; its
-    'labels_no_difficult' by --config.objective.field) or a hashtag dataset ('hashtag_ids');
+    trains with ASL and logs eval/mAP: the paper reports its multi-label transfers as mAP
+    (Table 2, also Tables 3-4: MS-COCO and Pascal-VOC) and finds ASL better than
+    cross-entropy for multi-label training up- and downstream (section 3.2; the VOC year and
+    appendix D's settings are not in our copy). Supported on a dataset whose records carry
+    their classes as an id list: a tfds dataset with a top-level Sequence(ClassLabel)
+    'labels' and no 'label' (Pascal-VOC as tfds prepares it, e.g. `dataset=tfds:voc/2007`:
+    each image's distinct object classes; its 'labels_no_difficult' by
+    --config.objective.field=labels_no_difficult) or a hashtag dataset ('hashtag_ids');
     the config reads the dataset's info and sets objective.field (multi_label.py) to that
     field. MS-COCO is not supported as tfds prepares it: tfds coco/2017 has no 'labels',
     only per-object 'objects/label' (repeats, nested in 'objects'), which the pipeline does

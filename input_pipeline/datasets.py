@@ -35,7 +35,9 @@ imported on the registry's first lookup. Built in:
                          same data.dir); its other splits pass through (selection_source.py).
 
 A source record is a dict with 'image' (the ENCODED PNG/JPEG bytes; grain workers decode
-them), 'label' (int), 'hashtags' (list of str) when the dataset has them, and the dataset's
+them), 'label' (int; a multi-label tfds dataset without one, e.g. voc, has instead its class
+list as 'labels', a Sequence(ClassLabel) shipped as an id list padded to num_classes),
+'hashtags' (list of str) when the dataset has them, and the dataset's
 other scalar features (e.g. the demo's 'true_label'; 'file_name' as str for the prepared
 datasets).
 """
@@ -227,8 +229,15 @@ class TfdsDataset(Dataset):
     splits = tuple(sorted(builder.info.splits.keys()))
     max_lengths = dict((builder.info.metadata or {}).get("max_lengths", {}))
     if label_list is not None:
-      # Without a stated max length: distinct classes per image (tfds voc), at most C.
-      max_lengths.setdefault(LABEL_LIST, int(label.num_classes))
+      # Without a stated max length: distinct classes per image (tfds voc's 'labels' and
+      # 'labels_no_difficult'), at most C; likewise every top-level Sequence(ClassLabel) of
+      # the same classes.
+      for key, feature in features.items():
+        inner = getattr(feature, "feature", None)
+        if (isinstance(feature, tfds.features.Sequence)
+            and isinstance(inner, tfds.features.ClassLabel)
+            and list(inner.names) == names):
+          max_lengths.setdefault(key, int(label.num_classes))
     self.info = DatasetInfo(
         name=name,
         num_classes=int(label.num_classes),

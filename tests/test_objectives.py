@@ -249,6 +249,7 @@ def test_tfds_dataset_reads_voc_style_labels_lists():
   info = voc.info
   assert info.num_classes == 3 and info.class_names == names
   assert info.features["labels"] == 3  # Distinct classes per image: padded to C.
+  assert info.features["labels_no_difficult"] == 3
   assert info.features["objects"] is None and info.features["image/filename"] is None
   assert "label" not in info.features
   got = pipeline.record_fields({"labels": np.array([0, 2])}, {"labels": 3}, 0)
