@@ -39,7 +39,7 @@ Modes:
     Sequence(ClassLabel) in a re-prepared dataset first. On a single-label dataset with
     WordNet class names (the demo's) multi_label instead takes label + ancestors (below).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
-    decay, mixup 0.1, EMA on large sets, shorter-side centre-crop eval, a ViT without its
+    decay, mixup 0.1, EMA on ImageNet-1k, shorter-side centre-crop eval, a ViT without its
     tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
     moves to Table 1's 384-518 px).
   - cosub: configs/cosub_finetune_in1k.py's values (Touvron et al. 2023, supplement A.1:
