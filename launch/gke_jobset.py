@@ -12,7 +12,10 @@ pod's completion index is its process id (BIGPRETRAIN_* variables, read by
 bigpretrain.runtime.distributed). TPU: GKE gives each pod of the slice TPU_WORKER_ID and
 TPU_WORKER_HOSTNAMES, from which JAX finds the slice. A preempted or deleted pod gets SIGTERM and
 --grace_seconds to checkpoint; a failed pod restarts the whole JobSet (every process must
-rejoin), up to --max_restarts times, resuming from --workdir. Not set here: the GPU fabric's
+rejoin), up to --max_restarts times, resuming from --workdir. The workdir gs://B/PATH is
+bucket B mounted at /gcs/B by GKE's Cloud Storage FUSE CSI driver (the cluster needs it
+enabled and the pods' service account access to B), so the run gets --workdir=/gcs/B/PATH,
+a path every pod reads and writes. Not set here: the GPU fabric's
 NCCL plugin (GPUDirect-TCPX/TCPXO on A3 nodes), which comes with the cluster's own setup.
 Without --dry_run the manifest goes to `kubectl apply -f -`.
 """
@@ -25,6 +28,7 @@ import sys
 import yaml
 
 JOB = "workers"  # the replicated job's name, part of every pod's hostname
+GCS_MOUNT = "/gcs"  # where the workdir's bucket is mounted in each pod
 _TPU_2D = ("tpu-v5-lite-podslice", "tpu-v6e-slice")  # v5e, v6e: chips in a 2D torus
 _TPU_3D = ("tpu-v4-podslice", "tpu-v5p-slice")  # v4, v5p: chips in a 3D torus
 _TPU_CHIPS_PER_HOST = 4  # every multi-host slice of these generations has 4 chips per VM
@@ -48,8 +52,17 @@ def tpu_hosts(accelerator: str, topology: str) -> tuple[int, int]:
   return chips // _TPU_CHIPS_PER_HOST, _TPU_CHIPS_PER_HOST
 
 
+def mounted_workdir(main_args: list[str]) -> tuple[str, list[str]]:
+  """(the bucket of the last --workdir=gs://B/PATH, the args with it as /gcs/B/PATH)."""
+  workdir = [a for a in main_args if a.startswith("--workdir=")][-1].split("=", 1)[1]
+  bucket, _, path = workdir[len("gs://"):].partition("/")
+  mounted = f"--workdir={GCS_MOUNT}/{bucket}" + (f"/{path}" if path else "")
+  return bucket, [mounted if a.startswith("--workdir=") else a for a in main_args]
+
+
 def manifest(args) -> dict:
   """The JobSet as a dict (what kubectl receives as YAML)."""
+  bucket, main_args = mounted_workdir(args.main_args)
   env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
   pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": args.grace_seconds}
   if args.gpu:
@@ -74,16 +87,21 @@ def manifest(args) -> dict:
   container = {
       "name": "train",
       "image": args.image,
-      "command": ["python3", "-m", args.module, *args.main_args],
+      "command": ["python3", "-m", args.module, *main_args],
       "env": env,
       "resources": {"limits": resources},
       # grain's worker processes and NCCL share batches through /dev/shm (64 MB by default).
-      "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+      "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                       {"name": "workdir", "mountPath": f"{GCS_MOUNT}/{bucket}"}],
   }
   if args.gpu:
     container["ports"] = [{"containerPort": args.port}]
   pod["containers"] = [container]
-  pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+  pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    {"name": "workdir", "csi": {
+                        "driver": "gcsfuse.csi.storage.gke.io",
+                        "volumeAttributes": {"bucketName": bucket,
+                                             "mountOptions": "implicit-dirs"}}}]
   metadata = {"name": args.name}
   if args.tpu:
     # All pods of the slice on one node pool (one slice), as JobSet's TPU guide requires.
@@ -101,7 +119,10 @@ def manifest(args) -> dict:
               "replicas": 1,
               "template": {"spec": {
                   "parallelism": hosts, "completions": hosts, "completionMode": "Indexed",
-                  "backoffLimit": 0, "template": {"spec": pod}}},
+                  "backoffLimit": 0, "template": {
+                      # The Cloud Storage FUSE sidecar that mounts the workdir's bucket.
+                      "metadata": {"annotations": {"gke-gcsfuse/volumes": "true"}},
+                      "spec": pod}}},
           }],
       },
   }

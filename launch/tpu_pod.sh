@@ -17,9 +17,14 @@
 #                            (default bigpretrain)
 #   --module=M               python -m M instead of bigpretrain.main
 #   --dry_run                print the commands, run nothing
-# The workers run detached (nohup): Ctrl-C stops the log stream, not the training. workdir and
-# data_dir must be shared storage (GCS), since every host reads and writes them. JAX finds the
-# slice's hosts itself (bigpretrain.runtime.distributed).
+# The workers run detached (nohup): Ctrl-C stops the log stream, not the training; the script
+# exits with the training's exit status. workdir and data_dir must be shared storage, since
+# every host reads and writes them: data_dir a gs:// path (tfds reads it), the workdir a gs://
+# path that each worker mounts with gcsfuse at /gcs/BUCKET (installed if missing, as Cloud
+# Storage FUSE's docs do it) and the run gets as --workdir=/gcs/BUCKET/PATH, or a path of
+# storage the workers already share. JAX finds the slice's hosts itself
+# (bigpretrain.runtime.distributed). A Spot slice found PREEMPTED or TERMINATED is deleted and
+# created again (a Spot VM cannot be restarted).
 set -euo pipefail
 
 die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
@@ -80,6 +85,20 @@ where=("--zone=$zone")
 create=("${tpu[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator" "--version=$version")
 ((spot)) && create+=(--spot)
 describe=("${tpu[@]}" describe "$name" "${where[@]}" "--format=value(state)")
+delete=("${tpu[@]}" delete "$name" "${where[@]}" --quiet)
+
+# The workdir gs://BUCKET/PATH: mounted on every worker, the run given its mounted path.
+args=() mount=""
+for arg in "$@"; do
+  if [[ $arg == --workdir=gs://* ]]; then
+    path=${arg#--workdir=gs://} bucket=${path%%/*}
+    [[ -n $bucket ]] || die "--workdir=gs:// names no bucket"
+    arg="--workdir=/gcs/$path"
+    mount="(command -v gcsfuse > /dev/null || (echo \"deb https://packages.cloud.google.com/apt gcsfuse-\$(lsb_release -c -s) main\" | sudo tee /etc/apt/sources.list.d/gcsfuse.list && curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /etc/apt/trusted.gpg.d/gcsfuse.asc > /dev/null && sudo apt-get update -q && sudo apt-get install -y -q gcsfuse)) && sudo mkdir -p /gcs/$bucket && sudo chown \$(id -u):\$(id -g) /gcs/$bucket && (mountpoint -q /gcs/$bucket || gcsfuse --implicit-dirs $bucket /gcs/$bucket) && "
+  fi
+  args+=("$arg")
+done
+set -- "${args[@]}"
 
 log="\$HOME/bigpretrain_run.log" pid="\$HOME/bigpretrain_run.pid"  # expanded on the workers
 install="python3 -m pip install -q -e \$HOME/$remote_dir 'jax[tpu]'"
@@ -98,8 +117,9 @@ else
   )
   fetch="rm -rf \$HOME/$remote_dir && mkdir -p \$HOME/$remote_dir && tar -xzf \$HOME/bigpretrain.tar.gz -C \$HOME/$remote_dir && $install"
 fi
-run="cd \$HOME/$remote_dir && nohup python3 -m $module $(show "$@") > $log 2>&1 < /dev/null & echo \$! > $pid"
-stream="tail -n +1 -F --pid=\$(cat $pid) $log"
+rc="\$HOME/bigpretrain_run.rc"  # The training's exit status, read after the stream.
+run="${mount}cd \$HOME/$remote_dir && rm -f $rc && nohup sh -c '\"\$@\"; echo \$? > $rc' sh python3 -m $module $(show "$@") > $log 2>&1 < /dev/null & echo \$! > $pid"
+stream="tail -n +1 -F --pid=\$(cat $pid) $log; exit \$(cat $rc 2>/dev/null || echo 1)"
 steps+=(
   "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all "--command=$fetch")"
   "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all "--command=$run")"
@@ -111,11 +131,18 @@ if ((dry_run)); then
   printf '%s\n' "${steps[@]}"
   exit 0
 fi
-if ! "${describe[@]}" > /dev/null 2>&1; then
+exists=1
+state=$("${describe[@]}" 2> /dev/null) || exists=0
+if ((exists)) && [[ $state == PREEMPTED || $state == TERMINATED ]]; then
+  echo "TPU VM $name in $zone is $state: deleting it to create it again" >&2
+  "${delete[@]}"
+  exists=0
+fi
+if ((!exists)); then
   echo "creating TPU VM $name ($accelerator, $version) in $zone" >&2
   "${create[@]}"
 else
-  echo "reusing TPU VM $name in $zone" >&2
+  echo "reusing TPU VM $name in $zone ($state)" >&2
 fi
 for step in "${steps[@]}"; do
   echo "+ $step" >&2

@@ -56,7 +56,16 @@ def test_tpu_pod_dry_run_prints_each_step():
   where = ["--zone=us-east5-a", "--project=proj"]
   archive = f"{os.environ.get('TMPDIR', '/tmp')}/bigpretrain_pod1.tar.gz"
   install = "python3 -m pip install -q -e $HOME/bigpretrain 'jax[tpu]'"
-  main = " ".join(shlex.quote(a) for a in MAIN)
+  # The gs:// workdir: its bucket mounted with gcsfuse at /gcs/b on every worker.
+  main = " ".join(shlex.quote(a.replace("--workdir=gs://", "--workdir=/gcs/")) for a in MAIN)
+  mount = ("(command -v gcsfuse > /dev/null || (echo \"deb https://packages.cloud.google.com/apt "
+           "gcsfuse-$(lsb_release -c -s) main\" | sudo tee /etc/apt/sources.list.d/gcsfuse.list"
+           " && curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee "
+           "/etc/apt/trusted.gpg.d/gcsfuse.asc > /dev/null && sudo apt-get update -q && sudo "
+           "apt-get install -y -q gcsfuse)) && sudo mkdir -p /gcs/b && sudo chown "
+           "$(id -u):$(id -g) /gcs/b && (mountpoint -q /gcs/b || gcsfuse --implicit-dirs b "
+           "/gcs/b) && ")
+  rc = "$HOME/bigpretrain_run.rc"
   assert lines(r.stdout) == [
       TPU + ["describe", "pod1", *where, "--format=value(state)"],
       TPU + ["create", "pod1", *where, "--accelerator-type=v5p-64", "--version=v2-alpha-tpuv5",
@@ -68,10 +77,12 @@ def test_tpu_pod_dry_run_prints_each_step():
              "--command=rm -rf $HOME/bigpretrain && mkdir -p $HOME/bigpretrain && tar -xzf "
              f"$HOME/bigpretrain.tar.gz -C $HOME/bigpretrain && {install}"],
       TPU + ["ssh", "pod1", *where, "--worker=all",
-             f"--command=cd $HOME/bigpretrain && nohup python3 -m bigpretrain.main {main} > "
+             f"--command={mount}cd $HOME/bigpretrain && rm -f {rc} && nohup sh -c "
+             f"'\"$@\"; echo $? > {rc}' sh python3 -m bigpretrain.main {main} > "
              "$HOME/bigpretrain_run.log 2>&1 < /dev/null & echo $! > $HOME/bigpretrain_run.pid"],
       TPU + ["ssh", "pod1", *where, "--worker=0", "--command=tail -n +1 -F "
-             "--pid=$(cat $HOME/bigpretrain_run.pid) $HOME/bigpretrain_run.log"],
+             "--pid=$(cat $HOME/bigpretrain_run.pid) $HOME/bigpretrain_run.log; "
+             f"exit $(cat {rc} 2>/dev/null || echo 1)"],
   ]
 
 
@@ -114,12 +125,15 @@ def test_tpu_pod_needs_config_and_workdir():
   assert r.returncode == 2 and "need --workdir" in r.stderr
 
 
-@pytest.mark.parametrize("exists", [False, True])
-def test_tpu_pod_creates_only_a_missing_slice_and_runs_the_printed_steps(tmp_path, exists):
+@pytest.mark.parametrize("state", ["", "READY", "PREEMPTED"])
+def test_tpu_pod_creates_only_a_missing_slice_and_runs_the_printed_steps(tmp_path, state):
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
-  # describe succeeds only when the slice exists.
-  fake_tool(bin_dir, "gcloud", f'[[ $4 == describe ]] && exit {0 if exists else 1}\nexit 0\n')
+  # describe succeeds only when the slice exists, printing its state; a preempted Spot
+  # slice cannot be restarted: it is deleted and created again.
+  exists = state == "READY"
+  describe = f"echo {state}; exit 0" if state else "exit 1"
+  fake_tool(bin_dir, "gcloud", f'[[ $4 == describe ]] && {{ {describe}; }}\nexit 0\n')
   env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "log"),
          "TMPDIR": str(tmp_path)}
   args = ["--name=p", "--zone=z", "--accelerator_type=v5p-8", "--", *MAIN]
@@ -128,7 +142,8 @@ def test_tpu_pod_creates_only_a_missing_slice_and_runs_the_printed_steps(tmp_pat
   assert r.returncode == 0, r.stderr
   calls = (tmp_path / "log").read_text().splitlines()
   # printed[2] is the local `git archive`, real here; the rest went to the stand-in gcloud.
-  expected = [printed[0]] + ([] if exists else [printed[1]]) + printed[3:]
+  delete = [TPU + ["delete", "p", "--zone=z", "--quiet"]] if state == "PREEMPTED" else []
+  expected = [printed[0]] + delete + ([] if exists else [printed[1]]) + printed[3:]
   assert calls == [" ".join(argv) for argv in expected]
   # The copy step really archived this checkout's HEAD.
   assert (tmp_path / "bigpretrain_p.tar.gz").stat().st_size > 0
@@ -232,7 +247,14 @@ def test_gke_gpu_jobset():
   assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == 300
   (c,) = pod["containers"]
   assert c["image"] == "img:1"
-  assert c["command"] == ["python3", "-m", "bigpretrain.main", *MAIN]
+  # The gs:// workdir is its bucket, mounted by GKE's Cloud Storage FUSE driver.
+  mounted = [a.replace("--workdir=gs://b/", "--workdir=/gcs/b/") for a in MAIN]
+  assert c["command"] == ["python3", "-m", "bigpretrain.main", *mounted]
+  assert {"name": "workdir", "mountPath": "/gcs/b"} in c["volumeMounts"]
+  assert {"name": "workdir", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes": {
+      "bucketName": "b", "mountOptions": "implicit-dirs"}}} in pod["volumes"]
+  assert m["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"] == {
+      "annotations": {"gke-gcsfuse/volumes": "true"}}
   assert c["resources"] == {"limits": {"nvidia.com/gpu": 8}}
   env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
   # Pod 0 of replicated job 'workers' in JobSet 'ss' is ss-workers-0-0 under subdomain ss.

@@ -429,7 +429,7 @@ def test_two_starters_taking_over_one_stale_lock_never_both_get_it(tmp_path):
   assert [len(w) for w in winners] == [1] * trials
 
 
-def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path):
+def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path, monkeypatch):
   (tmp_path / "checkpoints").mkdir()
   with _read_only(tmp_path / "checkpoints"):
     with pytest.raises(workdir_lock.WorkdirUnwritable,
@@ -437,6 +437,11 @@ def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path):
       workdir_lock.check_writable(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["checkpoints"]  # The probe is gone.
   workdir_lock.check_writable(str(tmp_path))
+  # A URL is no local folder: refused, and no ./gs: folder is made.
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(workdir_lock.WorkdirUnwritable, match=r"--workdir=gs://b/run is a URL"):
+    workdir_lock.check_writable("gs://b/run")
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
 
 
 @contextlib.contextmanager

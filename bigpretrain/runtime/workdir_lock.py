@@ -50,7 +50,15 @@ class WorkdirUnwritable(RuntimeError):
 def check_writable(workdir: str) -> None:
   """Raises WorkdirUnwritable unless a file can be created and written in `workdir` and in its
   checkpoints/ folder (when there): a read-only mount, missing permission or a full disk is
-  told in one line before the run takes a lock, builds or saves anything."""
+  told in one line before the run takes a lock, builds or saves anything. A URL (gs://...)
+  is refused: the lock, log, config and metrics are files of a mounted filesystem (mount a
+  bucket with gcsfuse, as launch/gke_jobset.py does, and pass its path)."""
+  if "://" in workdir:
+    raise WorkdirUnwritable(
+        f"--workdir={workdir} is a URL; the run writes its lock, log, metrics and checkpoints "
+        "through a mounted filesystem: mount the bucket (e.g. gcsfuse, or GKE's Cloud "
+        "Storage FUSE driver: launch/gke_jobset.py mounts a gs:// workdir itself) and pass "
+        "its path.")
   for folder in (workdir, os.path.join(workdir, "checkpoints")):
     if folder != workdir and not os.path.isdir(folder):
       continue
