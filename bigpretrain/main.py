@@ -1,6 +1,7 @@
 """Entry point: `python -m bigpretrain.main --config=configs/<recipe>.py[:args] --workdir=DIR`."""
 import io
 import logging as std_logging
+import os
 import sys
 import tempfile
 
@@ -27,15 +28,13 @@ def main(argv):
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
+  import jax  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import console  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import preemption  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import workdir_lock  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value
-  if not workdir:
-    workdir = tempfile.mkdtemp(prefix="bigpretrain_")
-    print(f"--workdir not given: writing to {workdir}", flush=True)
   # The log goes to the workdir once the run holds it (a refused run leaves the log of the run
   # there alone); what is logged before is kept until then.
   handler = logging.get_absl_handler()
@@ -47,8 +46,15 @@ def main(argv):
     handler.python_handler.stream.write(early.getvalue())
 
   try:
-    workdir_lock.check_writable(workdir)  # Before anything is built, locked or saved.
+    if workdir:
+      workdir_lock.check_writable(workdir)  # Before anything is built, locked or saved.
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if not workdir:
+      if jax.process_count() > 1:
+        raise ValueError("--workdir is required for a run of several processes: each would "
+                         "write to a temporary folder of its own.")
+      workdir = tempfile.mkdtemp(prefix="bigpretrain_")
+      print(f"--workdir not given: writing to {workdir}", flush=True)
     train.train_and_evaluate(_CONFIG.value, workdir, on_locked=log_to_workdir)
   except preemption.Interrupted as e:
     print(str(e), file=sys.stderr, flush=True)
@@ -59,6 +65,12 @@ def main(argv):
     logging.exception("Run failed")
     sys.stdout.flush()
     print(f"\nERROR: {e}", file=sys.stderr, flush=True)
+    if jax.distributed.is_initialized():
+      # A process that stops alone would wait at the runtime's shutdown barrier for peers
+      # still in the step (minutes, then every process aborts): leave at once; the others
+      # stop when they miss it (the launchers stop them sooner).
+      logging.flush()
+      os._exit(1)  # pylint: disable=protected-access
     sys.exit(1)
 
 

@@ -19,11 +19,18 @@ from tests import helpers
     (("vfio/vfio",), "cpu"),  # The VFIO control node alone is no TPU.
     (("kfd",), "rocm,cpu"),
 ])
-def test_host_platforms_follow_the_device_nodes(tmp_path, devices, want):
+def test_host_platforms_follow_the_device_nodes(tmp_path, devices, want, monkeypatch):
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   for name in devices:
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).touch()
-  assert distributed.host_platforms(str(tmp_path)) == want
+  every = {"tpu", "cuda", "rocm"}
+  assert distributed.host_platforms(str(tmp_path), installed=every) == want
+  # Without the accelerator's JAX plugin (a plain install), or with no GPU made visible: the
+  # CPU, as plain JAX falls back, instead of a run that stops on the missing backend.
+  assert distributed.host_platforms(str(tmp_path), installed=set()) == "cpu"
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+  assert distributed.host_platforms(str(tmp_path), installed=every) == want.replace("cuda,", "")
 
 
 _PROBE = ("from absl import logging\n"

@@ -44,6 +44,19 @@ def _truncate_arrays(step_dir) -> None:
         pathlib.Path(path).write_bytes(data[:len(data) // 2])
 
 
+@pytest.mark.multiprocess
+def test_several_processes_need_a_workdir_and_stop_at_once_on_an_error(tmp_path):
+  args = [a for a in helpers.main_args(tmp_path) if not a.startswith("--workdir=")]
+  env = {**helpers.env(), "XLA_FLAGS": helpers.TEST_XLA_FLAGS, "PYTHON": sys.executable}
+  start = time.time()
+  r = subprocess.run([str(helpers.ROOT / "launch" / "local.sh"), "2", "--", *args], env=env,
+                     cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr[-3000:]
+  assert r.stderr.count("ERROR: --workdir is required for a run of several processes") == 2
+  assert time.time() - start < 120  # Not the runtime's 5-minute shutdown barrier.
+  assert "--workdir not given" not in r.stdout
+
+
 def test_a_log_file_that_cannot_be_written_is_said_once(capsys):
   from bigpretrain.runtime import console  # pylint: disable=import-outside-toplevel
 

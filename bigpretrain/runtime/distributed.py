@@ -49,17 +49,48 @@ def detect() -> tuple[str, dict]:
   return "single", {}
 
 
-def host_platforms(dev: str = "/dev") -> str:
+def installed_plugins() -> set[str]:
+  """The accelerator platforms whose JAX plugin is installed: 'tpu' (libtpu), 'cuda' and
+  'rocm' (jax_plugins.xla_cuda* / xla_rocm*)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pkgutil  # pylint: disable=import-outside-toplevel
+  found = {"tpu"} if importlib.util.find_spec("libtpu") is not None else set()
+  try:
+    import jax_plugins  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return found
+  for module in pkgutil.iter_modules(jax_plugins.__path__):
+    for platform in ("cuda", "rocm"):
+      if module.name.startswith(f"xla_{platform}"):
+        found.add(platform)
+  return found
+
+
+# The pip extra that brings each accelerator's JAX plugin.
+_PLUGIN_PACKAGE = {"tpu": "jax[tpu]", "cuda": "jax[cuda12]", "rocm": "jax-rocm plugin"}
+
+
+def host_platforms(dev: str = "/dev", installed: set[str] | None = None) -> str:
   """The JAX platforms of this host's devices, accelerators first: 'tpu' on a TPU VM (its
-  chips are /dev/accel* or /dev/vfio/N), 'cuda' with an NVIDIA driver (/dev/nvidiactl), 'rocm'
-  with an AMD one (/dev/kfd); 'cpu' always."""
+  chips are /dev/accel* or /dev/vfio/N), 'cuda' with an NVIDIA driver (/dev/nvidiactl) and
+  some GPU visible (CUDA_VISIBLE_DEVICES not '' or -1), 'rocm' with an AMD one (/dev/kfd);
+  'cpu' always. An accelerator whose JAX plugin is not installed (`installed`, default
+  installed_plugins()) is left out with a warning: JAX could not start it, and the run goes
+  on on the CPU instead of stopping."""
   found = []
   if glob.glob(os.path.join(dev, "accel*")) or glob.glob(os.path.join(dev, "vfio", "[0-9]*")):
     found.append("tpu")
-  if os.path.exists(os.path.join(dev, "nvidiactl")):
+  if (os.path.exists(os.path.join(dev, "nvidiactl"))
+      and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")):
     found.append("cuda")
   if os.path.exists(os.path.join(dev, "kfd")):
     found.append("rocm")
+  installed = installed_plugins() if installed is None else installed
+  for platform in [p for p in found if p not in installed]:
+    logging.warning("This host has %s devices but JAX's %s plugin is not installed (pip "
+                    "install '%s'): running on the CPU.", platform, platform,
+                    _PLUGIN_PACKAGE[platform])
+    found.remove(platform)
   return ",".join(found + ["cpu"])
 
 
