@@ -171,6 +171,12 @@ def test_a_slurm_batch_script_without_srun_is_told(monkeypatch):
     distributed.detect()
   monkeypatch.setenv("SLURM_STEP_NODELIST", "node[001-004]")  # A task srun started.
   assert distributed.detect() == ("slurm", {})
+  # The launchers' own variables: a bad number is named.
+  monkeypatch.setenv("BIGPRETRAIN_COORDINATOR_ADDRESS", "host:1234")
+  monkeypatch.setenv("BIGPRETRAIN_NUM_PROCESSES", "two")
+  monkeypatch.setenv("BIGPRETRAIN_PROCESS_ID", "0")
+  with pytest.raises(ValueError, match="BIGPRETRAIN_NUM_PROCESSES='two' must be an integer"):
+    distributed.detect()
 
 
 def test_slurm_dry_run_prints_srun():

@@ -22,7 +22,12 @@ from bigpretrain.plan import gpu_flags
 
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
-  return int(value) if value not in (None, "") else None
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name}={value!r} must be an integer.") from None
 
 
 def detect() -> tuple[str, dict]:
