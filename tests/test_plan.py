@@ -336,3 +336,24 @@ def test_max_batch_is_the_largest_per_device_batch_whose_plan_fits(monkeypatch):
   assert out["probes"][4] == totals[4] > cap >= out["total_bytes"]
   assert plan_lib.max_batch(config, out["probes"][1] - 1, devices=one)[
       "max_batch_per_device"] == 0
+
+
+
+def test_max_batch_steps_in_whole_batchnorm_groups(monkeypatch):
+  """With BatchNorm groups of 6 rows over 4 batch shards, per-device batches go in steps of
+  lcm(4, 6) / 4 = 3: every probed global batch splits into whole groups."""
+  config = _config(batch_size=4, mesh=(4, 1, 1))
+  with config.unlocked():
+    config.model.bn_group_size = 6
+  seen = []
+
+  def fake_plan(c, *args, **kwargs):  # Memory linear in the batch: 10 bytes per image.
+    del args, kwargs
+    assert c.batch_size % c.model.bn_group_size == 0, c.batch_size
+    seen.append(c.batch_size)
+    return {"total_bytes": 10 * c.batch_size}
+
+  monkeypatch.setattr(plan_lib, "plan", fake_plan)
+  out = plan_lib.max_batch(config, 10 * 4 * 20, devices=jax.devices()[:4])
+  assert out["max_batch_per_device"] == 18  # The largest multiple of 3 with 4 x b <= 80.
+  assert all(b % 3 == 0 for b in out["probes"]) and seen

@@ -437,9 +437,13 @@ def max_batch(config, memory_bytes: int, remat: str = "none", num_classes: int |
   devices = jax.devices() if devices is None else devices
   shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, len(devices))))
   shards = shape["data"] * shape["fsdp"]  # The batch axes.
+  # Per-device batches in steps of `unit`, so that the global batch splits into the
+  # BatchNorm groups of config.model.bn_group_size.
+  unit = math.lcm(shards, config.model.get("bn_group_size", 0) or 1) // shards
   probes = {}
 
-  def fits(b: int) -> bool:
+  def fits(k: int) -> bool:
+    b = k * unit
     with config.unlocked():
       config.model.remat = remat
       config.batch_size = b * shards
@@ -447,12 +451,13 @@ def max_batch(config, memory_bytes: int, remat: str = "none", num_classes: int |
                      teacher_model=teacher_model)["total_bytes"]
     return probes[b] <= memory_bytes
 
-  lo, hi = 0, 1
-  while hi <= limit and fits(hi):
+  lo, hi, top = 0, 1, max(limit // unit, 1)
+  while hi <= top and fits(hi):
     lo, hi = hi, hi * 2
-  hi = min(hi, limit + 1)
+  hi = min(hi, top + 1)
   while hi - lo > 1:
     mid = (lo + hi) // 2
     lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-  return {"remat": remat, "max_batch_per_device": lo, "total_bytes": probes.get(lo),
-          "memory_bytes": memory_bytes, "probes": dict(sorted(probes.items()))}
+  return {"remat": remat, "max_batch_per_device": lo * unit,
+          "total_bytes": probes.get(lo * unit), "memory_bytes": memory_bytes,
+          "probes": dict(sorted(probes.items()))}
