@@ -262,12 +262,13 @@ def record_fields(record: Mapping[str, Any], fields: Mapping[str, int], index) -
   return out
 
 
-def empty_fields(fields: Mapping[str, int]) -> dict:
-  """Zero scalars and all-padding id lists: the fields of a padding row."""
+def empty_fields(fields: Mapping[str, int], scalar_dtypes: Mapping[str, Any] = None) -> dict:
+  """Zero scalars (int32, or the dtype `scalar_dtypes` gives, so that a padded batch keeps a
+  float field's dtype) and all-padding id lists: the fields of a padding row."""
   out = {}
   for name, size in fields.items():
     if size == 0:
-      out[name] = np.int32(0)
+      out[name] = np.zeros((), (scalar_dtypes or {}).get(name, np.int32))
     else:
       out[name], out[f"num_{name}"] = np.full((size,), -1, np.int32), np.int32(0)
   return out
@@ -570,12 +571,27 @@ class _PaddedHostSource:
     return (g, self._source[g]) if g < self._n else (-1, None)
 
 
+def _scalar_dtypes(source, fields: Mapping[str, int]) -> dict[str, np.dtype]:
+  """The dtype of each scalar field as record_fields ships it, from the split's first record:
+  every batch then has the same dtypes, padded or not, on every host (one host's batch of
+  padding alone would otherwise differ). int32 where that record cannot be read."""
+  scalars = {name: 0 for name, size in fields.items() if size == 0}
+  if not scalars or not len(source):
+    return {}
+  try:
+    return {k: v.dtype for k, v in record_fields(source[0], scalars, 0).items()}
+  except (decoding.CorruptRecordError, KeyError, ValueError):  # Its rows say so when read.
+    return {}
+
+
 class _EvalDecode(grain.transforms.Map):
   """(index, record) -> eval row; padding and corrupt rows are zeros with mask 0."""
 
-  def __init__(self, settings: _Settings, fields: Mapping[str, int]):
+  def __init__(self, settings: _Settings, fields: Mapping[str, int],
+               scalar_dtypes: Mapping[str, Any]):
     self._s = settings
     self._fields = dict(fields)
+    self._dtypes = dict(scalar_dtypes)
 
   def map(self, element):
     index, record = element
@@ -589,7 +605,8 @@ class _EvalDecode(grain.transforms.Map):
         _corrupt(index, e, self._s.fail_on_corrupt)
         image = None
     if image is None:
-      return {"image": np.zeros((size, size, 3), np.uint8), **empty_fields(self._fields),
+      return {"image": np.zeros((size, size, 3), np.uint8),
+              **empty_fields(self._fields, self._dtypes),
               "mask": np.float32(0), "index": np.int64(-1),
               "_skipped": np.int32(record is not None)}
     return {"image": image, **record_fields(record, self._fields, index),
@@ -621,7 +638,8 @@ def eval_iterator(source, data_cfg, *, global_batch_size: int, process_index: in
   num_rows = num_eval_batches(len(source), global_batch_size) * per_host
   ds = grain.MapDataset.source(
       _PaddedHostSource(_ReadGuard(source), process_index, process_count, num_rows))
-  ds = ds.map(_EvalDecode(settings, _check_fields(fields)))
+  fields = _check_fields(fields)
+  ds = ds.map(_EvalDecode(settings, fields, _scalar_dtypes(source, fields)))
   finish = _FinishEvalBatch()
   if settings.num_workers == 0:
     # In-process: threads decode single records, then rows are grouped into batches.

@@ -274,6 +274,19 @@ def test_eval_every_example_once_and_equal_batch_counts(count):
   assert sorted(seen) == list(range(n))
 
 
+def test_eval_padding_keeps_a_float_fields_dtype():
+  # 3 records over 2 hosts, 2 rows each per batch: host 1's second batch is padding alone.
+  source = [{**r, "weight": np.float32(0.5 + i)} for i, r in enumerate(_constant_source(3))]
+  fields = {"label": 0, "weight": 0}
+  for p in range(2):
+    batches = list(pipeline.eval_iterator(source, _cfg(), global_batch_size=4, process_index=p,
+                                          process_count=2, fields=fields))
+    for batch in batches:
+      assert batch["weight"].dtype == np.float32 and batch["label"].dtype == np.int32
+      real = batch["mask"] == 1
+      np.testing.assert_array_equal(batch["weight"][real], batch["label"][real] + 0.5)
+
+
 def test_eval_is_reiterable_and_center_crops():
   # Image 8 x 12 and image_size 7: the shorter side is already round(7 / 0.875) = 8.
   rng = np.random.default_rng(1)
