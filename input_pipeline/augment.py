@@ -88,9 +88,10 @@ def _size(image: Img) -> tuple[int, int]:
 
 
 def _resize_box(image: Img, size: tuple[int, int],
-                box: tuple[float, float, float, float] | None = None) -> Img:
+                box: tuple[float, float, float, float] | None = None,
+                resample: int = RESAMPLE) -> Img:
   """Resizes the `box` (left, upper, right, lower) region of `image` to (width, height)."""
-  return _like(to_pil(image).resize(size, resample=RESAMPLE, box=box), image)
+  return _like(to_pil(image).resize(size, resample=resample, box=box), image)
 
 
 def random_flip(image: Img, rng: np.random.Generator) -> Img:
@@ -105,17 +106,18 @@ def squish(image: Img, image_size: int) -> Img:
   return _resize_box(decoding.decode(image, image_size, image_size), (image_size, image_size))
 
 
-def resize_shorter(image: Img, shorter: int) -> Img:
-  """Resizes so the shorter side is `shorter`, keeping the aspect ratio."""
+def resize_shorter(image: Img, shorter: int, resample: int = RESAMPLE) -> Img:
+  """Resizes so the shorter side is `shorter`, keeping the aspect ratio; the longer side is
+  truncated, as torchvision's Resize(int) does (375x500 -> 224x298)."""
   image = decoding.decode(image, shorter, shorter)
   h, w = _size(image)
   if w <= h:
-    new_w, new_h = shorter, max(shorter, round(h * shorter / w))
+    new_w, new_h = shorter, max(shorter, int(h * shorter / w))
   else:
-    new_w, new_h = max(shorter, round(w * shorter / h)), shorter
+    new_w, new_h = max(shorter, int(w * shorter / h)), shorter
   if (new_h, new_w) == (h, w):
     return image
-  return _resize_box(image, (new_w, new_h))
+  return _resize_box(image, (new_w, new_h), resample=resample)
 
 
 def _crop(image: Img, top: int, left: int, size: int) -> Img:
@@ -143,12 +145,12 @@ def simple_random_crop(image: Img, rng: np.random.Generator, image_size: int,
                        pad: int = 4) -> Img:
   """DeiT-III Simple Random Crop: shorter side to image_size, reflect-pad, random square crop.
 
-  The rule: resize so the shorter side is image_size (aspect kept), pad `pad` pixels on every
-  side by reflection (numpy 'reflect', edge pixel not repeated; DeiT-III pads 4 pixels at
+  The rule: resize so the shorter side is image_size (aspect kept; bicubic, as DeiT-III's
+  transforms.Resize(img_size, interpolation=3)), pad `pad` pixels on every side by reflection (numpy 'reflect', edge pixel not repeated; DeiT-III pads 4 pixels at
   224), then crop image_size x image_size at top ~ U{0..H+2pad-S}, left ~ U{0..W+2pad-S}
   (drawn in that order).
   """
-  resized = resize_shorter(image, image_size)
+  resized = resize_shorter(image, image_size, resample=Image.BICUBIC)
   array = np.asarray(resized)
   if pad:
     array = np.pad(array, ((pad, pad), (pad, pad), (0, 0)), mode="reflect")
