@@ -128,7 +128,7 @@ def _archs() -> dict[str, Arch]:
   miil = Arch("vit_b16", _TIMM_VIT, "0_1", {"qkv_bias": False}, sized_by="pos_embed")
   out["timm:vit_base_patch16_224_miil_in21k"] = out["timm:vit_base_patch16_224_miil"] = miil
   for size in ("small", "medium", "base", "large"):
-    for res in (224, 384):
+    for res in (224, 384) if size != "medium" else (224,):  # timm has no medium at 384.
       out[f"timm:deit3_{size}_patch16_{res}"] = Arch(f"vit_{sizes[size]}16", _TIMM_VIT,
                                                      "imagenet", _DEIT3, sized_by="pos_embed",
                                                      eval_resize=full[res])
@@ -361,14 +361,17 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
 
   Returns (model_def, {'params', 'extra'} numpy trees, model config). Raises ValueError
   naming the first tensor that is missing or has another shape, and any tensor left over.
+  Weights without a classifier (timm's num_classes=0 files, e.g. vit_large_patch32_224's
+  orig_in21k) get a fresh head of `num_classes`, which they then need.
   """
   arch = get_arch(spec)
   sd = dict(state_dict)
   head_key = torch_name(arch, "head/bias")
-  if head_key not in sd:
-    raise ValueError(f"the state dict is not {spec}: it has no classifier tensor {head_key!r} "
-                     f"(its first tensors: {list(sd)[:4]})")
-  src_classes = int(sd[head_key].shape[0])
+  headless = head_key not in sd
+  if headless and num_classes is None:
+    raise ValueError(f"the state dict of {spec} has no classifier tensor {head_key!r} (its "
+                     f"first tensors: {list(sd)[:4]}): give --num_classes for a new head")
+  src_classes = int(num_classes) if headless else int(sd[head_key].shape[0])
   src_size = _source_size(arch, spec, sd)
   cfg = {"name": arch.model, **arch.options}
   if arch.model.startswith("vit") and torch_name(arch, "pre_logits/bias") in sd:
@@ -379,6 +382,8 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
   expected = expected_tensors(arch, model_def)
   flat = {}
   for key, (path, shape) in expected.items():
+    if headless and path.startswith("params/head/"):
+      continue  # A fresh head, below.
     if key not in sd:
       raise ValueError(f"the state dict does not match {spec}: first mismatching tensor "
                        f"{key!r} is missing (expected shape {shape})")
@@ -390,7 +395,7 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
   if extra:
     raise ValueError(f"the state dict does not match {spec}: it has tensors the model lacks, "
                      f"first {extra[0]!r} ({len(extra)} in all)")
-  warn_bad_values({k: sd[k] for k in expected})
+  warn_bad_values({k: sd[k] for k in expected if k in sd})
 
   if image_size is not None and image_size != cfg.get("image_size", image_size):
     if arch.sized_by != "pos_embed":
@@ -404,7 +409,7 @@ def to_bigpretrain(state_dict: dict, spec: str, *, num_classes: int | None = Non
     model_def = _model_def(cfg, num_classes)
   elif num_classes != src_classes:
     model_def = _model_def(cfg, num_classes)
-  if num_classes != src_classes:  # A fresh head, as config.model_init does.
+  if num_classes != src_classes or headless:  # A fresh head, as config.model_init does.
     fresh = _flat(dict(zip(("params", "extra"), model_def.create(jax.random.key(seed)))))
     for path, value in fresh.items():
       if path.startswith("params/head/"):
