@@ -47,8 +47,9 @@ cosine --smoothing 0.1 --warmup-epochs 5 --opt fusedlamb --warmup-lr 1e-6 --mixu
 LAMB, lr 1e-5 at batch 512 (sqrt rule for others, A.1), 5 warm-up epochs from 1e-6 then
 cosine to deit's --min-lr 1e-5, softmax CE (no `--bce-loss`; A.1: cross-entropy when
 fine-tuning) with label smoothing 0.1, mixup 0.8 / cutmix 1.0, repeated augmentation x3,
-RandAugment (timm's rand-m9, our randaugment(2, 9), without mstd0.5's magnitude noise; deit
-drops --color-jitter when --aa is set) after random-resized crop and flip. cosub's changes
+RandAugment (timm's rand-m9-inc1, our randaugment(2, 9, 0.5, 1): the increasing ops, without
+mstd0.5's magnitude noise; deit drops --color-jitter when --aa is set) after random-resized
+crop and flip. cosub's changes
 (A.1): weight decay 0.02 ("independent of whether we pre-train ... or fine-tune"), cosub on,
 tau from Table A.1's ImageNet-1k row (DeiT-III gives ViT-S 0, which disables cosub; A.1 uses
 0.05 for such cases, Table A.1's ViT-S value). No LayerDecay: A.1 states it for the 21k ->
@@ -80,7 +81,7 @@ TRAIN_RES = {"s": 224, "m": 224, "b": 192, "l": 192, "h": 160}
 FINETUNE_EPOCHS = 20.0  # Table B.2's "20^(1k)".
 # DeiT-III's fine-tuning command: --lr 1e-5 at batch 64 x 8 GPUs, --unscale-lr.
 FINETUNE_LR, FINETUNE_BATCH = 1e-5, 512
-FINETUNE_AUGMENT = "inception_crop|flip|randaugment(2, 9)"  # --aa rand-m9-mstd0.5-inc1.
+FINETUNE_AUGMENT = "inception_crop|flip|randaugment(2, 9, 0.5, 1)"  # --aa rand-m9-...-inc1.
 DEMO_FINETUNE_STEPS = 100
 
 

@@ -491,19 +491,40 @@ RAND_AUGMENT_OPS: dict[str, RandOp] = {
 RAND_AUGMENT_NAMES = tuple(RAND_AUGMENT_OPS)  # Fixed order: index -> op.
 
 
+def _increasing_factor(f: float, rng: np.random.Generator) -> float:
+  return max(0.1, 1.0 + _signed(0.9 * f, rng))
+
+
+# timm's 'inc1' variant (_RAND_INCREASING_TRANSFORMS, same order), where a larger magnitude
+# always distorts more: posterize keeps 4 - int(4f) bits, solarize inverts from 256 - int(256f)
+# up, the enhance ops blend by 1 +- 0.9f (a signed op: one draw, the sign).
+RAND_AUGMENT_INCREASING_OPS: dict[str, RandOp] = {
+    **RAND_AUGMENT_OPS,
+    "posterize": lambda image, f, rng: _lut(image, _posterize(4 - int(4 * f))),
+    "solarize": lambda image, f, rng: _lut(
+        image, np.where(_LEVELS < 256 - int(256 * f), _LEVELS, 255 - _LEVELS)),
+    "color": lambda image, f, rng: _color(image, _increasing_factor(f, rng)),
+    "contrast": lambda image, f, rng: _contrast(image, _increasing_factor(f, rng)),
+    "brightness": lambda image, f, rng: _lut(image, _blend_lut(0, _increasing_factor(f, rng))),
+    "sharpness": lambda image, f, rng: _sharpness(image, _increasing_factor(f, rng)),
+}
+
+
 def rand_augment(image: Img, rng: np.random.Generator, num_ops: int = 2,
-                 magnitude: float = 9, prob: float = 0.5) -> Img:
+                 magnitude: float = 9, prob: float = 0.5, increasing: bool = False) -> Img:
   """RandAugment: `num_ops` ops drawn uniformly with replacement, each applied w.p. `prob`.
 
   Draws: the op indices (rng.integers(0, 15, num_ops)) into RAND_AUGMENT_NAMES, then per op
   u = rng.random() (applied if u < prob) and, for signed ops, the sign. timm's 'rand-m9-n2'
-  is num_ops=2, magnitude=9, prob=0.5.
+  is num_ops=2, magnitude=9, prob=0.5; 'rand-m9-inc1' adds increasing=True
+  (RAND_AUGMENT_INCREASING_OPS).
   """
+  ops = RAND_AUGMENT_INCREASING_OPS if increasing else RAND_AUGMENT_OPS
   indices = rng.integers(0, len(RAND_AUGMENT_NAMES), num_ops)
   out = to_array(image)
   for i in indices:
     if rng.random() < prob:
-      out = RAND_AUGMENT_OPS[RAND_AUGMENT_NAMES[i]](out, magnitude / 10, rng)
+      out = ops[RAND_AUGMENT_NAMES[i]](out, magnitude / 10, rng)
   return _like(out, image)
 
 

@@ -60,14 +60,16 @@ def _build_inception_crop(op, *args):
 
 @TRAIN_OPS.register("randaugment")
 def _build_randaugment(op, *args):
-  _arity(op, args, (0, 2, 3), "randaugment or randaugment(N, M[, P])")
-  n, m, p = 2, 9.0, 0.5
+  _arity(op, args, (0, 2, 3, 4), "randaugment or randaugment(N, M[, P[, INC]])")
+  n, m, p, inc = 2, 9.0, 0.5, 0
   if args:
     n = _number(op, "N (ops per image)", args[0], 0, 100, integer=True)
     m = _number(op, "M (magnitude)", args[1], 0, 10)
-  if len(args) == 3:
+  if len(args) >= 3:
     p = _number(op, "P (op probability)", args[2], 0, 1)
-  return lambda image, rng, size: augment.rand_augment(image, rng, n, m, p)
+  if len(args) == 4:  # timm's inc1: the increasing ops.
+    inc = _number(op, "INC (1: timm's increasing ops, 'inc1')", args[3], 0, 1, integer=True)
+  return lambda image, rng, size: augment.rand_augment(image, rng, n, m, p, bool(inc))
 
 
 @TRAIN_OPS.register("cutout")

@@ -578,6 +578,39 @@ def test_rand_augment_ops_match_pil(name):
         assert diff.mean() <= 0.6, (name, magnitude, sign, diff.mean())
 
 
+# timm's increasing ('inc1') forms as PIL computes them (timm auto_augment.py:
+# _posterize_increasing_level 4 - int(4f), _solarize_increasing_level 256 - int(256f),
+# _enhance_increasing_level max(0.1, 1 +- 0.9f)).
+def _pil_enhance_increasing(enhancer):
+  return lambda image, f, sign: enhancer(image).enhance(max(0.1, 1 + _signed(0.9 * f, sign)))
+
+
+_PIL_INCREASING_OPS = {
+    "posterize": lambda image, f, sign: ImageOps.posterize(image, 4 - int(4 * f)),
+    "solarize": lambda image, f, sign: ImageOps.solarize(image, 256 - int(256 * f)),
+    "color": _pil_enhance_increasing(ImageEnhance.Color),
+    "contrast": _pil_enhance_increasing(ImageEnhance.Contrast),
+    "brightness": _pil_enhance_increasing(ImageEnhance.Brightness),
+    "sharpness": _pil_enhance_increasing(ImageEnhance.Sharpness),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PIL_INCREASING_OPS))
+def test_increasing_rand_augment_ops_match_pil(name):
+  image = _edgy_photo(37, 53, 0)
+  for magnitude in (3, 9, 10):
+    for sign_seed in (0, 1):
+      got = augment.RAND_AUGMENT_INCREASING_OPS[name](image, magnitude / 10,
+                                                       np.random.default_rng(sign_seed))
+      sign = np.random.default_rng(sign_seed).random() < 0.5
+      want = np.asarray(_PIL_INCREASING_OPS[name](Image.fromarray(image), magnitude / 10, sign))
+      diff = np.abs(got.astype(int) - want)
+      assert diff.max() <= _RAND_OP_TOLERANCE.get(name, 0), (name, magnitude, sign, diff.max())
+  # The other nine ops are the plain ones; the spec's fourth argument selects the variant.
+  assert {k for k, op in augment.RAND_AUGMENT_INCREASING_OPS.items()
+          if op is not augment.RAND_AUGMENT_OPS[k]} == set(_PIL_INCREASING_OPS)
+
+
 def test_geometric_ops_fill_exactly_where_pil_fills():
   """Samples outside the image get FILL, inside ones interpolate edge pixels (PIL's rule),
   also on the 1-pixel band where OpenCV's own borders would mix the two."""
