@@ -61,10 +61,11 @@ and class token; global grad norm clipped at 1.0), lr = 1e-3 * sqrt(batch / 2048
 rule, A.1; it follows --config.batch_size overrides), weight decay 0.02, 5 warm-up epochs from
 1e-6 then cosine down to 1e-5 (deit main.py's --warmup-lr and --min-lr defaults; per step
 here, per epoch there); BCE with binarised targets (label smoothing 0); mixup 0.8 / cutmix
-1.0; Random Resized Crop + 3-Augment + flip; repeated augmentation x3 (our pipeline keeps the
-3 copies in one global batch, so the batch is 1536 = 3 x 512 instead of the paper's 2048; the
-lr follows by the sqrt rule); ViT with LayerScale 1e-4, qkv bias, class token, position
-embedding added to the patches before the class token joins (pos_embed_cls=False),
+1.0; Random Resized Crop (bicubic, as DeiT-III's) + 3-Augment + flip; repeated augmentation
+x3 (our pipeline keeps the 3 copies in one global batch, so the batch is 1536 = 3 x 512
+instead of the paper's 2048; the lr follows by the sqrt rule); ViT with LayerScale 1e-4, qkv
+bias, class token, position embedding added to the patches before the class token joins
+(pos_embed_cls=False),
 truncated-normal head; tau from Table A.1 ("Imnet1k train" row) by ViT size (ViT-S, M, B, L,
 H: vit_s16, vit_m16, vit_b16, vit_l16, vit_h14).
 
@@ -81,7 +82,7 @@ TRAIN_RES = {"s": 224, "m": 224, "b": 192, "l": 192, "h": 160}
 FINETUNE_EPOCHS = 20.0  # Table B.2's "20^(1k)".
 # DeiT-III's fine-tuning command: --lr 1e-5 at batch 64 x 8 GPUs, --unscale-lr.
 FINETUNE_LR, FINETUNE_BATCH = 1e-5, 512
-FINETUNE_AUGMENT = "inception_crop|flip|randaugment(2, 9, 0.5, 1)"  # --aa rand-m9-...-inc1.
+FINETUNE_AUGMENT = "inception_crop_bicubic|flip|randaugment(2, 9, 0.5, 1)"  # --aa rand-m9-...-inc1.
 DEMO_FINETUNE_STEPS = 100
 
 
@@ -100,7 +101,7 @@ def get_config(arg=None):
   if arg.res < 0 and arg.dataset != "demo":
     arg.res = train_res(arg.model or "vit_b16")
   config = common.base(arg, tau=common.resolve_tau(arg, "tau_in1k"),
-                       train_augment="inception_crop|three_augment|flip",
+                       train_augment="inception_crop_bicubic|three_augment|flip",
                        demo_train_augment="simple_random_crop|flip")
   config.objective.kind = "bce"
   config.objective.bce_binarize = True  # DeiT-III: targets > 0 after mixup become 1.

@@ -30,8 +30,10 @@ from input_pipeline import decoding
 
 Img = Union[np.ndarray, Image.Image]
 
-# Resampling filter for every resize (PIL antialiases when it downsamples).
+# Resampling filter of every resize but the bicubic ones of DeiT-III's recipes (PIL
+# antialiases when it downsamples).
 RESAMPLE = Image.Resampling.BILINEAR
+BICUBIC = Image.Resampling.BICUBIC  # timm's and DeiT's train-time interpolation.
 # Standard ImageNet crop fraction: resize the shorter side to size / 0.875, then crop.
 CROP_FRACTION = 0.875
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -146,11 +148,12 @@ def simple_random_crop(image: Img, rng: np.random.Generator, image_size: int,
   """DeiT-III Simple Random Crop: shorter side to image_size, reflect-pad, random square crop.
 
   The rule: resize so the shorter side is image_size (aspect kept; bicubic, as DeiT-III's
-  transforms.Resize(img_size, interpolation=3)), pad `pad` pixels on every side by reflection (numpy 'reflect', edge pixel not repeated; DeiT-III pads 4 pixels at
-  224), then crop image_size x image_size at top ~ U{0..H+2pad-S}, left ~ U{0..W+2pad-S}
-  (drawn in that order).
+  transforms.Resize(img_size, interpolation=3)), pad `pad` pixels on every side by reflection
+  (numpy 'reflect', edge pixel not repeated; DeiT-III pads 4 pixels at 224), then crop
+  image_size x image_size at top ~ U{0..H+2pad-S}, left ~ U{0..W+2pad-S} (drawn in that
+  order).
   """
-  resized = resize_shorter(image, image_size, resample=Image.BICUBIC)
+  resized = resize_shorter(image, image_size, resample=BICUBIC)
   array = np.asarray(resized)
   if pad:
     array = np.pad(array, ((pad, pad), (pad, pad), (0, 0)), mode="reflect")
@@ -193,17 +196,20 @@ def inception_crop_box(height: int, width: int, rng: np.random.Generator, *,
 
 def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
                    scale: tuple[float, float] = (0.08, 1.0),
-                   ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Img:
-  """RandomResizedCrop: an Inception-style crop resized to image_size x image_size.
+                   ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                   resample: int = RESAMPLE) -> Img:
+  """RandomResizedCrop: an Inception-style crop resized to image_size x image_size, bilinear
+  (torchvision's default) or bicubic (`resample`: timm's and DeiT's
+  RandomResizedCropAndInterpolation(interpolation='bicubic')).
 
-  A crop no larger than the output on both sides is upscaled with OpenCV (the same bilinear
-  weights and samples as PIL's, which only antialiases when it downscales); an undecoded
-  input then gives an array. Larger crops are resized by PIL, after a reduced-scale decode
-  where it allows.
+  A bilinear crop no larger than the output on both sides is upscaled with OpenCV (the same
+  bilinear weights and samples as PIL's, which only antialiases when it downscales); an
+  undecoded input then gives an array. Other crops are resized by PIL, after a reduced-scale
+  decode where it allows.
   """
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
-  if ch <= image_size and cw <= image_size:
+  if ch <= image_size and cw <= image_size and resample == RESAMPLE:
     # PIL's upscale of a box also weighs the pixels just outside it: keep a 1-pixel margin.
     t, l, b, r = max(top - 1, 0), max(left - 1, 0), min(top + ch + 1, h), min(left + cw + 1, w)
     if isinstance(image, np.ndarray):
@@ -217,7 +223,7 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
   if decoding.is_undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
     image, factor = decoding.decode_scaled(image, min(cw, ch) // image_size)
     box = tuple(min(v / factor, limit) for v, limit in zip(box, image.size * 2))
-  return _resize_box(image, (image_size, image_size), box=box)
+  return _resize_box(image, (image_size, image_size), box=box, resample=resample)
 
 
 def cutout(image: Img, rng: np.random.Generator, prob: float = 1.0,

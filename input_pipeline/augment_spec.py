@@ -47,15 +47,23 @@ def _no_args(fn: Callable[[], TrainOp], usage: str):
   return build
 
 
-@TRAIN_OPS.register("inception_crop")
-def _build_inception_crop(op, *args):
-  _arity(op, args, (0, 2), "inception_crop or inception_crop(min_scale, max_scale)")
-  scale = (0.08, 1.0)
-  if args:
-    scale = (_number(op, "min_scale", args[0], 0, 1), _number(op, "max_scale", args[1], 0, 1))
-    if not 0 < scale[0] <= scale[1]:
-      raise ValueError(f"augmentation op {op!r}: need 0 < min_scale <= max_scale")
-  return lambda image, rng, size: augment.inception_crop(image, rng, size, scale=scale)
+def _inception_crop(resample: int):
+  """inception_crop[(min_scale, max_scale)] resizing by `resample`."""
+  def build(op, *args):
+    _arity(op, args, (0, 2), f"{op} or {op}(min_scale, max_scale)")
+    scale = (0.08, 1.0)
+    if args:
+      scale = (_number(op, "min_scale", args[0], 0, 1), _number(op, "max_scale", args[1], 0, 1))
+      if not 0 < scale[0] <= scale[1]:
+        raise ValueError(f"augmentation op {op!r}: need 0 < min_scale <= max_scale")
+    return lambda image, rng, size: augment.inception_crop(image, rng, size, scale=scale,
+                                                           resample=resample)
+  return build
+
+
+# torchvision's RandomResizedCrop (bilinear), and timm's / DeiT's bicubic one.
+TRAIN_OPS.register("inception_crop", _inception_crop(augment.RESAMPLE))
+TRAIN_OPS.register("inception_crop_bicubic", _inception_crop(augment.BICUBIC))
 
 
 @TRAIN_OPS.register("randaugment")
@@ -110,7 +118,8 @@ for _name, _builder in (
     ("resize_crop", _no_args(lambda: augment.resize_crop, "resize_crop"))):
   TRAIN_OPS.register(_name, _builder)
 # Ops after which the image is image_size x image_size.
-RESIZING_OPS = ("squish", "inception_crop", "resize_crop", "simple_random_crop")
+RESIZING_OPS = ("squish", "inception_crop", "inception_crop_bicubic", "resize_crop",
+                "simple_random_crop")
 
 # Eval-time resizes by name, with the signature op(image, image_size).
 # 'center_crop' resizes the shorter side to image_size / 0.875 first (the standard 87.5% crop);

@@ -94,7 +94,14 @@ for arg in "$@"; do
     path=${arg#--workdir=gs://} bucket=${path%%/*}
     [[ -n $bucket ]] || die "--workdir=gs:// names no bucket"
     arg="--workdir=/gcs/$path"
-    mount="(command -v gcsfuse > /dev/null || (echo \"deb https://packages.cloud.google.com/apt gcsfuse-\$(lsb_release -c -s) main\" | sudo tee /etc/apt/sources.list.d/gcsfuse.list && curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /etc/apt/trusted.gpg.d/gcsfuse.asc > /dev/null && sudo apt-get update -q && sudo apt-get install -y -q gcsfuse)) && sudo mkdir -p /gcs/$bucket && sudo chown \$(id -u):\$(id -g) /gcs/$bucket && (mountpoint -q /gcs/$bucket || gcsfuse --implicit-dirs $bucket /gcs/$bucket) && "
+    apt="echo \"deb https://packages.cloud.google.com/apt gcsfuse-\$(lsb_release -c -s) main\""
+    apt+=" | sudo tee /etc/apt/sources.list.d/gcsfuse.list && curl -fsSL"
+    apt+=" https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee"
+    apt+=" /etc/apt/trusted.gpg.d/gcsfuse.asc > /dev/null && sudo apt-get update -q"
+    apt+=" && sudo apt-get install -y -q gcsfuse"
+    mount="(command -v gcsfuse > /dev/null || ($apt)) && sudo mkdir -p /gcs/$bucket"
+    mount+=" && sudo chown \$(id -u):\$(id -g) /gcs/$bucket && (mountpoint -q /gcs/$bucket"
+    mount+=" || gcsfuse --implicit-dirs $bucket /gcs/$bucket) && "
   fi
   args+=("$arg")
 done
@@ -118,7 +125,8 @@ else
   fetch="rm -rf \$HOME/$remote_dir && mkdir -p \$HOME/$remote_dir && tar -xzf \$HOME/bigpretrain.tar.gz -C \$HOME/$remote_dir && $install"
 fi
 rc="\$HOME/bigpretrain_run.rc"  # The training's exit status, read after the stream.
-run="${mount}cd \$HOME/$remote_dir && rm -f $rc && nohup sh -c '\"\$@\"; echo \$? > $rc' sh python3 -m $module $(show "$@") > $log 2>&1 < /dev/null & echo \$! > $pid"
+run="${mount}cd \$HOME/$remote_dir && rm -f $rc && nohup sh -c '\"\$@\"; echo \$? > $rc' sh"
+run+=" python3 -m $module $(show "$@") > $log 2>&1 < /dev/null & echo \$! > $pid"
 stream="tail -n +1 -F --pid=\$(cat $pid) $log; exit \$(cat $rc 2>/dev/null || echo 1)"
 steps+=(
   "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all "--command=$fetch")"

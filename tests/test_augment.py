@@ -627,6 +627,18 @@ def test_geometric_ops_fill_exactly_where_pil_fills():
       np.testing.assert_array_equal(got[~filled], want[~filled])
 
 
+def test_bicubic_inception_crop_is_pils_bicubic_resize_of_the_box():
+  """timm's / DeiT's RandomResizedCropAndInterpolation(interpolation='bicubic'): the box of
+  the bilinear op, resized by PIL's bicubic filter, small boxes (upscaled) included."""
+  image = _edgy_photo(40, 60, 3)
+  op = augment_spec.TRAIN_OPS.get("inception_crop_bicubic")("inception_crop_bicubic")
+  for seed in range(6):
+    top, left, ch, cw = augment.inception_crop_box(40, 60, np.random.default_rng(seed))
+    want = np.asarray(Image.fromarray(image).resize(
+        (24, 24), Image.Resampling.BICUBIC, box=(left, top, left + cw, top + ch)))
+    np.testing.assert_array_equal(np.asarray(op(image, np.random.default_rng(seed), 24)), want)
+
+
 def test_inception_crop_upscale_matches_pil_resize():
   """Crops smaller than the output take the OpenCV path: PIL's bilinear upscale of the box."""
   image = _edgy_photo(40, 60, 3)

@@ -29,7 +29,7 @@ def test_finetune_stage_is_deit3s_20_epochs_at_224_with_cosubs_changes():
   assert (c.objective.name, c.objective.kind, c.objective.num_submodels) == ("cosub", "ce", 2)
   assert (c.mixup.mixup_alpha, c.mixup.cutmix_alpha, c.mixup.label_smoothing) == (0.8, 1, 0.1)
   assert c.data.repeated_augment == 3  # rand-m9-inc1: the increasing ops.
-  assert c.data.train_augment == "inception_crop|flip|randaugment(2, 9, 0.5, 1)"
+  assert c.data.train_augment == "inception_crop_bicubic|flip|randaugment(2, 9, 0.5, 1)"
   assert (c.optim.name, c.optim.weight_decay, c.optim.layer_decay) == ("lamb", 0.02, 0.0)
   # --lr 1e-5 at batch 64 x 8 = 512, sqrt rule to our 1536; 5 warm-up epochs from 1e-6,
   # cosine down to deit's --min-lr 1e-5.
