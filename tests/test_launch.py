@@ -206,7 +206,7 @@ def test_slurm_forwards_sigterm_to_the_tasks_and_requeues(tmp_path, requeue):
   fake_tool(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
   fake_tool(bin_dir, "scontrol", "exit 0\n")
   trainer = tmp_path / "trainer"  # saves and exits 0 on SIGTERM, like bigpretrain.train
-  trainer.write_text("#!/usr/bin/env bash\ntrap 'echo saved > \"$SAVED\"; kill $! 2>/dev/null; exit 0' TERM\n"
+  trainer.write_text("#!/usr/bin/env bash\ntrap 'echo saved > \"$SAVED\"; kill $!; exit 0' TERM\n"
                      "touch \"$STARTED\"\nsleep 60 & wait\n")
   trainer.chmod(0o755)
   env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(trainer),
