@@ -48,11 +48,11 @@ def main(argv):
   try:
     if workdir:
       workdir_lock.check_writable(workdir)  # Before anything is built, locked or saved.
+    elif _COORDINATOR.value or distributed.detect()[0] != "single":
+      raise ValueError("--workdir is required for a run of several processes: each would "
+                       "write to a temporary folder of its own.")
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if not workdir:
-      if jax.process_count() > 1:
-        raise ValueError("--workdir is required for a run of several processes: each would "
-                         "write to a temporary folder of its own.")
       workdir = tempfile.mkdtemp(prefix="bigpretrain_")
       print(f"--workdir not given: writing to {workdir}", flush=True)
     train.train_and_evaluate(_CONFIG.value, workdir, on_locked=log_to_workdir)
