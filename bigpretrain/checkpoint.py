@@ -188,23 +188,29 @@ class CheckpointUnreadable(ValueError):
   checkpoints fall back instead, see Checkpointer.restore)."""
 
 
+def _read_failed(directory: str, step: int, e: Exception) -> None:
+  """Raises CheckpointReadError when reading checkpoint `step` in `directory` failed for a
+  reason outside the checkpoint (runtime.transient); else logs the failure as the
+  checkpoint's own (the storage layer's echoes of it are silenced from now on)."""
+  if transient.is_transient(e):
+    raise CheckpointReadError(
+        f"reading checkpoint step {step} in {directory} failed ({_reason(e)}): a storage, "
+        "network or memory error, not the checkpoint's; nothing was moved. Re-run the same "
+        "command to retry.") from e
+  _REPORTED.add(os.path.join(directory, str(step), ""))
+  logging.info("Checkpoint %s/%d cannot be read: %s: %s", directory, step,
+               type(e).__name__, e)
+
+
 @contextlib.contextmanager
 def _reading(directory: str, step: int):
   """A read of checkpoint `step` in `directory`: a failure is one error naming it,
-  CheckpointReadError when the cause is outside the checkpoint (runtime.transient), else
-  CheckpointUnreadable; the storage layer's echoes of it are silenced."""
+  CheckpointReadError when the cause is outside the checkpoint, else CheckpointUnreadable."""
   _quiet_storage_noise()
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except
-    if transient.is_transient(e):
-      raise CheckpointReadError(
-          f"reading checkpoint step {step} in {directory} failed ({_reason(e)}): a storage, "
-          "network or memory error, not the checkpoint's. Re-run the same command to "
-          "retry.") from e
-    _REPORTED.add(os.path.join(directory, str(step), ""))
-    logging.info("Checkpoint %s/%d cannot be read: %s: %s", directory, step,
-                 type(e).__name__, e)
+    _read_failed(directory, step, e)
     raise CheckpointUnreadable(f"checkpoint step {step} in {directory} cannot be read "
                                f"({_reason(e)}): damaged or incompletely copied.") from e
 
@@ -556,14 +562,7 @@ class Checkpointer:
   def _unreadable(self, step: int, e: Exception, older: int) -> None:
     """Reports checkpoint `step` unreadable and moves it aside (passes over it when
     read-only), or raises CheckpointReadError when the cause is outside the checkpoint."""
-    if transient.is_transient(e):
-      raise CheckpointReadError(
-          f"reading checkpoint step {step} in {self.directory} failed ({_reason(e)}): a "
-          "storage, network or memory error, not the checkpoint's; nothing was moved. Re-run "
-          "the same command to retry.") from e
-    _REPORTED.add(os.path.join(self.directory, str(step), ""))
-    logging.info("Checkpoint %s/%d cannot be restored: %s: %s", self.directory, step,
-                 type(e).__name__, e)
+    _read_failed(self.directory, step, e)
     where = "left in place" if self.read_only else f"moved to {self.directory}_corrupt/"
     then = "falling back to the previous checkpoint" if older else "no older one to fall back to"
     console.warn(f"checkpoint step {step} in {self.directory} is unreadable "

@@ -85,9 +85,8 @@ _LABEL_ALIASES = ("original_label",)
 LABEL_LIST = "labels"
 
 
-def _label_list(features):
-  """The ClassLabel inside features['labels'] when that is a Sequence(ClassLabel), else None."""
-  feature = features[LABEL_LIST] if LABEL_LIST in features else None
+def _class_label_list(feature):
+  """The ClassLabel inside `feature` when it is a Sequence(ClassLabel), else None."""
   inner = getattr(feature, "feature", None)
   if isinstance(feature, tfds.features.Sequence) and isinstance(inner, tfds.features.ClassLabel):
     return inner
@@ -217,7 +216,8 @@ class TfdsDataset(Dataset):
     self.builder = builder
     features = builder.info.features
     label_key = next((k for k in ("label",) + _LABEL_ALIASES if k in features), None)
-    label_list = _label_list(features) if label_key is None else None
+    label_list = (_class_label_list(features[LABEL_LIST])
+                  if label_key is None and LABEL_LIST in features else None)
     if "image" not in features or (label_key is None and label_list is None):
       raise ValueError(f"Dataset {name!r} needs an 'image' feature and a 'label' feature "
                        f"(or a '{LABEL_LIST}' Sequence(ClassLabel) of a multi-label dataset); "
@@ -233,10 +233,8 @@ class TfdsDataset(Dataset):
       # 'labels_no_difficult'), at most C; likewise every top-level Sequence(ClassLabel) of
       # the same classes.
       for key, feature in features.items():
-        inner = getattr(feature, "feature", None)
-        if (isinstance(feature, tfds.features.Sequence)
-            and isinstance(inner, tfds.features.ClassLabel)
-            and list(inner.names) == names):
+        inner = _class_label_list(feature)
+        if inner is not None and list(inner.names) == names:
           max_lengths.setdefault(key, int(label.num_classes))
     self.info = DatasetInfo(
         name=name,

@@ -162,16 +162,15 @@ def train_stage(name: str, cfg, folder: epath.Path, inputs: dict | None = None) 
   `inputs`: the identities of the stages it reads (check_inputs)."""
   done = _read_done(folder)
   plain = json.loads(json.dumps(cfg.to_dict(), default=str))
+  if done is not None and done.get("config") != plain:
+    diff = sorted(k for k in set(plain) | set(done.get("config") or {})
+                  if plain.get(k) != (done.get("config") or {}).get(k))
+    raise ValueError(f"[{name}] {folder} was trained with another config (keys {diff}); "
+                     "use another --workdir, or delete that folder to train it again.")
+  check_inputs(name, folder, inputs or {})
   if done is not None:
-    if done.get("config") != plain:
-      diff = sorted(k for k in set(plain) | set(done.get("config") or {})
-                    if plain.get(k) != (done.get("config") or {}).get(k))
-      raise ValueError(f"[{name}] {folder} was trained with another config (keys {diff}); "
-                       "use another --workdir, or delete that folder to train it again.")
-    check_inputs(name, folder, inputs or {})
     _say(f"[{name}] done already in {folder}: skipped ({METRIC}={_metric(done)})")
     return done
-  check_inputs(name, folder, inputs or {})
   _say(f"[{name}] training in {folder}")
   folder.mkdir(parents=True, exist_ok=True)
   num_train = len(datasets.train_sources(cfg.data, datasets.get_dataset(cfg.data))[0][0])
