@@ -360,10 +360,11 @@ def test_local_dry_run_prints_the_processes_it_starts(tmp_path):
 
 
 def test_local_waits_for_the_saves_on_sigterm_and_stops_all_when_one_fails(tmp_path):
-  trainer = tmp_path / "python"  # A stand-in: saves for 1 s on SIGTERM; FAIL=i exits 3.
+  trainer = tmp_path / "python"  # A stand-in: saves for 1 s on SIGTERM; FAIL=i exits 3
+  # (once process 0 has started and can take the SIGTERM).
   trainer.write_text(
       '#!/usr/bin/env bash\nfor a in "$@"; do [[ $a == --process_id=* ]] && id=${a#*=}; done\n'
-      '[[ $id == "$FAIL" ]] && exit 3\n'
+      '[[ $id == "$FAIL" ]] && { until [[ -e "$STARTED.0" ]]; do sleep 0.05; done; exit 3; }\n'
       "trap 'sleep 1; echo $id >> \"$SAVED\"; kill $! 2>/dev/null; exit 0' TERM\n"
       'touch "$STARTED.$id"\nsleep 60 & wait\n')
   trainer.chmod(0o755)
@@ -379,7 +380,8 @@ def test_local_waits_for_the_saves_on_sigterm_and_stops_all_when_one_fails(tmp_p
   _, stderr = proc.communicate(timeout=30)
   assert proc.returncode == 0, stderr  # Only once both processes had saved.
   assert sorted((tmp_path / "saved").read_text().split()) == ["0", "1"]
-  failed = {**env, "FAIL": "1", "SAVED": str(tmp_path / "saved_after_failure")}
+  failed = {**env, "FAIL": "1", "SAVED": str(tmp_path / "saved_after_failure"),
+            "STARTED": str(tmp_path / "started_again")}  # Process 1 fails once 0 has started.
   r = subprocess.run(cmd, env=failed, capture_output=True, text=True, timeout=60)
   assert r.returncode == 3, r.stderr
   assert "exited with status 3; stopping the others" in r.stderr
