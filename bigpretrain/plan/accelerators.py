@@ -192,6 +192,11 @@ def compiler_name(device) -> str:
   return f"XLA:CPU, jaxlib {_version('jaxlib')}"
 
 
+# Cloud TPU's accelerator-type names (e.g. v5p-8 is a 2x2x1 slice): target -> (prefix, cores
+# per chip).
+_CLOUD_TPU_TYPES = {"v5e": ("v5litepod", 1), "v5p": ("v5p", 2), "v6e": ("v6e", 1)}
+
+
 def topology_devices(topology: Topology | str) -> list:
   """The compile-only devices of `topology` (see the module docstring), in the order JAX
   lists them. Raises RuntimeError with the install command when the compiler is missing."""
@@ -205,6 +210,12 @@ def topology_devices(topology: Topology | str) -> list:
     # A deviceless compile touches no chip: it need not wait for (or take) the libtpu lock
     # that a training process on the same host holds.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM libtpu cannot look up the slice's hosts or chip type and logs errors
+    # (E0000 ... TPU_WORKER_HOSTNAMES) although the compile succeeds; a compile needs neither.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    prefix, cores_per_chip = _CLOUD_TPU_TYPES[acc.target]
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE",
+                          f"{prefix}-{cores_per_chip * topo.num_devices}")
     desc = topologies.get_topology_desc(
         platform="tpu", topology_name=f"{acc.target}:" + "x".join(map(str, topo.shape)))
   else:

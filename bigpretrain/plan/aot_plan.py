@@ -41,7 +41,6 @@ import re
 import time
 
 import jax
-from jax._src import config as jax_config  # enable_compilation_cache as a context.
 import numpy as np
 
 from bigpretrain.plan import accelerators
@@ -144,9 +143,14 @@ def trace_step(config, num_classes: int | None = None, devices=None,
   if step not in STEPS:
     raise ValueError(f"step={step!r} must be one of {STEPS}.")
   config = config.copy_and_resolve_references()
-  if config.data.get("subset_frac", 1.0) != 1.0:  # A few-shot draw reads the records.
-    with config.unlocked():
+  with config.unlocked():
+    if config.data.get("subset_frac", 1.0) != 1.0:  # A few-shot draw reads the records.
       config.data.subset_frac = 1.0
+    # A compile-only executable cannot be loaded back from the persistent cache (no client to
+    # load it into): every later plan would warn on reading it. jax decides once per process
+    # whether it uses the cache, so it must never be set up here.
+    if _compile_only(devices):
+      config.compilation_cache_dir = "none"
   # The objective's fields, read off an objective built on a label-only stand-in.
   probe = planning_dataset(config, (), num_classes)
   reads = objectives.get_objective(config.objective, probe.info).reads
@@ -172,12 +176,16 @@ def trace_step(config, num_classes: int | None = None, devices=None,
   return exp, state, traced
 
 
+def _compile_only(devices) -> bool:
+  """Devices of a deviceless compile (another platform than this process runs on)."""
+  return devices is not None and devices[0].platform != jax.default_backend()
+
+
 def _compile(exp, traced):
-  # Compile-only devices have no client to load a cached executable into: no cache for them.
   platform = exp.mesh.devices.flat[0].platform
-  cache = platform == jax.default_backend()
-  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and not cache else None
-  with jax.set_mesh(exp.mesh), jax_config.enable_compilation_cache(cache):
+  compile_only = _compile_only(exp.mesh.devices.flat)
+  options = GPU_COMPILE_ONLY_OPTIONS if platform in ("gpu", "cuda") and compile_only else None
+  with jax.set_mesh(exp.mesh):
     return traced.lower().compile(compiler_options=options)
 
 
