@@ -202,28 +202,54 @@ def inception_crop(image: Img, rng: np.random.Generator, image_size: int, *,
   (torchvision's default) or bicubic (`resample`: timm's and DeiT's
   RandomResizedCropAndInterpolation(interpolation='bicubic')).
 
-  A bilinear crop no larger than the output on both sides is upscaled with OpenCV (the same
-  bilinear weights and samples as PIL's, which only antialiases when it downscales); an
-  undecoded input then gives an array. Other crops are resized by PIL, after a reduced-scale
-  decode where it allows.
+  As in both (their F.resized_crop), the box is cut out first and only then resized: pixels
+  outside the box never contribute (PIL's resize(box=...) would weigh them in the edge rows
+  and columns). A bilinear crop no larger than the output on both sides is upscaled with
+  OpenCV's resize of the cut-out (PIL's weights within a level of rounding, and its edge rule:
+  edge pixels repeated); an undecoded input then gives an array. Other crops are resized by
+  PIL, after a reduced-scale decode where it allows (see _resize_scaled_box).
   """
   h, w = _size(image)
   top, left, ch, cw = inception_crop_box(h, w, rng, scale=scale, ratio=ratio)
-  if ch <= image_size and cw <= image_size and resample == RESAMPLE:
-    # PIL's upscale of a box also weighs the pixels just outside it: keep a 1-pixel margin.
-    t, l, b, r = max(top - 1, 0), max(left - 1, 0), min(top + ch + 1, h), min(left + cw + 1, w)
-    if isinstance(image, np.ndarray):
-      region = _check_array(image)[t:b, l:r]
-    else:  # Only the region becomes an array.
-      region = np.asarray(to_pil(image).crop((l, t, r, b)))
-    s = image_size
-    out = _warp(region, (cw / s, 0, left - l, 0, ch / s, top - t), (s, s))
-    return out if decoding.is_undecoded(image) else _like(out, image)
   box = (left, top, left + cw, top + ch)
-  if decoding.is_undecoded(image):  # The box keeps >= image_size pixels a side at the decoded scale.
-    image, factor = decoding.decode_scaled(image, min(cw, ch) // image_size)
-    box = tuple(min(v / factor, limit) for v, limit in zip(box, image.size * 2))
-  return _resize_box(image, (image_size, image_size), box=box, resample=resample)
+  size = (image_size, image_size)
+  if ch <= image_size and cw <= image_size and resample == RESAMPLE:
+    out = cv2.resize(to_array(_cut(image, box)), size, interpolation=cv2.INTER_LINEAR)
+    return out if decoding.is_undecoded(image) else _like(out, image)
+  if decoding.is_undecoded(image):
+    return _resize_scaled_box(image, box, image_size, resample)
+  return _like(to_pil(_cut(image, box)).resize(size, resample=resample), image)
+
+
+def _cut(image: Img, box: tuple[int, int, int, int]) -> Img:
+  """The (left, upper, right, lower) `box` of `image` alone: a view of an array, a PIL crop
+  of an image (an undecoded one decoded in full)."""
+  left, top, right, bottom = box
+  if isinstance(image, np.ndarray):
+    return _check_array(image)[top:bottom, left:right]
+  return to_pil(image).crop(box)
+
+
+def _resize_scaled_box(image: Image.Image, box: tuple[int, int, int, int], image_size: int,
+                       resample: int) -> Image.Image:
+  """Decodes an undecoded `image` at the largest scale that keeps >= image_size pixels a side
+  in `box`, and resizes the box there to image_size x image_size.
+
+  At 1/2, 1/4 or 1/8 scale the box has fractional edges. Rule: cut the decoded image to the
+  box rounded outward, then resize the fractional box within that cut. Decoded pixels wholly
+  outside the box never contribute; one that straddles an edge does (it holds box content in
+  part; cutting it off instead, by rounding the box inward or to the nearest pixel, would
+  move the box by up to a decoded pixel). At full scale this is inception_crop's
+  crop-then-resize.
+  """
+  shorter = min(box[2] - box[0], box[3] - box[1])
+  image, factor = decoding.decode_scaled(image, shorter // image_size)
+  scaled = [min(v / factor, limit) for v, limit in zip(box, image.size * 2)]
+  outer = (math.floor(scaled[0]), math.floor(scaled[1]), math.ceil(scaled[2]),
+           math.ceil(scaled[3]))
+  inner = (scaled[0] - outer[0], scaled[1] - outer[1], scaled[2] - outer[0],
+           scaled[3] - outer[1])
+  return image.crop(outer).resize((image_size, image_size), resample=resample, box=inner)
 
 
 def cutout(image: Img, rng: np.random.Generator, prob: float = 1.0,

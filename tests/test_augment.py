@@ -1,6 +1,7 @@
 """Tests for input_pipeline/augment.py: crops, flips, resizes, the papers' augmentations,
 op-string parsing and normalisation."""
 import io
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -627,29 +628,94 @@ def test_geometric_ops_fill_exactly_where_pil_fills():
       np.testing.assert_array_equal(got[~filled], want[~filled])
 
 
-def test_bicubic_inception_crop_is_pils_bicubic_resize_of_the_box():
-  """timm's / DeiT's RandomResizedCropAndInterpolation(interpolation='bicubic'): the box of
-  the bilinear op, resized by PIL's bicubic filter, small boxes (upscaled) included."""
-  image = _edgy_photo(40, 60, 3)
-  op = augment_spec.TRAIN_OPS.get("inception_crop_bicubic")("inception_crop_bicubic")
+# (input image (h, w), output side): every box of the first is downscaled, of the second upscaled.
+_CROP_SIZES = {"down": ((200, 260), 24), "up": ((40, 60), 48)}
+
+
+def _crop_cases(direction: str):
+  """(image kind, seed, uint8 input array, inception_crop's box as (top, left, h, w), output
+  side) for PIL, array and undecoded (PNG) inputs, the box drawn as inception_crop draws it."""
+  (h, w), size = _CROP_SIZES[direction]
   for seed in range(6):
-    top, left, ch, cw = augment.inception_crop_box(40, 60, np.random.default_rng(seed))
-    want = np.asarray(Image.fromarray(image).resize(
-        (24, 24), Image.Resampling.BICUBIC, box=(left, top, left + cw, top + ch)))
-    np.testing.assert_array_equal(np.asarray(op(image, np.random.default_rng(seed), 24)), want)
+    array = _edgy_photo(h, w, seed)
+    box = augment.inception_crop_box(h, w, np.random.default_rng(seed))
+    for kind in ("pil", "array", "undecoded"):
+      yield kind, seed, array, box, size
 
 
-def test_inception_crop_upscale_matches_pil_resize():
-  """Crops smaller than the output take the OpenCV path: PIL's bilinear upscale of the box."""
-  image = _edgy_photo(40, 60, 3)
+def _crop_input(kind: str, array: np.ndarray):
+  if kind == "pil":
+    return Image.fromarray(array)
+  return array if kind == "array" else decoding.open_image(_encode(array, "PNG"))
+
+
+# Train op name -> its resampling filter.
+_CROP_OPS = {"inception_crop": augment.RESAMPLE, "inception_crop_bicubic": augment.BICUBIC}
+
+
+def _assert_crop_then_resize(name, direction, reference):
+  """The train op `name` equals `reference(pil_image, box, size, resample)` (a crop of the
+  box, then a resize) within one level on the bilinear upscale (OpenCV's rounding), exactly
+  elsewhere, the edge rows and columns included."""
+  op, resample = augment_spec.TRAIN_OPS.get(name)(name), _CROP_OPS[name]
+  tolerance = 1 if (direction, resample) == ("up", augment.RESAMPLE) else 0
+  for kind, seed, array, (top, left, ch, cw), size in _crop_cases(direction):
+    got = op(_crop_input(kind, array), np.random.default_rng(seed), size)
+    want = np.asarray(reference(Image.fromarray(array), (top, left, ch, cw), size, resample))
+    assert (ch <= size and cw <= size) == (direction == "up")
+    diff = np.abs(np.asarray(got).astype(int) - want)
+    assert diff.max() <= tolerance, (kind, seed, diff.max(), diff[[0, -1]].max())
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+@pytest.mark.parametrize("name", _CROP_OPS)
+def test_inception_crop_crops_the_box_then_resizes(name, direction):
+  """torchvision's and timm's RandomResizedCrop on a PIL image: PIL's crop of the box, then
+  PIL's resize of the crop alone; pixels outside the box never reach the edge rows."""
+  def reference(image, box, size, resample):
+    top, left, ch, cw = box
+    return image.crop((left, top, left + cw, top + ch)).resize((size, size), resample)
+  _assert_crop_then_resize(name, direction, reference)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("direction", ["down", "up"])
+@pytest.mark.parametrize("name", _CROP_OPS)
+def test_inception_crop_matches_torchvision_resized_crop(name, direction):
+  """torchvision's RandomResizedCrop (bilinear) and timm's / DeiT's
+  RandomResizedCropAndInterpolation('bicubic') both apply F.resized_crop to the box."""
+  functional = pytest.importorskip(
+      "torchvision.transforms.v2.functional",
+      reason="needs the interop extra (torchvision): pip install -e '.[interop]'")
+  modes = pytest.importorskip("torchvision.transforms").InterpolationMode
+  mode = {augment.RESAMPLE: modes.BILINEAR, augment.BICUBIC: modes.BICUBIC}[_CROP_OPS[name]]
+  reference = lambda image, box, size, _: functional.resized_crop(image, *box, [size, size],
+                                                                  mode)
+  _assert_crop_then_resize(name, direction, reference)
+
+
+def test_inception_crop_at_reduced_decode_scale_ignores_pixels_outside_the_box(monkeypatch):
+  """A JPEG decoded at 1/2, 1/4 or 1/8 scale gives the box fractional edges: the op resizes
+  the fractional box within the decoded image cut to the box rounded outward, so decoded
+  pixels wholly outside the box (here painted white) change no output pixel."""
+  size = 112  # Every box of a 900 x 1200 image keeps >= 2 x 112 pixels a side: a reduced decode.
+  data = _encode(_edgy_photo(900, 1200, 5))
+  decode_scaled = decoding.decode_scaled
   for seed in range(8):
-    got = augment.inception_crop(image, np.random.default_rng(seed), 48)
-    top, left, ch, cw = augment.inception_crop_box(40, 60, np.random.default_rng(seed))
-    assert ch <= 48 and cw <= 48  # The image is smaller than the output: always upscaled.
-    want = np.asarray(Image.fromarray(image).resize((48, 48), _BILINEAR,
-                                                    box=(left, top, left + cw, top + ch)))
-    diff = np.abs(got.astype(int) - want)
-    assert diff.max() <= 1 and diff.mean() < 0.3, (seed, diff.max(), diff.mean())
+    top, left, ch, cw = augment.inception_crop_box(900, 1200, np.random.default_rng(seed))
+    decoded, factor = decode_scaled(decoding.open_image(data), min(ch, cw) // size)
+    assert factor > 1
+    x0, y0 = left // factor, top // factor  # The box rounded outward at the decoded scale.
+    x1, y1 = math.ceil((left + cw) / factor), math.ceil((top + ch) / factor)
+    painted = np.full_like(np.asarray(decoded), 255)
+    painted[y0:y1, x0:x1] = np.asarray(decoded)[y0:y1, x0:x1]
+    crop = lambda: np.asarray(augment.inception_crop(decoding.open_image(data),
+                                                     np.random.default_rng(seed), size))
+    want = crop()
+    with monkeypatch.context() as patch:
+      patch.setattr(decoding, "decode_scaled",
+                    lambda image, max_factor: (Image.fromarray(painted), factor))
+      np.testing.assert_array_equal(crop(), want)
 
 
 def _pil_train_chain(data: bytes, seed: int, size: int):
@@ -666,7 +732,10 @@ def _pil_train_chain(data: bytes, seed: int, size: int):
     image.draft("RGB", (width // factor, image.height // factor))
     factor = width / image.size[0]
     box = tuple(min(v / factor, limit) for v, limit in zip(box, image.size * 2))
-  out = image.convert("RGB").resize((size, size), _BILINEAR, box=box)
+  # The decoded image cut to the box rounded outward, the box resized within the cut.
+  outer = tuple(int(np.floor(v)) for v in box[:2]) + tuple(int(np.ceil(v)) for v in box[2:])
+  inner = tuple(v - outer[i % 2] for i, v in enumerate(box))
+  out = image.convert("RGB").crop(outer).resize((size, size), _BILINEAR, box=inner)
   if rng.random() < 0.5:
     out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
   for i in rng.integers(0, 15, 2):
