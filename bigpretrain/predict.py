@@ -49,7 +49,7 @@ def load_image(path: str, data_cfg) -> np.ndarray:
   with open(path, "rb") as f:
     image = decoding.open_image(f.read())
   return np.asarray(
-      augment_spec.EVAL_RESIZES[data_cfg["eval_resize"]](image, data_cfg["image_size"]))
+      augment_spec.eval_resize_op(data_cfg["eval_resize"])(image, data_cfg["image_size"]))
 
 
 def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
@@ -58,6 +58,10 @@ def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
   meta, variables = loaded.meta, loaded.variables
+  try:  # Said once, naming the checkpoint, not for every image.
+    augment_spec.eval_resize_op(meta["data"]["eval_resize"])
+  except ValueError as e:
+    raise ValueError(f"{workdir}'s meta: {e}") from None
   step = inference.make_step(loaded.model_def, loaded.shardings, mesh,
                              meta["data"]["normalize"],
                              lambda module, batch: module(batch["image"], train=False))

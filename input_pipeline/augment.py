@@ -133,6 +133,17 @@ def center_crop(image: Img, image_size: int, crop_fraction: float = CROP_FRACTIO
   return _crop(image, (h - image_size) // 2, (w - image_size) // 2, image_size)
 
 
+def resize_center_crop(image: Img, image_size: int, scale_size: int,
+                       resample: int = RESAMPLE) -> Img:
+  """torchvision's Resize(scale_size) then CenterCrop(image_size), the eval transform of timm
+  and torchvision: the shorter side to scale_size (>= image_size), then the central square at
+  offsets round((side - image_size) / 2) (Python's round, halves to even, as torchvision's
+  center_crop; center_crop above floors them, so a 1-pixel shift tells the two apart)."""
+  image = resize_shorter(image, scale_size, resample=resample)
+  h, w = _size(image)
+  return _crop(image, round((h - image_size) / 2), round((w - image_size) / 2), image_size)
+
+
 def resize_crop(image: Img, rng: np.random.Generator, image_size: int,
                 crop_fraction: float = CROP_FRACTION) -> Img:
   """Resizes the shorter side to image_size / crop_fraction, then takes a random square."""

@@ -2,9 +2,13 @@
 
 Train ops are selected by a '|'-separated string, each entry `name` or `name(arg, ...)`, e.g.
 'inception_crop|flip|randaugment(2, 9)'; see TRAIN_OPS. Arguments are checked when the config
-is built, so a typo fails before anything runs.
+is built, so a typo fails before anything runs. The eval resize is a bare name of
+EVAL_RESIZES or center_crop(F[, interpolation]) (CenterCrop: timm's crop_pct, torchvision's
+resize / crop sizes), checked by eval_resize_op.
 """
+import dataclasses
 import functools
+import math
 import re
 from typing import Callable
 
@@ -124,12 +128,103 @@ RESIZING_OPS = ("squish", "inception_crop", "inception_crop_bicubic", "resize_cr
 # Eval-time resizes by name, with the signature op(image, image_size).
 # 'center_crop' resizes the shorter side to image_size / 0.875 first (the standard 87.5% crop);
 # 'shorter_center_crop' resizes it to image_size itself, as SWAG evaluates (Singh et al. 2022,
-# section 4.1: "resize smaller side to 224 then 224x224 center crop").
+# section 4.1: "resize smaller side to 224 then 224x224 center crop"). Other crop fractions and
+# the bicubic resize are written center_crop(F[, interpolation]); see CenterCrop.
 EVAL_RESIZES: dict[str, Callable[[Img, int], Img]] = {
     "squish": augment.squish,
     "center_crop": augment.center_crop,
     "shorter_center_crop": functools.partial(augment.center_crop, crop_fraction=1.0),
 }
+# The interpolations of center_crop(F, interpolation): the two timm's and torchvision's
+# published eval transforms use (PIL's, as both resize PIL images with PIL).
+INTERPOLATIONS = {"bilinear": augment.RESAMPLE, "bicubic": augment.BICUBIC}
+EVAL_RESIZE_USAGE = (f"one of {sorted(EVAL_RESIZES)}, or center_crop(F) / center_crop(F, "
+                     f"{'|'.join(INTERPOLATIONS)}) with F a crop fraction in (0, 1]: a "
+                     "number such as 0.9, or crop/resize such as 224/232")
+
+
+@dataclasses.dataclass(frozen=True)
+class CenterCrop:
+  """center_crop(F[, interpolation]): timm's eval transform at crop_pct F, torchvision's at
+  C/R (Resize(R) then CenterCrop(C)).
+
+  The shorter side goes to scale_size (below), then the central image_size square is kept with
+  torchvision's CenterCrop offsets (augment.resize_center_crop); interpolation defaults to
+  bilinear. Unlike the bare 'center_crop' (round(S / 0.875): 37 at 32 px), the parametrised
+  form uses timm's floor: math.floor(S / F) (center_crop(0.875) gives 36 at 32 px).
+  """
+  fraction: float  # F; for a ratio, crop / resize
+  ratio: tuple[int, int] | None  # (crop C, resize R) when F is written C/R
+  resample: int
+
+  def scale_size(self, image_size: int) -> int:
+    """The shorter side before the crop: floor(S / F) for a decimal F, as timm's
+    transforms_factory computes it (floating point); floor(S * R / C) exactly for C/R, so at
+    S = C it is R."""
+    if self.ratio is not None:
+      crop, resize = self.ratio
+      return image_size * resize // crop
+    return math.floor(image_size / self.fraction)
+
+  def __call__(self, image: Img, image_size: int) -> Img:
+    return augment.resize_center_crop(image, image_size, self.scale_size(image_size),
+                                      self.resample)
+
+
+_RATIO_RE = re.compile(r"(\d+)\s*/\s*(\d+)")
+_CENTER_CROP_RE = re.compile(r"\s*center_crop\s*\((.*)\)\s*")
+
+
+def _crop_fraction(text: str, bad: Callable[[str], ValueError]
+                   ) -> tuple[float, tuple[int, int] | None]:
+  """'0.9' -> (0.9, None); '224/232' -> (224 / 232, (224, 232)); out of (0, 1]: `bad`."""
+  ratio = _RATIO_RE.fullmatch(text)
+  if ratio:
+    crop, resize = int(ratio.group(1)), int(ratio.group(2))
+    if not 0 < crop <= resize:
+      raise bad(f"a crop/resize ratio needs 0 < crop <= resize, got {text}")
+    return crop / resize, (crop, resize)
+  try:
+    fraction = float(text)
+  except ValueError:
+    raise bad(f"{text!r} is not a crop fraction (a number such as 0.9, or crop/resize such "
+              "as 224/232)") from None
+  if not (math.isfinite(fraction) and 0 < fraction <= 1):
+    raise bad(f"the crop fraction must be in (0, 1], got {text}")
+  return fraction, None
+
+
+@functools.lru_cache(maxsize=None)
+def _center_crop(spec: str, where: str) -> CenterCrop:
+  """Parses center_crop(F[, interpolation]); ValueError saying what is wrong."""
+  def bad(reason):
+    return ValueError(f"{where}={spec!r}: {reason}")
+
+  match = _CENTER_CROP_RE.fullmatch(spec)
+  if not match:
+    raise ValueError(f"unknown {where}={spec!r}; expected {EVAL_RESIZE_USAGE}")
+  args = [a.strip() for a in match.group(1).split(",")]
+  if len(args) > 2 or not args[0]:
+    raise bad("expected center_crop(F) or center_crop(F, interpolation)")
+  fraction, ratio = _crop_fraction(args[0], bad)
+  interpolation = args[1] if len(args) == 2 else "bilinear"
+  if interpolation not in INTERPOLATIONS:
+    raise bad(f"unknown interpolation {interpolation!r}; expected one of "
+              f"{list(INTERPOLATIONS)}")
+  return CenterCrop(fraction, ratio, INTERPOLATIONS[interpolation])
+
+
+def eval_resize_op(spec: str, where: str = "data.eval_resize") -> Callable[[Img, int], Img]:
+  """The eval resize a data.eval_resize string names, op(image, image_size) (a bare name of
+  EVAL_RESIZES or center_crop(F[, interpolation])). Raises ValueError naming `where` (the
+  setting or flag it came from) for an unknown name, a fraction outside (0, 1] or an unknown
+  interpolation."""
+  if not isinstance(spec, str):
+    raise ValueError(f"{where} must be a str, got {spec!r}")
+  if spec in EVAL_RESIZES:
+    return EVAL_RESIZES[spec]
+  return _center_crop(spec, where)
+
 
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?")
 

@@ -70,7 +70,8 @@ def data_defaults() -> ml_collections.ConfigDict:
       eval_split="validation",
       # '|'-separated ops applied in order; see augment_spec.TRAIN_OPS.
       train_augment="flip",
-      # 'squish', 'center_crop' or 'shorter_center_crop'; see augment_spec.EVAL_RESIZES.
+      # 'squish', 'center_crop', 'shorter_center_crop' or center_crop(F[, bicubic]), e.g.
+      # center_crop(0.9, bicubic) (timm's crop_pct 0.9); see augment_spec.eval_resize_op.
       eval_resize="squish",
       # '0_1', 'imagenet' or 'minus1_1' (applied on device); see augment.normalize.
       normalize="0_1",
@@ -122,9 +123,7 @@ def _settings(data_cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> _Setti
   if not isinstance(cfg["train_augment"], str):
     raise ValueError(f"data.train_augment must be a str, got {cfg['train_augment']!r}")
   train_ops = augment_spec.parse_train_ops(cfg["train_augment"])
-  if cfg["eval_resize"] not in augment_spec.EVAL_RESIZES:
-    raise ValueError(f"unknown data.eval_resize={cfg['eval_resize']!r}; "
-                     f"expected one of {sorted(augment_spec.EVAL_RESIZES)}")
+  augment_spec.eval_resize_op(cfg["eval_resize"])  # Validates it.
   if cfg["normalize"] not in augment.NORMALIZE_PRESETS:
     raise ValueError(f"unknown data.normalize={cfg['normalize']!r}; "
                      f"expected one of {augment.NORMALIZE_PRESETS}")
@@ -600,7 +599,7 @@ class _EvalDecode(grain.transforms.Map):
     if record is not None:
       try:  # The resize decodes (JPEGs at a reduced scale where it allows).
         image = decoding.open_image(_image_bytes(record, index))
-        image = np.asarray(augment_spec.EVAL_RESIZES[self._s.eval_resize](image, size))
+        image = np.asarray(augment_spec.eval_resize_op(self._s.eval_resize)(image, size))
       except (decoding.CorruptImageError, decoding.CorruptRecordError) as e:
         _corrupt(index, e, self._s.fail_on_corrupt)
         image = None

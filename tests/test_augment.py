@@ -59,6 +59,125 @@ def test_center_crop_is_the_central_window():
   np.testing.assert_array_equal(out, image[0:7, 2:9])  # top (8-7)//2, left (12-7)//2.
 
 
+@pytest.mark.parametrize("spec,size,scale", [
+    ("center_crop(0.9, bicubic)", 224, 248),  # timm's ViTs / DeiT-III: floor(248.9)
+    ("center_crop(0.95, bicubic)", 224, 235),  # timm's ResNets: floor(235.8)
+    ("center_crop(1.0, bicubic)", 384, 384),
+    ("center_crop(0.875)", 224, 256),
+    ("center_crop(0.875)", 32, 36),  # floor(36.57); the bare 'center_crop' rounds to 37
+    ("center_crop(224/232)", 224, 232),  # torchvision's V2 weights: Resize(232)
+    ("center_crop(224/242, bilinear)", 224, 242),  # torchvision's vit_l_16: Resize(242)
+    ("center_crop(224/232)", 448, 464),  # the same proportion at another size
+    ("center_crop(1)", 7, 7),
+])
+def test_parametrised_center_crop_scale_size(spec, size, scale):
+  assert augment_spec.eval_resize_op(spec).scale_size(size) == scale
+
+
+def test_parametrised_center_crop_takes_torchvisions_central_window():
+  """Shorter side already the scale size (no resampling): the window is at round((side -
+  crop) / 2), halves to even, as torchvision's CenterCrop (the bare 'center_crop' floors)."""
+  op = augment_spec.eval_resize_op("center_crop(0.9, bicubic)")  # 224 -> shorter side 248
+  image = _noise(248, 331)  # left round(107 / 2) = round(53.5) = 54
+  np.testing.assert_array_equal(op(image, 224), image[12:236, 54:278])
+  image = _noise(329, 248)  # top round(105 / 2) = round(52.5) = 52
+  np.testing.assert_array_equal(op(image, 224), image[52:276, 12:236])
+  # Resampled: 300 x 400 -> 248 x int(400 * 248 / 300) = 248 x 330 (bicubic), window at
+  # (12, 53).
+  image = _noise(300, 400)
+  want = np.asarray(Image.fromarray(image).resize((330, 248), Image.BICUBIC))[12:236, 53:277]
+  np.testing.assert_array_equal(op(image, 224), want)
+  want = np.asarray(Image.fromarray(image).resize((330, 248), Image.BILINEAR))[12:236, 53:277]
+  np.testing.assert_array_equal(augment_spec.eval_resize_op("center_crop(0.9)")(image, 224),
+                                want)
+
+
+def test_bare_eval_resize_names_are_unchanged():
+  for name, op in augment_spec.EVAL_RESIZES.items():
+    assert augment_spec.eval_resize_op(name) is op
+  # 'center_crop' at 32 px: shorter side round(32 / 0.875) = 37 (here no resampling), window
+  # at floor((47 - 32) / 2) = 7.
+  image = _noise(37, 47)
+  np.testing.assert_array_equal(augment_spec.eval_resize_op("center_crop")(image, 32),
+                                image[2:34, 7:39])
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("crop", r"unknown data\.eval_resize='crop'; expected one of \['center_crop', "
+     r"'shorter_center_crop', 'squish'\], or center_crop\(F\)"),
+    ("squish(0.9)", "unknown data.eval_resize='squish"),
+    ("center_crop(0)", r"crop fraction must be in \(0, 1\], got 0"),
+    ("center_crop(1.2)", r"crop fraction must be in \(0, 1\], got 1.2"),
+    ("center_crop(nan)", r"crop fraction must be in \(0, 1\], got nan"),
+    ("center_crop(232/224)", "needs 0 < crop <= resize, got 232/224"),
+    ("center_crop(0/5)", "needs 0 < crop <= resize"),
+    ("center_crop(x)", "'x' is not a crop fraction"),
+    ("center_crop()", r"expected center_crop\(F\) or center_crop\(F, interpolation\)"),
+    ("center_crop(0.9, bicubic, 1)", r"expected center_crop\(F\) or"),
+    ("center_crop(0.9, lanczos)", r"unknown interpolation 'lanczos'; expected one of "
+     r"\['bilinear', 'bicubic'\]"),
+    (0.9, "data.eval_resize must be a str, got 0.9"),
+])
+def test_bad_eval_resize_is_named(spec, match):
+  with pytest.raises(ValueError, match=match):
+    augment_spec.eval_resize_op(spec)
+  with pytest.raises(ValueError, match="^--eval_resize" if isinstance(spec, float) else
+                     "--eval_resize="):
+    augment_spec.eval_resize_op(spec, "--eval_resize")
+
+
+def _textured_photo(h, w, seed=0) -> np.ndarray:
+  """A blobby photo with per-pixel grain: a one-pixel shift of a crop shows."""
+  grain = np.random.default_rng(seed + 1).integers(-40, 41, (h, w, 3))
+  return np.clip(_blobby_photo(h, w, seed).astype(int) + grain, 0, 255).astype(np.uint8)
+
+
+# Sizes whose crop window falls on a half pixel for some of the models below.
+_PHOTO_SIZES = ((375, 500), (427, 640), (640, 427), (333, 517), (301, 301))
+
+
+def _as_uint8_levels(tensor, mean, std) -> np.ndarray:
+  """A normalised [3, H, W] torch tensor back in 0..255 levels (floats), [H, W, 3]."""
+  return (tensor.numpy().transpose(1, 2, 0) * np.array(std) + np.array(mean)) * 255
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", ["vit_base_patch16_224", "deit3_base_patch16_384", "resnet50",
+                                  "tresnet_m"])
+def test_center_crop_matches_timms_eval_transform(name):
+  """timm.data.create_transform(**resolve_data_config(...)) of the model's pretrained cfg."""
+  timm = pytest.importorskip("timm", reason="needs the interop extra")
+  cfg = timm.data.resolve_data_config(
+      pretrained_cfg=timm.models.get_pretrained_cfg(name).to_dict())
+  transform = timm.data.create_transform(**cfg)
+  op = augment_spec.eval_resize_op(f"center_crop({cfg['crop_pct']}, {cfg['interpolation']})")
+  for h, w in _PHOTO_SIZES:
+    image = _textured_photo(h, w, seed=h)
+    theirs = _as_uint8_levels(transform(Image.fromarray(image)), cfg["mean"], cfg["std"])
+    ours = np.asarray(op(image, cfg["input_size"][-1])).astype(float)
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= 1, (name, h, w, np.abs(ours - theirs).max())
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("weights", ["ResNet50_Weights.IMAGENET1K_V2",
+                                     "ViT_L_16_Weights.IMAGENET1K_V1",
+                                     "ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1"])
+def test_center_crop_ratio_matches_torchvisions_eval_transform(weights):
+  """weights.transforms(): Resize(resize) then CenterCrop(crop) = center_crop(crop/resize)."""
+  torchvision = pytest.importorskip("torchvision", reason="needs the interop extra")
+  transform = torchvision.models.get_weight(weights).transforms()
+  crop, resize = transform.crop_size[0], transform.resize_size[0]
+  op = augment_spec.eval_resize_op(f"center_crop({crop}/{resize}, "
+                                   f"{transform.interpolation.value})")
+  for h, w in _PHOTO_SIZES:
+    image = _textured_photo(h, w, seed=w)
+    theirs = _as_uint8_levels(transform(Image.fromarray(image)), transform.mean, transform.std)
+    ours = np.asarray(op(image, crop)).astype(float)
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= 1, (weights, h, w, np.abs(ours - theirs).max())
+
+
 def test_resize_crop_takes_the_window_the_generator_picks():
   image = _noise(8, 12)  # Shorter side already 8 for image_size 7.
   seen = set()

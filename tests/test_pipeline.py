@@ -303,6 +303,18 @@ def test_eval_is_reiterable_and_center_crops():
   assert list(first[0]["mask"]) == [1, 1, 1, 0]
 
 
+def test_eval_reads_a_parametrised_center_crop():
+  # center_crop(0.875) at 7: shorter side floor(7 / 0.875) = 8, already the case; on 8 x 14
+  # the window starts at column round(7 / 2) = 4 (torchvision's rule; 'center_crop': 3).
+  image = np.random.default_rng(2).integers(0, 256, (8, 14, 3), dtype=np.uint8)
+  source = [{"image": _png(image), "label": 0}]
+  (batch,) = _eval_batches(source, _cfg(image_size=7, eval_resize="center_crop(0.875)"), 2, 0,
+                           1)
+  np.testing.assert_array_equal(batch["image"][0], image[0:7, 4:11])
+  (batch,) = _eval_batches(source, _cfg(image_size=7, eval_resize="center_crop"), 2, 0, 1)
+  np.testing.assert_array_equal(batch["image"][0], image[0:7, 3:10])
+
+
 def test_eval_corrupt_record_is_masked_and_counted():
   source = _constant_source(5, corrupt=(2,))
   batches = _eval_batches(source, _cfg(), 4, 0, 1)
@@ -327,6 +339,8 @@ def test_eval_workers_match_in_process():
     (dict(train_augment="squish|randaugment(2, 12)"), "'randaugment'"),
     (dict(repeated_augment=0), "repeated_augment"),
     (dict(eval_resize="crop"), "eval_resize='crop'"),
+    (dict(eval_resize="center_crop(1.5)"), r"eval_resize='center_crop\(1\.5\)'.*\(0, 1\]"),
+    (dict(eval_resize="center_crop(0.9, lanczos)"), "unknown interpolation 'lanczos'"),
     (dict(normalize="0_255"), "normalize='0_255'"),
     (dict(image_size=0), "image_size"),
     (dict(num_workers=-1), "num_workers"),

@@ -234,3 +234,9 @@ def test_zero_shot_reads_images_at_pretraining_size_shorter_side_then_centre_cro
   assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
   for recipe in (swag_regnety, swag_vit):
     assert recipe.get_config().data.eval_resize == "shorter_center_crop"
+
+
+def test_bad_eval_resize_flag_is_refused_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match=r"--eval_resize='center_crop\(2\)': the crop fraction"):
+    zero_shot.run(str(tmp_path / "no_run"), "demo", eval_resize="center_crop(2)")
+  assert not (tmp_path / "no_run").exists()

@@ -35,6 +35,7 @@ from bigpretrain import sharding
 from bigpretrain.models import pretrained
 from bigpretrain.semantic import wordnet
 from bigpretrain.swag import vocabulary
+from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import subset
 
@@ -391,6 +392,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   Returns {'top1_platt', 'top1_no_platt' (None when not computed), 'aggregation_platt',
   'aggregation_no_platt', 'num_examples', 'num_classes', 'num_hashtags', 'class_map'}.
   """
+  augment_spec.eval_resize_op(eval_resize, "--eval_resize")  # Before any work.
   meta = checkpoint.read_meta(workdir)
   chosen = aggregations(meta["model"]["name"], aggregation, platt)
   hashtags = check_hashtag_model(meta, workdir)

@@ -2,7 +2,7 @@
 
   python -m bigpretrain.tools.zero_shot --workdir=DIR --dataset=NAME [--data_dir=...]
       [--split=validation] [--aggregation=sum|mean|max_split] [--platt=on|off|both] [--json]
-      [--eval_resize=shorter_center_crop|center_crop|squish]
+      [--eval_resize=shorter_center_crop|center_crop|squish|center_crop(F[, bicubic])]
 
 What it computes and why: bigpretrain/swag/zero_shot.py.
 """
@@ -28,8 +28,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("platt", "both", zero_shot.PLATT_MODES,
                     "Top-1 with Platt scaling, without, or both.")
   flags.DEFINE_string("eval_resize", zero_shot.EVAL_RESIZE,
-                      "Image resize at the checkpoint's size (input_pipeline.augment_spec."
-                      "EVAL_RESIZES); default the paper's shorter side + centre crop.")
+                      "Image resize at the checkpoint's size (as data.eval_resize, e.g. "
+                      "center_crop(0.9, bicubic); input_pipeline.augment_spec.eval_resize_op); "
+                      "default the paper's shorter side + centre crop.")
   flags.DEFINE_bool("json", False, "Print one JSON line instead of text.")
   flags.DEFINE_integer("batch_size", 256, "Global batch size, over all hosts.")
   flags.DEFINE_integer("num_workers", 0, "grain decode worker processes per host.")
