@@ -6,6 +6,7 @@ every constant tensor (BatchNorm / LayerNorm affine and running statistics, bias
 class tokens, LayerScale) is redrawn so that a swapped or dropped tensor changes the logits.
 """
 import json
+import math
 import os
 import sys
 
@@ -23,6 +24,7 @@ from bigpretrain import sharding
 from bigpretrain.models import convert
 from bigpretrain.models import pretrained
 from bigpretrain.tools import convert as convert_tool
+from input_pipeline import augment_spec
 
 pytestmark = pytest.mark.interop  # torch / timm references (the interop extra)
 
@@ -314,6 +316,13 @@ def test_converted_checkpoint_serves_predict(tmp_path):
   assert len(result["top5"]) == 5
   meta = json.loads(json.dumps(checkpoint.read_meta(str(tmp_path / "c"))))
   assert meta["source"]["from"] == "timm:resnet18" and meta["data"]["normalize"] == "imagenet"
+  assert meta["data"]["eval_resize"] == "center_crop(0.95, bicubic)"
+  # A meta naming no known resize: one error naming the checkpoint, before any image.
+  model_def, variables, _ = convert.to_bigpretrain(_state_dict(torch_model), "timm:resnet18")
+  convert.write_checkpoint(str(tmp_path / "bad"), model_def, variables, "timm:resnet18",
+                           "w.safetensors", eval_resize="center_crop(2)")
+  with pytest.raises(ValueError, match=r"bad's meta: data\.eval_resize='center_crop\(2\)'"):
+    predict.predict(str(tmp_path / "bad"), [str(image)], 0.5)
   # Teachers (semantic KD, infer) load it sharded over a mesh by the logical rules.
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 2})
   loaded = pretrained.load(str(tmp_path / "c"), mesh=mesh,
@@ -365,29 +374,70 @@ def test_nan_weights_and_negative_variances_are_named_in_a_warning(capsys):
       "weights are converted as they are; check their source."]
 
 
-def test_imported_eval_crop_is_one_the_source_library_evaluates_with():
-  import timm  # pylint: disable=import-outside-toplevel
-  import torchvision  # pylint: disable=import-outside-toplevel
+def _timm_cfg(name):
+  """timm's pretrained cfg of the default tag of the model a spec names."""
+  timm = _need("timm")
+  cfg = timm.models.get_pretrained_cfg(name.replace("_miil_in21k", "_miil.in21k"))
+  if cfg is None and name == "mixer_b16_224_miil_in21k":  # timm's name for it.
+    cfg = timm.models.get_pretrained_cfg("mixer_b16_224.miil_in21k")
+  assert cfg is not None, f"timm has no model {name}"
+  return cfg
+
+
+def test_imported_eval_resize_is_the_source_librarys_eval_transform():
+  """timm: the default tag's crop_pct (shorter side floor(S / crop_pct)) and interpolation.
+  torchvision: for each weight file it publishes, found by its name, Resize(resize) then
+  CenterCrop(crop) with its interpolation; a file of another name gets one of them."""
+  torchvision = _need("torchvision")
   checked = 0
   for spec, arch in convert.ARCHS.items():
     library, name = spec.split(":")
     if library == "timm":
-      cfg = timm.models.get_pretrained_cfg(name.replace("_miil_in21k", "_miil.in21k"))
-      if cfg is None and name == "mixer_b16_224_miil_in21k":  # timm's name for it.
-        cfg = timm.models.get_pretrained_cfg("mixer_b16_224.miil_in21k")
-      assert cfg is not None, f"{spec}: timm has no such model"
-      # Full crop at 1.0; the 87.5% preset stands for timm's 0.875-0.95.
-      fractions = [cfg.crop_pct]
-    else:
-      try:
-        weights = torchvision.models.get_model_weights(name)
-      except ValueError:  # vit_ti_16 / vit_s_16: test-size models of no builder.
-        continue
-      fractions = [w.transforms().crop_size[0] / w.transforms().resize_size[0] for w in weights]
-    full = arch.eval_resize == "shorter_center_crop"
-    assert any((f == 1.0) == full for f in fractions), (spec, arch.eval_resize, fractions)
-    checked += 1
-  assert checked >= 40, checked
+      cfg = _timm_cfg(name)
+      op = augment_spec.eval_resize_op(arch.eval_resize)
+      size = cfg.input_size[-1]
+      assert cfg.crop_mode in (None, "center"), spec
+      assert op.fraction == cfg.crop_pct and op.ratio is None, (spec, arch.eval_resize)
+      assert op.scale_size(size) == math.floor(size / cfg.crop_pct), spec
+      assert op.resample == augment_spec.INTERPOLATIONS[cfg.interpolation], spec
+      checked += 1
+      continue
+    try:
+      weights = torchvision.models.get_model_weights(name)
+    except ValueError:  # vit_ti_16 / vit_s_16 (test-size models) and the hubs' ResNeXts.
+      assert name not in convert._TORCHVISION_FILES  # pylint: disable=protected-access
+      continue
+    published = set()
+    for w in weights:
+      transform, file_name = w.transforms(), os.path.basename(w.url)
+      op = augment_spec.eval_resize_op(convert.source_eval_resize(spec, file_name))
+      assert op.scale_size(transform.crop_size[0]) == transform.resize_size[0], (spec, w)
+      assert op.resample == augment_spec.INTERPOLATIONS[transform.interpolation.value], w
+      published.add(convert.source_eval_resize(spec, file_name))
+      checked += 1
+    assert set(convert._TORCHVISION_FILES[name]) == {  # pylint: disable=protected-access
+        os.path.basename(w.url).split(".")[0] for w in weights}, spec
+    assert arch.eval_resize in published, spec
+  assert checked >= 70, checked
+
+
+def test_a_torchvision_file_of_another_name_gets_the_assumed_transform_and_a_warning(capsys):
+  resize = convert.source_eval_resize
+  assert resize("torchvision:resnet50", "/w/resnet50-11ad3fa6.pth") == (
+      "center_crop(224/232, bilinear)")  # IMAGENET1K_V2
+  assert resize("torchvision:resnet50", "resnet50-0676ba61.safetensors") == (
+      "center_crop(224/256, bilinear)")  # IMAGENET1K_V1, saved under another suffix
+  assert capsys.readouterr().out == ""
+  assert resize("torchvision:resnet50", "mine.pth") == "center_crop(224/256, bilinear)"
+  assert ("WARNING: mine.pth is not a file torchvision publishes for torchvision:resnet50"
+          in capsys.readouterr().out)
+  # One published transform (resnet18, vit_h_14's two SWAG files), or none: nothing to say.
+  assert resize("torchvision:resnet18", "mine.pth") == "center_crop(224/256, bilinear)"
+  assert resize("torchvision:vit_h_14", "mine.pth") == "center_crop(1.0, bicubic)"
+  assert resize("torchvision:vit_ti_16", "mine.pth") == "center_crop(1.0, bicubic)"
+  assert resize("timm:vit_base_patch16_224", "model.safetensors") == (
+      "center_crop(0.9, bicubic)")
+  assert capsys.readouterr().out == ""
 
 
 def test_export_refuses_another_architecture(tmp_path):
@@ -475,6 +525,17 @@ def test_command_line_import_with_class_names_and_export(tmp_path, capsys):
   meta = checkpoint.read_meta(str(tmp_path / "c"))
   assert meta["class_names"] == ["n01440764", "n01443537", "n01484850"]
   assert meta["data"]["image_size"] == 64
+  assert meta["data"]["eval_resize"] == "center_crop(0.95, bicubic)"  # timm's resnet18.a1
+  assert "eval_resize=center_crop(0.95, bicubic)" in out
+  code, out = _main(capsys, "--from=timm:resnet18", f"--weights={weights}",
+                    f"--out={tmp_path / 'tv'}", "--eval_resize=center_crop(0.875)")
+  assert code == 0, out
+  assert checkpoint.read_meta(str(tmp_path / "tv"))["data"]["eval_resize"] == (
+      "center_crop(0.875)")
+  code, out = _main(capsys, "--from=timm:resnet18", f"--weights={weights}",
+                    f"--out={tmp_path / 'bad'}", "--eval_resize=center_crop(1.1)")
+  assert code == 1 and "ERROR: --eval_resize='center_crop(1.1)': the crop fraction" in out
+  assert not (tmp_path / "bad").exists()
   code, out = _main(capsys, "--export", f"--weights={tmp_path / 'c'}",
                     f"--out={tmp_path / 'out.pth'}")
   assert code == 0, out

@@ -10,6 +10,12 @@ Names map by per-architecture rules on dotted paths (our 'blocks/3/attn/qkv/kern
 weight [O, I, kh, kw], linear kernel [I, O] <- weight [O, I], LayerNorm / BatchNorm scale <-
 weight, BatchNorm mean / var <- running_mean / running_var (carried into 'extra').
 
+Evaluation: the meta's data.eval_resize reproduces the source library's published eval
+transform of the weights (timm: its default tag's crop_pct and interpolation, e.g.
+center_crop(0.9, bicubic); torchvision: its weights' Resize / CenterCrop sizes, e.g.
+center_crop(224/232, bilinear), by the file name torchvision publishes them under);
+--eval_resize records another.
+
 Image size: ViT and Mixer take it from the weights (position embedding / token-MLP size);
 --image_size resizes a ViT's position-embedding grid as the source library does
 (models.vit.ORIGIN_RESIZE: torchvision bicubic with align_corners, timm its antialiased
@@ -34,6 +40,7 @@ import orbax.checkpoint as ocp
 
 from bigpretrain import checkpoint
 from bigpretrain.runtime import console
+from input_pipeline import augment_spec
 
 INTEROP_HINT = "pip install -e '.[interop]'"
 PICKLE_SUFFIXES = (".pth", ".pt", ".torch", ".bin")
@@ -62,6 +69,8 @@ class Arch:
   rules: tuple[Rule, ...]  # regex substitutions, in order, on our dotted names
   normalize: str  # the source's input normalisation (config.data.normalize preset)
   options: dict = dataclasses.field(default_factory=dict)  # model options of the variant
+  # The library's eval transform of the weights (data.eval_resize); for torchvision, of the
+  # weights assumed when the file name is not one it publishes (see _TORCHVISION_FILES).
   eval_resize: str = "center_crop"
   sized_by: str | None = None  # 'pos_embed' (ViT) or 'tokens' (Mixer): size from weights
 
@@ -110,12 +119,53 @@ _RESNET_STAGES = {"18": (2, 2, 2, 2), "50": (3, 4, 6, 3), "101": (3, 4, 23, 3),
                   "152": (3, 8, 36, 3)}
 _DEIT3 = {"layerscale_init": 1e-6, "pos_embed_cls": False}  # DeiT-III: LS, no cls pos-emb.
 
+# The source libraries' eval transforms as data.eval_resize, recorded in the meta so that
+# imported weights are evaluated as their library evaluates them. timm: crop_pct and
+# interpolation of the default pretrained tag (timm.models.get_pretrained_cfg(name)).
+_TIMM_090 = "center_crop(0.9, bicubic)"  # AugReg ViTs and DeiT-III at 224 px
+_TIMM_095 = "center_crop(0.95, bicubic)"  # ResNets (ResNet strikes back a1 / a1h)
+_TIMM_0875 = "center_crop(0.875, bicubic)"  # MobileNetV3, Google's Mixers
+_MIIL = "center_crop(0.875, bilinear)"  # MIIL's ViT, Mixer and TResNets
+_FULL = "center_crop(1.0, bicubic)"  # timm's 384-px ViTs; SWAG (end to end and linear heads)
+# torchvision: weights.transforms() is Resize(resize) then CenterCrop(crop), written crop/resize.
+_TV_V1 = "center_crop(224/256, bilinear)"  # IMAGENET1K_V1
+_TV_V2 = "center_crop(224/232, bilinear)"  # IMAGENET1K_V2
+# torchvision publishes several weights per builder, evaluated differently; their files are
+# told apart by name: builder -> {file name without suffix: eval resize}.
+_TORCHVISION_FILES = {
+    "vit_b_16": {"vit_b_16-c867db91": _TV_V1, "vit_b_16_swag-9ac1b537": _FULL,
+                 "vit_b_16_lc_swag-4e70ced5": _FULL},
+    "vit_b_32": {"vit_b_32-d86f8d99": _TV_V1},
+    "vit_l_16": {"vit_l_16-852ce7e3": "center_crop(224/242, bilinear)",
+                 "vit_l_16_swag-4f3808c9": _FULL, "vit_l_16_lc_swag-4d563306": _FULL},
+    "vit_l_32": {"vit_l_32-c7638314": _TV_V1},
+    "vit_h_14": {"vit_h_14_swag-80465313": _FULL, "vit_h_14_lc_swag-c1eb923e": _FULL},
+    "resnet18": {"resnet18-f37072fd": _TV_V1},
+    "resnet50": {"resnet50-0676ba61": _TV_V1, "resnet50-11ad3fa6": _TV_V2},
+    "resnet101": {"resnet101-63fe2227": _TV_V1, "resnet101-cd907fc2": _TV_V2},
+    "resnet152": {"resnet152-394f9c45": _TV_V1, "resnet152-f82ba261": _TV_V2},
+    "resnext50_32x4d": {"resnext50_32x4d-7cdf4587": _TV_V1,
+                        "resnext50_32x4d-1a0047aa": _TV_V2},
+    "resnext101_32x8d": {"resnext101_32x8d-8ba56ff5": _TV_V1,
+                         "resnext101_32x8d-110c445d": _TV_V2},
+    "regnet_y_400mf": {"regnet_y_400mf-c65dace8": _TV_V1, "regnet_y_400mf-e6988f5f": _TV_V2},
+    "regnet_y_8gf": {"regnet_y_8gf-d0d0e4a8": _TV_V1, "regnet_y_8gf-dc2b1b54": _TV_V2},
+    "regnet_y_16gf": {"regnet_y_16gf-9e6ed7dd": _TV_V1, "regnet_y_16gf-3e4a00f9": _TV_V2,
+                      "regnet_y_16gf_swag-43afe44d": _FULL,
+                      "regnet_y_16gf_lc_swag-f3ec0043": _FULL},
+    "regnet_y_32gf": {"regnet_y_32gf-4dee3f7a": _TV_V1, "regnet_y_32gf-8db6d4b5": _TV_V2,
+                      "regnet_y_32gf_swag-04fdfa75": _FULL,
+                      "regnet_y_32gf_lc_swag-e1583746": _FULL},
+    "regnet_y_128gf": {"regnet_y_128gf_swag-c8ce3e52": _FULL,
+                       "regnet_y_128gf_lc_swag-cbe8ce12": _FULL},
+}
+
 
 def _archs() -> dict[str, Arch]:
   out = {}
   # timm ViTs (AugReg weights: mean = std = 0.5). timm evaluates its 384-px weights on the
-  # full centre crop (crop_pct 1.0), the others at 0.9, closest to the 87.5% crop here.
-  full = {224: "center_crop", 384: "shorter_center_crop"}
+  # full centre crop (crop_pct 1.0), the others at 0.9, both bicubic.
+  full = {224: _TIMM_090, 384: _FULL}
   sizes = {"tiny": "ti", "small": "s", "medium": "m", "base": "b", "large": "l", "huge": "h"}
   for name in ("tiny_patch16", "small_patch16", "small_patch32", "base_patch16",
                "base_patch32", "large_patch16", "large_patch32"):
@@ -125,7 +175,8 @@ def _archs() -> dict[str, Arch]:
                                            sized_by="pos_embed", eval_resize=full[res])
   # ImageNet-21K-P ViT-B/16 (Ridnik et al. 2021; timm 'vit_base_patch16_224_miil.in21k'):
   # no qkv bias, inputs in [0, 1] (timm's cfg: mean 0, std 1), 11,221 classes, bilinear.
-  miil = Arch("vit_b16", _TIMM_VIT, "0_1", {"qkv_bias": False}, sized_by="pos_embed")
+  miil = Arch("vit_b16", _TIMM_VIT, "0_1", {"qkv_bias": False}, sized_by="pos_embed",
+              eval_resize=_MIIL)
   out["timm:vit_base_patch16_224_miil_in21k"] = out["timm:vit_base_patch16_224_miil"] = miil
   for size in ("small", "medium", "base", "large"):
     for res in (224, 384) if size != "medium" else (224,):  # timm has no medium at 384.
@@ -133,42 +184,52 @@ def _archs() -> dict[str, Arch]:
                                                      "imagenet", _DEIT3, sized_by="pos_embed",
                                                      eval_resize=full[res])
   out["timm:deit3_huge_patch14_224"] = Arch("vit_h14", _TIMM_VIT, "imagenet", _DEIT3,
-                                            sized_by="pos_embed")
+                                            sized_by="pos_embed", eval_resize=_TIMM_090)
   # torchvision's VisionTransformer (SWAG's ViTs are vit_b_16 / vit_l_16 / vit_h_14 at
-  # 384 / 512 / 518 px, evaluated on a full centre crop of the shorter side; vit_b_32 and
-  # vit_l_32 have only IMAGENET1K_V1 weights, resize 256 and crop 224). vit_ti_16 and
-  # vit_s_16 are that class at DeiT sizes (not torchvision builders; small test models).
+  # 384 / 512 / 518 px, evaluated on a full centre crop of the shorter side, bicubic: assumed
+  # for a file torchvision does not publish; vit_b_32 and vit_l_32 have only IMAGENET1K_V1
+  # weights, resize 256 and crop 224). vit_ti_16 and vit_s_16 are that class at DeiT sizes
+  # (not torchvision builders; small test models).
   for size, patch in (("ti", 16), ("s", 16), ("b", 16), ("b", 32), ("l", 16), ("l", 32),
                       ("h", 14)):
     out[f"torchvision:vit_{size}_{patch}"] = Arch(
         f"vit_{size}{patch}", _TORCHVISION_VIT, "imagenet", sized_by="pos_embed",
-        eval_resize="center_crop" if patch == 32 else "shorter_center_crop")
+        eval_resize=_TV_V1 if patch == 32 else _FULL)
+  # ResNets: timm's default tags (a1 / a1h) at crop_pct 0.95, bicubic; torchvision's
+  # IMAGENET1K_V1 (resize 256) assumed for a file torchvision does not publish.
   for depth, stages in _RESNET_STAGES.items():
-    for fmt in ("timm", "torchvision"):
-      out[f"{fmt}:resnet{depth}"] = Arch(f"resnet{depth}", _resnet_rules(stages), "imagenet")
+    out[f"timm:resnet{depth}"] = Arch(f"resnet{depth}", _resnet_rules(stages), "imagenet",
+                                      eval_resize=_TIMM_095)
+    out[f"torchvision:resnet{depth}"] = Arch(f"resnet{depth}", _resnet_rules(stages),
+                                             "imagenet", eval_resize=_TV_V1)
   # ResNeXts: torchvision's, and the semi-supervised / weakly supervised hubs' (Yalniz et al.
-  # 2019, Mahajan et al. 2018), which use torchvision's ResNet class.
+  # 2019, Mahajan et al. 2018), which use torchvision's ResNet class (IMAGENET1K_V1's
+  # transform assumed for files torchvision does not publish).
   for name, depth in (("resnext50_32x4d", "50"), ("resnext101_32x4d", "101"),
                       ("resnext101_32x8d", "101"), ("resnext101_32x16d", "101"),
                       ("resnext101_32x48d", "101")):
-    out[f"torchvision:{name}"] = Arch(name, _resnet_rules(_RESNET_STAGES[depth]), "imagenet")
+    out[f"torchvision:{name}"] = Arch(name, _resnet_rules(_RESNET_STAGES[depth]), "imagenet",
+                                      eval_resize=_TV_V1)
   # torchvision RegNetY (regnet_y_128gf carries only SWAG's RegNetY-128GF weights, evaluated
-  # on the full centre crop: 384 px end to end, 224 for the linear head, --image_size).
+  # on the full centre crop: 384 px end to end, 224 for the linear head, --image_size; the
+  # others IMAGENET1K_V1's transform for a file torchvision does not publish).
   from bigpretrain.models import regnet  # pylint: disable=import-outside-toplevel
   for size in ("400mf", "8gf", "16gf", "32gf", "128gf"):
     name = f"regnety_{size}"
     stages = tuple(n for _, n, _ in regnet.regnet_stages(*regnet._REGNETY[name]))  # pylint: disable=protected-access
     out[f"torchvision:regnet_y_{size}"] = Arch(
         name, _regnet_rules(stages), "imagenet",
-        eval_resize="shorter_center_crop" if size == "128gf" else "center_crop")
+        eval_resize=_FULL if size == "128gf" else _TV_V1)
   # TResNet (timm cfg: mean 0, std 1).
-  out["timm:tresnet_m"] = Arch("tresnet_m", _TRESNET, "0_1")
-  out["timm:tresnet_l"] = Arch("tresnet_l", _TRESNET, "0_1")
-  out["timm:mobilenetv3_large_100"] = Arch("mobilenetv3_large_100", _MOBILENET, "imagenet")
+  out["timm:tresnet_m"] = Arch("tresnet_m", _TRESNET, "0_1", eval_resize=_MIIL)
+  out["timm:tresnet_l"] = Arch("tresnet_l", _TRESNET, "0_1", eval_resize=_MIIL)
+  out["timm:mobilenetv3_large_100"] = Arch("mobilenetv3_large_100", _MOBILENET, "imagenet",
+                                           eval_resize=_TIMM_0875)
   for size in ("s", "b", "l"):
     out[f"timm:mixer_{size}16_224"] = Arch(f"mixer_{size}16", _MIXER, "minus1_1",
-                                           sized_by="tokens")
-  out["timm:mixer_b16_224_miil_in21k"] = Arch("mixer_b16", _MIXER, "0_1", sized_by="tokens")
+                                           sized_by="tokens", eval_resize=_TIMM_0875)
+  out["timm:mixer_b16_224_miil_in21k"] = Arch("mixer_b16", _MIXER, "0_1", sized_by="tokens",
+                                              eval_resize=_MIIL)
   return out
 
 
@@ -439,9 +500,32 @@ def read_class_names(path: str, num_classes: int) -> list[str]:
   return names
 
 
+def source_eval_resize(spec: str, weights: str) -> str:
+  """The data.eval_resize that reproduces the eval transform `spec`'s library publishes for
+  the weight file `weights`. torchvision's builders have several weights (IMAGENET1K_V1 / V2,
+  SWAG's), told apart by file name (resnet50-11ad3fa6.pth: V2, Resize(232)); another name
+  gets the architecture's assumed transform, with a warning where the published ones differ."""
+  arch = get_arch(spec)
+  library, name = spec.split(":", 1)
+  published = _TORCHVISION_FILES.get(name, {}) if library == "torchvision" else {}
+  file_name = os.path.basename(weights)
+  stem = file_name.split(".", 1)[0]  # resnet50-11ad3fa6.pth, or saved as .safetensors
+  if stem in published:
+    return published[stem]
+  if len(set(published.values())) > 1:
+    console.warn(f"{file_name} is not a file torchvision publishes for {spec}, whose weights "
+                 f"it evaluates with different transforms: the checkpoint records "
+                 f"eval_resize={arch.eval_resize!r}; give --eval_resize if these weights "
+                 f"were evaluated otherwise (torchvision's: "
+                 f"{', '.join(sorted(set(published.values())))}).")
+  return arch.eval_resize
+
+
 def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: str,
-                     class_names: list[str] | None = None) -> dict:
-  """Saves {'params', 'extra'} and a meta describing the model as checkpoint step 0."""
+                     class_names: list[str] | None = None,
+                     eval_resize: str | None = None) -> dict:
+  """Saves {'params', 'extra'} and a meta describing the model as checkpoint step 0; the
+  meta's eval_resize is `eval_resize`, else the source library's (source_eval_resize)."""
   arch = get_arch(spec)
   out = os.path.abspath(out)
   if os.path.isdir(out) and os.listdir(out):
@@ -455,7 +539,7 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
       "class_names": list(class_names or ()),
       "dataset": spec,
       "data": {"image_size": int(cfg.get("image_size") or 224), "normalize": arch.normalize,
-               "eval_resize": arch.eval_resize},
+               "eval_resize": eval_resize or source_eval_resize(spec, weights)},
       "objective": {"name": "softmax", "label_smoothing": 0.0},
       "source": {"from": spec, "weights": os.path.basename(weights)},
   }
@@ -469,20 +553,24 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
 
 
 def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None = None,
-                   image_size: int | None = None, class_names: str | None = None) -> dict:
+                   image_size: int | None = None, class_names: str | None = None,
+                   eval_resize: str | None = None) -> dict:
   """Converts a timm / torchvision weight file into a bigpretrain checkpoint; its meta.
   `class_names`: a file naming the head's classes (teachers and infer compare them with
-  their dataset's); without it the meta has none."""
+  their dataset's); without it the meta has none. `eval_resize`: the meta's data.eval_resize
+  (default: the library's published eval transform of the weights, source_eval_resize)."""
   get_arch(spec)
   for flag, value in (("--num_classes", num_classes), ("--image_size", image_size)):
     if value is not None and (not isinstance(value, int) or value < 1):
       raise ValueError(f"{flag}={value!r} must be an int >= 1 (a head of 0 classes is not "
                        "a model this trainer can fine-tune or evaluate).")
+  if eval_resize is not None:
+    augment_spec.eval_resize_op(eval_resize, "--eval_resize")
   model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
                                            num_classes=num_classes, image_size=image_size)
   names = (read_class_names(class_names, int(model_def.kwargs["num_classes"]))
            if class_names else None)
-  return write_checkpoint(out, model_def, variables, spec, weights, names)
+  return write_checkpoint(out, model_def, variables, spec, weights, names, eval_resize)
 
 
 def from_bigpretrain(variables: dict, model_def, spec: str) -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@ r"""Weight import and export: timm / torchvision state dicts <-> bigpretrain che
 
   python -m bigpretrain.tools.convert --from=timm:vit_base_patch16_224_miil_in21k \
       --weights=vit_miil_21k.pth --out=DIR [--num_classes=N] [--image_size=S] \
-      [--class_names=FILE]
+      [--class_names=FILE] [--eval_resize=center_crop(F[, bicubic])]
   python -m bigpretrain.tools.convert --export --weights=DIR --out=FILE.safetensors|.pth \
       [--to=FORMAT:ARCH]
 
@@ -34,6 +34,9 @@ def define_flags(flag_values=flags.FLAGS) -> None:
                        "are resized to it).", **f)
   flags.DEFINE_string("class_names", None, "Import: a text file with the head's class names "
                       "(e.g. wnids), one per line.", **f)
+  flags.DEFINE_string("eval_resize", None, "Import: the checkpoint's data.eval_resize, e.g. "
+                      "center_crop(0.9, bicubic) (default: the source library's eval "
+                      "transform of the weights).", **f)
   flags.DEFINE_bool("export", False, "Export a bigpretrain checkpoint instead.", **f)
 
 
@@ -51,9 +54,11 @@ def run(f) -> None:
       meta = convert.import_weights(f["from"].value, f["weights"].value, f["out"].value,
                             num_classes=f["num_classes"].value,
                             image_size=f["image_size"].value,
-                            class_names=f["class_names"].value)
+                            class_names=f["class_names"].value,
+                            eval_resize=f["eval_resize"].value)
       print(f"Wrote {meta['model']['name']} ({meta['num_classes']} classes, "
-            f"{meta['data']['image_size']} px, normalize={meta['data']['normalize']}) to "
+            f"{meta['data']['image_size']} px, normalize={meta['data']['normalize']}, "
+            f"eval_resize={meta['data']['eval_resize']}) to "
             f"{f['out'].value}")
 
 
