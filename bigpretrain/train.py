@@ -288,10 +288,10 @@ class Experiment(ModelSetup):
     return state
 
   def model_flops_per_device(self, state, batch, traced=None) -> float:
-    """FLOPs per device of one train step on `batch` as the model defines them: the step
-    traced with XLA's kernels (ModelDef.with_reference_kernels; `traced`, this step's own
-    trace, is counted where the kernels are those already)."""
-    reference = self.model_def.with_reference_kernels()
+    """FLOPs per device of one train step on `batch` as the model defines them, MFU's: the
+    step traced with XLA's kernels and no rematerialisation (ModelDef.for_model_flops;
+    `traced`, this step's own trace, is counted where it is that already)."""
+    reference = self.model_def.for_model_flops()
     if traced is None or reference is not self.model_def:
       with jax.set_mesh(self.mesh):
         traced = dataclasses.replace(self, model_def=reference).train_step().trace(

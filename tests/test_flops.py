@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import models
+from bigpretrain.models import pallas_conv
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import flops
 
@@ -71,6 +72,39 @@ def test_loops_branches_and_per_device_programs():
   # Per device: the step's count over its devices.
   traced = jax.jit(lambda v: v @ w).trace(jnp.ones(16))
   assert flops.traced_flops_per_device(traced, 4) == step / 4
+
+
+@pytest.mark.parametrize("per_group", [16, 24])
+def test_a_pallas_convolution_counts_what_its_programs_compute(per_group):
+  """Its cost estimate, not its body once: with whole tiles the convolution's own count
+  (forward, input and kernel gradients); a group of 24 channels runs as tiles of 32."""
+  tiles = pallas_conv.Tiles(pixels=16, k=16)
+  groups, pixels, taps = 4, 2 * 8 * 8, 9
+  x, k = jnp.ones((2, 8, 8, groups * per_group)), jnp.ones((3, 3, per_group, groups * per_group))
+  conv = lambda x, k: pallas_conv.conv_pallas(
+      x, k, (1, 1), "SAME", feature_group_count=groups,
+      dimension_numbers=("NHWC", "HWIO", "NHWC"), tiles=tiles)
+  grad = jax.grad(lambda x, k: conv(x, k).sum(), argnums=(0, 1))
+  padded = 32 if per_group == 24 else 16  # Channels a tile computes (both sides).
+  one = 2 * pixels * groups * taps * padded * padded  # Each of the three products.
+  assert _count(conv, x, k) == one
+  assert _count(grad, x, k) == 3 * one
+  if per_group == 16:  # Whole tiles: XLA's convolution's count.
+    reference = lambda x, k: _conv(x, k, groups, padding="SAME")
+    assert _count(conv, x, k) == _count(reference, x, k)
+    assert _count(grad, x, k) == _count(jax.grad(lambda x, k: reference(x, k).sum(),
+                                                 argnums=(0, 1)), x, k)
+
+
+def test_a_pallas_kernel_without_a_cost_estimate_is_refused():
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def copy(x_ref, y_ref):
+    y_ref[...] = x_ref[...]
+  kernel = lambda x: pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    interpret=True)(x)
+  with pytest.raises(ValueError, match="cost_estimate"):
+    _count(kernel, jnp.ones((8, 8)))
 
 
 def test_a_strided_convolutions_gradients_count_its_real_multiply_adds():

@@ -84,6 +84,11 @@ def test_bound_takes_products_at_peak_and_the_rest_at_bandwidth():
   assert b["matmul_seconds"] == pytest.approx(t.bytes["matmul"] / 1e9) == matmul
   assert b["bound_seconds"] == pytest.approx(matmul + t.bytes["memory"] / 1e9)
   assert b["mfu_at_bound"] == pytest.approx(2 * 64 * 128 * 256 / (b["bound_seconds"] * 1e12))
+  # Kernels computing 1e12 FLOPs take a second at this peak; MFU still counts the model's.
+  w = hlo_traffic.bound(t, flops=2 * 64 * 128 * 256, peak_flops=1e12, hbm_bandwidth=1e9,
+                        work_flops=1e12)
+  assert w["matmul_seconds"] == 1.0
+  assert w["mfu_at_bound"] == pytest.approx(2 * 64 * 128 * 256 / (w["bound_seconds"] * 1e12))
 
 
 def test_xla_cpus_compile_of_an_elementwise_chain_is_one_kernel():

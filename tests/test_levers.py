@@ -449,6 +449,25 @@ def test_mfu_counts_the_model_flops_not_the_cudnn_pad_token(monkeypatch):
   assert counted["cudnn"][0] > 1.1 * counted["xla"][0]  # 6 tokens for 5 in every GEMM.
 
 
+@pytest.mark.parametrize("recipe,model,classes,key,values", [
+    ("semantic_softmax", "vit_demo", None, "remat", ("", "nothing_saveable")),
+    ("swag_regnety", "regnety_demo", 100, "grouped_conv_impl", ("xla", "pallas"))])
+def test_plan_flops_are_the_model_flops_whatever_the_remat_or_kernel(recipe, model, classes,
+                                                                     key, values):
+  """MFU's FLOPs (PaLM, appendix B) leave out a rematerialised block's second forward and
+  count a Pallas kernel's work as the model's; the traced step itself counts otherwise."""
+  config = helpers.tiny_config(recipe)
+  config.model.name, config.data.image_size, config.batch_size = model, 32, 8
+  planned, traced = [], []
+  for value in values:
+    config.model[key] = value
+    planned.append(aot_plan.step_flops(config, classes)["flops_per_device"])
+    exp, _, t = aot_plan.trace_step(config, classes)
+    traced.append(flops.traced_flops_per_device(t, exp.mesh.size))
+  assert planned[0] == planned[1] == traced[0] > 0
+  assert traced[1] != traced[0]
+
+
 def test_head_flops_are_six_b_d_c_of_the_step():
   """The suite's head share: the products over the classes in the train step's jaxpr are the
   head's forward and its two gradients, 3 x 2 x B x D x C."""

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from bigpretrain.models import base
+from bigpretrain.models import layers
 from bigpretrain.runtime import tracer_sharding
 
 tracer_sharding.install()  # Tracing an NNX model stays linear in its size.
@@ -138,20 +139,25 @@ class ModelDef:
                "grouped_conv_impl", "pointwise_conv_impl")
     return {"name": self.name, **{k: v for k, v in self.kwargs.items() if k not in runtime}}
 
-  def with_reference_kernels(self) -> "ModelDef":
-    """This model with XLA's kernels (attention_impl and grouped_conv_impl 'xla'): the same
-    function and parameters. Its step's FLOPs are the model's; another kernel may compute
-    more (cuDNN's attention runs ViT's pad token, a GEMM grouped convolution multiplies the
-    padding in its input gradient; a GEMM 1x1 convolution computes the model's FLOPs and
-    keeps its form). Itself where it has them already."""
+  def for_model_flops(self) -> "ModelDef":
+    """This model as MFU counts its FLOPs: XLA's kernels (attention_impl and
+    grouped_conv_impl 'xla') and no rematerialisation; the same function and parameters.
+    Another kernel may compute more (cuDNN's attention runs ViT's pad token, a GEMM grouped
+    convolution multiplies the padding in its input gradient; a GEMM 1x1 convolution computes
+    the model's FLOPs and keeps its form), and a rematerialised block runs its forward twice:
+    hardware FLOPs, which MFU leaves out (PaLM, appendix B). Itself where it is that already."""
     reference = {"attention_impl": "xla", "grouped_conv_impl": "xla"}
-    if all(self.kwargs.get(k, "xla") == v for k, v in reference.items()):
+    remat_off = layers.remat_policy(self.kwargs.get("remat", "")) is None
+    if remat_off and all(self.kwargs.get(k, "xla") == v for k, v in reference.items()):
       return self
     module = base.set_kernels(self.abstract_module(), head_dtype=self.kwargs.get(
-        "head_dtype", "float32"), **reference)
+        "head_dtype", "float32"), pointwise_conv_impl=self.kwargs.get(
+            "pointwise_conv_impl", "xla"), **reference)
+    module = base.remat_blocks(module, "")
     graphdef, params, extra = nnx.split(module, nnx.Param, ...)
-    return dataclasses.replace(self, kwargs={**self.kwargs, **reference}, graphdef=graphdef,
-                               abstract_params=params, abstract_extra=extra)
+    return dataclasses.replace(self, kwargs={**self.kwargs, **reference, "remat": ""},
+                               graphdef=graphdef, abstract_params=params,
+                               abstract_extra=extra)
 
   def abstract_module(self) -> nnx.Module:
     """The model with shapes in place of arrays: its hooks (layer order, parameter

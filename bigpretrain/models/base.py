@@ -95,15 +95,17 @@ class Classifier(nnx.Module):
 
 def remat_blocks(model: nnx.Module, policy: str) -> nnx.Module:
   """Rematerialises every residual block of `model` (its residual_stages()) with the
-  jax.checkpoint_policies `policy` (layers.REMAT_POLICIES; '' or 'none' leaves the model as it
-  is): each block's forward pass runs under nnx.remat, so training keeps a block's input and
+  jax.checkpoint_policies `policy` (layers.REMAT_POLICIES; '' or 'none': none is): each block's forward pass runs under nnx.remat, so training keeps a block's input and
   recomputes its insides in the backward pass instead of holding them, trading compute for
   activation memory (big_vision's ViT `remat_policy`, per encoder block, alike). Parameter
   and state paths are unchanged, so checkpoints load either way. Returns `model`.
   """
-  if layers.remat_policy(policy) is None:
-    return model
   stages = model.residual_stages() if isinstance(model, Classifier) else []
+  if layers.remat_policy(policy) is None:  # Off, also for blocks rematerialised before.
+    for stage in stages:
+      for block in stage:
+        block.__class__ = getattr(type(block), "remat_of", type(block))
+    return model
   if not stages:
     raise ValueError(f"remat={policy!r}: {type(model).__name__} has no residual blocks "
                      "(Classifier.residual_stages()) to rematerialise.")

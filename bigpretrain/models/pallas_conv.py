@@ -109,15 +109,21 @@ def _dot(a, b, a_dim: int, b_dim: int, precision):
                              preferred_element_type=jnp.float32)
 
 
-def _call(kernel, out_rows, out_cols, dtype, grid, tiles, interpret, *args):
+def _call(kernel, out_rows, out_cols, dtype, grid, tiles, interpret, macs, *args):
   """pallas_call of `kernel` over 2-D operands into a [out_rows, out_cols] result, varying
-  over the manual mesh axes (in a shard_map) as its first operand does."""
+  over the manual mesh axes (in a shard_map) as its first operand does. `macs`: the
+  multiply-adds its programs compute, tile padding included; with each operand read and the
+  result written once, the kernel's cost estimate (what bigpretrain/plan/flops.py counts)."""
   out_shape = jax.ShapeDtypeStruct((out_rows + interpret, out_cols), dtype,
                                    manual_axis_type=jax.typeof(args[0]).mat)
+  nbytes = sum(a.size * a.dtype.itemsize for a in args) + out_rows * out_cols * jnp.dtype(
+      dtype).itemsize
   out = pl.pallas_call(
       functools.partial(kernel, interpret=interpret), out_shape=out_shape, grid=grid,
       interpret=interpret, compiler_params=None if interpret else pltriton.CompilerParams(
-          num_warps=tiles.num_warps, num_stages=tiles.num_stages))(*args)
+          num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+      cost_estimate=pl.CostEstimate(flops=2 * macs, transcendentals=0,
+                                    bytes_accessed=nbytes))(*args)
   return out[:out_rows] if interpret else out
 
 
@@ -158,8 +164,10 @@ def _forward(x, w, geo: _Geometry, dtype, *, interpret):
     _scatter(y_ref, rows, g * o + co, acc.astype(y_ref.dtype),
              (rows < geo.pixels)[:, None] & omask[None, :], interpret)
 
-  return _call(conv_forward, geo.pixels, geo.groups * o, dtype,
-               (pl.cdiv(geo.pixels, bm), geo.groups), geo.tiles, interpret, x, w)
+  grid = (pl.cdiv(geo.pixels, bm), geo.groups)
+  macs = grid[0] * bm * geo.groups * geo.kh * geo.kw * chunks * bk * op
+  return _call(conv_forward, geo.pixels, geo.groups * o, dtype, grid, geo.tiles, interpret,
+               macs, x, w)
 
 
 def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
@@ -204,8 +212,11 @@ def _input_grad(dy, w, geo: _Geometry, dtype, *, interpret):
     _scatter(dx_ref, (b * geo.h + iy) * geo.w + ix, g * c + ci, acc.astype(dx_ref.dtype),
              live[:, None] & cmask[None, :], interpret)
 
-  return _call(conv_input_grad, geo.n * geo.h * geo.w, geo.groups * c, dtype,
-               (pl.cdiv(per_phase, bm), geo.groups, sh * sw), geo.tiles, interpret, dy, w)
+  grid = (pl.cdiv(per_phase, bm), geo.groups, sh * sw)
+  # The phases' taps add up to the kernel's: each program of a phase runs that phase's.
+  macs = grid[0] * bm * geo.groups * geo.kh * geo.kw * chunks * bk * cp
+  return _call(conv_input_grad, geo.n * geo.h * geo.w, geo.groups * c, dtype, grid,
+               geo.tiles, interpret, macs, dy, w)
 
 
 def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
@@ -240,8 +251,9 @@ def _kernel_grad(x, dy, geo: _Geometry, *, interpret):
     _scatter(dw_ref, (s * taps + t) * c + ci, g * o + co, acc,
              cmask[:, None] & omask[None, :], interpret)
 
+  macs = geo.groups * taps * chunks * bk * cp * op
   partial = _call(conv_kernel_grad, splits * taps * c, geo.groups * o, jnp.float32,
-                  (geo.groups, taps, splits), geo.tiles, interpret, x, dy)
+                  (geo.groups, taps, splits), geo.tiles, interpret, macs, x, dy)
   return partial.reshape(splits, taps * c, geo.groups * o).sum(0)
 
 

@@ -195,10 +195,15 @@ def compile_step(config, num_classes: int | None = None, devices=None,
   (bigpretrain/plan/flops.py; a train step's as its model defines them:
   train.Experiment.model_flops_per_device)."""
   exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
-  flops_per_device = (
-      exp.model_flops_per_device(state, abstract_batch(exp), traced) if step == "train"
-      else flops.traced_flops_per_device(traced, exp.mesh.size))
-  return exp, state, _compile(exp, traced), flops_per_device
+  return exp, state, _compile(exp, traced), _flops_per_device(exp, state, traced, step)
+
+
+def _flops_per_device(exp, state, traced, step: str) -> float:
+  """A train step's FLOPs as MFU counts them (train.Experiment.model_flops_per_device: XLA's
+  kernels, no rematerialisation), an inference step's as traced."""
+  if step == "train":
+    return exp.model_flops_per_device(state, abstract_batch(exp), traced)
+  return flops.traced_flops_per_device(traced, exp.mesh.size)
 
 
 def step_flops(config, num_classes: int | None = None, devices=None,
@@ -206,15 +211,14 @@ def step_flops(config, num_classes: int | None = None, devices=None,
                accelerator: str | None = None) -> dict:
   """The step's FLOPs per device without compiling it (a trace only: seconds); with
   `accelerator`, its roofline (`roofline`: collectives unknown on more than one device)."""
-  exp, _, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
-  acc = accelerators.get(accelerator) if accelerator else None
-  costs = flops.jaxpr_costs(traced.jaxpr, acc, elementwise=acc is not None)
-  out = {"flops_per_device": (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size,
+  exp, state, traced = trace_step(config, num_classes, devices, teacher_model, step, top_p)
+  out = {"flops_per_device": _flops_per_device(exp, state, traced, step),
          "devices": exp.mesh.size, "flops_from": FLOPS_FROM}
-  if acc is not None:
+  if accelerator:
+    acc = accelerators.get(accelerator)
     peak = acc.peak(config.compute_dtype)
-    out.update(accelerator=accelerator,
-               roofline=roofline(costs, None, acc, exp.mesh.size))
+    out.update(accelerator=accelerator, roofline=roofline(
+        flops.jaxpr_costs(traced.jaxpr, acc), None, acc, exp.mesh.size))
     out["mfu_at_roofline"] = out["flops_per_device"] / (out["roofline"]["step_seconds"] * peak)
   return out
 
@@ -303,8 +307,8 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
     known = accelerators.by_device_kind(device.device_kind)
     accelerator = known.name if known else None
   acc = accelerators.get(accelerator) if accelerator else None
-  costs = flops.jaxpr_costs(traced.jaxpr, acc)
-  flops_per_device = (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size
+  costs = flops.jaxpr_costs(traced.jaxpr, acc)  # The kernels' own work: the roofline's.
+  flops_per_device = _flops_per_device(exp, state, traced, step)
   mem = compiled.memory_analysis()
   hlo = compiled.as_text()
   out = {
@@ -356,8 +360,9 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
                                           out["bytes_accessed"] / acc.hbm_bandwidth)
       out["mfu_at_compiler_bound"] = flops_per_device / (out["compiler_bound_seconds"] * peak)
     if device.platform == "gpu":  # XLA:GPU gives no cost analysis: its kernels' traffic.
+      work = (costs["matmul"].flops + costs["attention"].flops) / exp.mesh.size
       out["kernel_bound"] = hlo_traffic.bound(hlo_traffic.traffic(hlo), flops_per_device, peak,
-                                              acc.hbm_bandwidth)
+                                              acc.hbm_bandwidth, work_flops=work)
   return out
 
 

@@ -7,7 +7,10 @@ convolutions to cuBLAS and cuDNN as custom calls, which its cost analysis does n
 on GPUs it reports a small fraction of the step's FLOPs.
 The jaxpr is the same program on every backend, before partitioning: its shapes are global,
 and a step's FLOPs per device are its count over the devices of its mesh. Rematerialised
-blocks count as often as the differentiated program runs them.
+blocks count as often as the differentiated program runs them, and a Pallas kernel as its
+cost estimate says (bigpretrain/models/pallas_conv.py: what its programs compute, padding
+included): the work the step does. MFU counts the model's FLOPs instead
+(train.Experiment.model_flops_per_device).
 
 The per-primitive rules are jax.experimental.roofline's where they agree with the hand
 formulas (tests/test_flops.py): a matrix product's FLOPs and every op's bytes (each operand
@@ -173,6 +176,25 @@ def _add_eqn(eqn, accelerator, scale: float, totals: dict, elementwise: bool) ->
   cost.seconds += scale * seconds
 
 
+def _add_kernel(eqn, accelerator, scale: float, totals: dict) -> None:
+  """A Pallas kernel counts as a matrix product of its cost estimate (its body runs once per
+  program of its grid, its loops' trip counts may be the program's)."""
+  estimate = eqn.params.get("cost_estimate")
+  if estimate is None:
+    raise ValueError(f"pallas_call {eqn.params.get('name_and_src_info', '')} has no "
+                     "cost_estimate: its FLOPs and bytes cannot be counted.")
+  flops, nbytes = float(estimate.flops), float(estimate.bytes_accessed)
+  seconds = 0.0
+  if accelerator:
+    f32 = any(v.aval.dtype == np.float32 for v in eqn.invars[:2])
+    seconds = max(flops / (accelerator.peak_f32 if f32 else accelerator.peak_bf16),
+                  nbytes / accelerator.hbm_bandwidth)
+  cost = totals["matmul"]
+  cost.flops += scale * flops
+  cost.bytes += scale * nbytes
+  cost.seconds += scale * seconds
+
+
 def _walk(jaxpr, accelerator, scale: float, totals: dict, elementwise: bool) -> None:
   jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
   for eqn in jaxpr.eqns:
@@ -190,6 +212,8 @@ def _walk(jaxpr, accelerator, scale: float, totals: dict, elementwise: bool) -> 
       axes = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))  # By version.
       copies = math.prod(eqn.params["mesh"].shape[a] for a in axes)
       _walk(eqn.params["jaxpr"], accelerator, scale * copies, totals, elementwise)
+    elif name == "pallas_call":
+      _add_kernel(eqn, accelerator, scale, totals)
     elif subs := list(core.jaxprs_in_params(eqn.params)):
       # pjit, remat, custom_jvp/vjp calls, while (once): their sub-programs.
       for sub in subs:

@@ -137,10 +137,13 @@ def totals(found: list[Kernel], unknown: int) -> Traffic:
   return out
 
 
-def bound(t: Traffic, flops: float, peak_flops: float, hbm_bandwidth: float) -> dict:
+def bound(t: Traffic, flops: float, peak_flops: float, hbm_bandwidth: float,
+          work_flops: float | None = None) -> dict:
   """The step time `t`'s kernels allow (see the module docstring) and the MFU it implies for a
-  step of `flops` model FLOPs per device."""
-  matmul = max(flops / peak_flops, t.bytes["matmul"] / hbm_bandwidth)
+  step of `flops` model FLOPs per device; `work_flops` (default `flops`): what its kernels
+  compute, more where a kernel computes padding (bigpretrain/models/pallas_conv.py)."""
+  work = flops if work_flops is None else work_flops
+  matmul = max(work / peak_flops, t.bytes["matmul"] / hbm_bandwidth)
   memory = t.bytes["memory"] / hbm_bandwidth
   seconds = matmul + memory
   return {"kernels": dict(t.kernels), "bytes": dict(t.bytes),
