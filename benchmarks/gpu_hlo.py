@@ -119,8 +119,12 @@ def main(argv):
       out_file.write(hlo)
   acc = accelerators.parse_topology(f.topology).accelerator
   found, unknown = hlo_traffic.kernels(hlo)
+  # What the kernels compute (a Pallas kernel's padding included), for the products' time.
+  roofline = aot_plan.step_flops(config, f.num_classes, accelerator=acc.name,
+                                 devices=accelerators.topology_devices(f.topology))["roofline"]
   bound = hlo_traffic.bound(hlo_traffic.totals(found, unknown), step_flops,
-                            acc.peak(config.compute_dtype), acc.hbm_bandwidth)
+                            acc.peak(config.compute_dtype), acc.hbm_bandwidth,
+                            work_flops=roofline["matmul"]["flops"] + roofline["attention"]["flops"])
   print(json.dumps({**out, **kernel_counts(hlo), "kernel_bound": bound,
                     "top_memory_kernels": top_memory_kernels(found)}), flush=True)
 
