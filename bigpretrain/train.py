@@ -131,6 +131,9 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
     norms = optim.global_norms(grads, updates, params, *([state["params"]] if skip else []))
     metrics = {
         "train/loss": loss,
+        # optax.scale_by_learning_rate applies schedule(count) and then advances count; its
+        # count starts at 0 with state['step'] and advances with it (skipped steps included:
+        # divergence.keep_if), so this is the lr of this step's update.
         "train/lr": schedule(state["step"]),
         "train/grad_norm": norms[0],
         "train/update_norm": norms[1],
@@ -168,6 +171,12 @@ def setup_compilation_cache(config) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def _reports_last(key: str) -> bool:
+  """Whether a metrics row reports `key` at its last step rather than as the interval mean:
+  running counters, and the lr (a mean trails the lr the row's step applied)."""
+  return key.startswith("data/") or key in ("train/skipped_steps", "train/lr")
+
+
 class _Pending:
   """Per-step device metrics awaiting the next log step (no host sync in between)."""
 
@@ -197,10 +206,10 @@ class _Pending:
       except divergence.Diverged as e:  # Raised by the caller, after the row that shows it.
         error = e
     rows = self.rows
-    # Running counters report their latest value; the rest, the interval mean ('_...': the
-    # divergence verdicts, read by the monitor only).
-    counter = lambda k: k.startswith("data/") or k == "train/skipped_steps"
-    out = {k: float(rows[-1][1][k] if counter(k) else np.mean([m[k] for _, m in rows]))
+    # Running counters and the lr report the last step's value (the row's step is that
+    # step); the rest, the interval mean ('_...': the divergence verdicts, read by the
+    # monitor only).
+    out = {k: float(rows[-1][1][k] if _reports_last(k) else np.mean([m[k] for _, m in rows]))
            for k in rows[-1][1] if not k.startswith("_")}
     # Over the interval's own time (timer: compile, evals and checkpoints excluded).
     out["train/images_per_sec"] = self.images / max(timer.wall_s, 1e-9)

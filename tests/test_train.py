@@ -2,10 +2,13 @@
 import re
 
 import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from bigpretrain import evaluators
+from bigpretrain import optim
 from bigpretrain.runtime import metric_writers
 from bigpretrain import sharding
 from bigpretrain import train
@@ -96,6 +99,28 @@ def test_train_and_evaluate_writes_metrics(tmp_path):
     assert key in train_rows[-1], key
   assert results["eval/semantic_top1"] == eval_rows[-1]["eval/semantic_top1"]
   assert list(tmp_path.glob("events.out.tfevents*")), "no TensorBoard event file"
+
+
+def test_the_logged_lr_is_the_one_the_rows_step_applied(tmp_path):
+  # Plain SGD (no momentum, weight decay or clipping): an optax update is -lr x gradient.
+  config = helpers.tiny_config("single_label", **{
+      "total_steps": 6, "log_every_steps": 3, "evals": ml_collections.ConfigDict(),
+      "optim.name": "sgd", "optim.momentum": 0.0, "optim.weight_decay": 0.0,
+      "optim.schedule.name": "cosine", "optim.schedule.warmup_steps": 6})
+  train.train_and_evaluate(config, str(tmp_path))
+  # The lr optax applies at each of the 6 updates, read off its updates of a unit gradient.
+  tx, _ = optim.make_optimizer(config.optim, total_steps=6)
+  params = {"w": jnp.ones(())}
+  opt_state, applied = tx.init(params), []
+  for _ in range(6):
+    updates, opt_state = tx.update({"w": jnp.ones(())}, opt_state, params)
+    applied.append(-float(updates["w"]))
+  # Linear warmup from 0 over 6 steps: the k-th update applies (k - 1) / 6 of the peak.
+  np.testing.assert_allclose(applied[:6], config.optim.lr * np.arange(6) / 6, rtol=1e-6)
+  rows = [r for r in metric_writers.read_metrics(str(tmp_path)) if "train/loss" in r]
+  assert [r["step"] for r in rows] == [3, 6]
+  np.testing.assert_allclose([r["train/lr"] for r in rows], [applied[2], applied[5]],
+                             rtol=1e-6)
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
