@@ -196,25 +196,33 @@ class _Pending:
     self.monitor.observe(self.rows)
 
   def flush(self, timer: goodput_lib.IntervalTimer):
-    """(host values averaged over the interval, the divergence.Diverged to raise once they
-    are written, or None). Waits for the interval's steps (counted as `timer.blocked`:
-    processes wait for each other here)."""
+    """(the interval's host values: means, and last values of counters and the lr; the
+    divergence.Diverged to raise once they are written, or None). Waits for the interval's
+    steps (counted as `timer.blocked`: processes wait for each other here)."""
     with timer.blocked():
       try:
         self.check()
         error = None
       except divergence.Diverged as e:  # Raised by the caller, after the row that shows it.
         error = e
-    rows = self.rows
+    rows = [m for _, m in self.rows]
+    averaged = self._averaged(rows)
     # Running counters and the lr report the last step's value (the row's step is that
-    # step); the rest, the interval mean ('_...': the divergence verdicts, read by the
-    # monitor only).
-    out = {k: float(rows[-1][1][k] if _reports_last(k) else np.mean([m[k] for _, m in rows]))
-           for k in rows[-1][1] if not k.startswith("_")}
+    # step); the rest, the mean ('_...': the divergence verdicts, read by the monitor only).
+    out = {k: float(rows[-1][k] if _reports_last(k) else np.mean([m[k] for m in averaged]))
+           for k in rows[-1] if not k.startswith("_")}
     # Over the interval's own time (timer: compile, evals and checkpoints excluded).
     out["train/images_per_sec"] = self.images / max(timer.wall_s, 1e-9)
     self.rows, self.images = [], 0
     return out, error
+
+  def _averaged(self, rows: list) -> list:
+    """The interval's rows its means are taken over. Under the skip policy a bad step applied
+    no update, and its loss (NaN, or a spike) would hide the healthy steps': the healthy
+    rows, or all of them when every step was bad (the row then shows the bad values)."""
+    if self.monitor.policy != "skip":
+      return rows
+    return [m for m in rows if m["_healthy"]] or rows
 
 
 class DataWorkerDied(RuntimeError):

@@ -14,6 +14,7 @@ import pytest
 
 from bigpretrain import config_lib
 from bigpretrain import divergence
+from bigpretrain.runtime import goodput
 from bigpretrain.runtime import metric_writers
 from bigpretrain import train
 from tests import helpers
@@ -102,6 +103,35 @@ def test_skip_policy_keeps_the_weights_of_bad_steps_and_counts_them(tmp_path):
   # The skipped steps applied no update: the weights stay step 1's (exploded, finite).
   norms = [r["train/param_norm"] for r in rows]
   assert 1e9 < norms[0] < np.inf and norms[1:] == [norms[0]] * 3
+
+
+class _Confirms:
+  def confirm(self, step):
+    del step
+
+
+def _interval_row(losses, healthy):
+  """The metrics row _Pending writes for steps 1.. with these losses (also their gradient
+  norms) and verdicts, under the skip policy."""
+  config = config_lib.base_config()
+  config.divergence.policy = "skip"
+  pending = train._Pending(divergence.Monitor(config, _Confirms()))
+  skipped = np.cumsum(~np.array(healthy))
+  for step, (loss, ok) in enumerate(zip(losses, healthy), 1):
+    pending.add(step, {"train/loss": jnp.float32(loss), "train/grad_norm": jnp.float32(loss),
+                       "train/skipped_steps": jnp.int32(skipped[step - 1]),
+                       "_healthy": jnp.bool_(ok), "_loss_median": jnp.float32(2.0)}, 16)
+  row, error = pending.flush(goodput.IntervalTimer())
+  assert error is None
+  return row
+
+
+def test_a_skipped_steps_values_stay_out_of_the_rows_means():
+  row = _interval_row([2.0, np.nan, 2.2, 1e4], [True, False, True, False])
+  assert row["train/loss"] == pytest.approx(2.1) and row["train/grad_norm"] == pytest.approx(2.1)
+  assert row["train/skipped_steps"] == 2  # Still counted.
+  row = _interval_row([np.nan, 1e4], [False, False])  # Every step bad: the row shows them.
+  assert np.isnan(row["train/loss"]) and row["train/skipped_steps"] == 2
 
 
 def test_a_skipped_step_keeps_the_moments_but_the_schedule_follows_the_step():
