@@ -449,8 +449,7 @@ class _StepOutputs:
     with timer.blocked():
       stop = preemption.agreed(log)
     self.checkpointer.check()  # A failed asynchronous save stops the run now, not at the next.
-    with timer.excluded():
-      self.profiler.after_step(step, step_metrics)
+    self.profiler.after_step(step, step_metrics, timer)
     if log or stop:
       row = self._write_interval(step)
       self.bar.set_postfix(loss=f"{row['train/loss']:.4f}",

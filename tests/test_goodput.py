@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -76,6 +77,29 @@ def test_profile_steps_and_slow_input_specs():
   assert goodput.input_delay({goodput.SLOW_INPUT_ENV: "0.5@1"}) == 0.0
   with pytest.raises(ValueError, match=goodput.SLOW_INPUT_ENV):
     goodput.input_delay({goodput.SLOW_INPUT_ENV: "slow"})
+
+
+class _Outputs:
+  """Step outputs the device needs `seconds` more to compute."""
+
+  def __init__(self, seconds: float):
+    self.seconds = seconds
+
+  def block_until_ready(self):
+    time.sleep(self.seconds)
+    return self
+
+
+def test_the_wait_that_ends_a_trace_is_the_steps_time_its_stop_is_not(tmp_path):
+  profiler = goodput.Profiler("1,1", str(tmp_path), last_step=10)
+  profiler.before_step(1)
+  timer = goodput.IntervalTimer()  # The interval starts after the trace did.
+  wait = 0.3
+  profiler.after_step(1, _Outputs(wait), timer)
+  assert not profiler.active
+  assert timer.blocked_s >= wait and timer.wall_s >= wait  # The steps' wait stays in.
+  assert timer.excluded_s > 0  # The stop alone is left out.
+  assert glob.glob(os.path.join(tmp_path, "plugins", "profile", "*", "*.xplane.pb"))
 
 
 def _config(**overrides):

@@ -4,8 +4,9 @@ Per log interval (all host timers; the only sync is the one the log step already
   perf/step_time_ms        wall time per step, measured sync-to-sync: the log step's
                            device_get waits for every dispatched step, so an interval spans
                            exactly the work of its steps (compile, evals, checkpoints and the
-                           profiler excluded). Like PaLM's MFU and MaxText's step time, it
-                           includes input stalls: a starved accelerator shows as low MFU.
+                           profiler's start and stop excluded). Like PaLM's MFU and MaxText's
+                           step time, it includes input stalls: a starved accelerator shows as
+                           low MFU.
   perf/data_wait_frac      share of that wall time spent in next(train_iter). The loop runs
                            ahead of the device (async dispatch), so when the device is the
                            bottleneck this tends to 0; when the input is, to the device's idle
@@ -215,11 +216,15 @@ class Profiler:
       jax.profiler.start_trace(self.logdir)
       self.active = True
 
-  def after_step(self, step: int, outputs) -> None:
-    """Stops it once the last traced step's `outputs` are computed."""
+  def after_step(self, step: int, outputs, timer: IntervalTimer) -> None:
+    """Stops it once the last traced step's `outputs` are computed. The wait for them is the
+    dispatched steps' own time: it stays in `timer`'s interval (as `blocked`, like the log
+    step's sync it stands in for); only stopping the trace is excluded from it."""
     if self.active and step >= self.stop:
-      jax.block_until_ready(outputs)
-      jax.profiler.stop_trace()
+      with timer.blocked():
+        jax.block_until_ready(outputs)
+      with timer.excluded():
+        jax.profiler.stop_trace()
       self.active = False
       print(f"Profiler trace of steps {self.start}-{step} written to {self.logdir}", flush=True)
 
