@@ -289,6 +289,18 @@ def test_read_metrics_reads_appended_resumes_as_one_run(tmp_path):
       (1, 1.0, None), (2, 12.0, None), (2, None, 0.7), (3, 13.0, None), (4, 14.0, None)]
 
 
+def test_read_metrics_replaces_a_resumed_runs_rows_of_the_last_step_logged(tmp_path):
+  rows = [{"step": s, "train/loss": float(s)} for s in (10, 20, 30)]
+  rows += [{"step": 30, "eval/top1": 0.5}]
+  # Resumed from step 25: its first row is at step 30 again, its evaluation follows it.
+  rows += [{"step": 30, "train/loss": 33.0}, {"step": 30, "eval/top1": 0.6},
+           {"step": 40, "train/loss": 44.0}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  got = metric_writers.read_metrics(str(tmp_path))
+  assert [(r["step"], r.get("train/loss"), r.get("eval/top1")) for r in got] == [
+      (10, 10.0, None), (20, 20.0, None), (30, 33.0, None), (30, None, 0.6), (40, 44.0, None)]
+
+
 def test_rows_appended_after_a_torn_last_line_start_on_their_own_line(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n{"step": 2, "tr')
   writer = metric_writers.MetricWriter(str(tmp_path))

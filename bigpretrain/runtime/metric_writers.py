@@ -100,21 +100,26 @@ def _ends_mid_line(path: str) -> bool:
 
 def read_metrics(workdir: str) -> list[dict]:
   """Rows of `workdir/metrics.jsonl` as one uninterrupted run (tests, notebooks): where a
-  resumed run logged a step below one already logged, the rows it re-logs (that step and
-  later) replace the earlier ones. A line torn by a kill mid-write is skipped."""
-  rows, top = [], None
+  resumed run logged a step already logged, the rows it re-logs (that step and later) replace
+  the earlier ones. A step is logged again by a row below the last step logged, or by a train
+  row (one with 'train/loss') at or below the last train row's step; a step's evaluation rows
+  follow its train row at the same step. A line torn by a kill mid-write is skipped."""
+  rows, top, train_top = [], None, None
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
         continue
-      step = row.get("step", 0)
-      if top is not None and step < top:
+      step, is_train = row.get("step", 0), "train/loss" in row
+      if ((top is not None and step < top) or
+          (is_train and train_top is not None and step <= train_top)):
         rows = [r for r in rows if r.get("step", 0) < step]
         top = step  # The resumed run's own rows at this step follow: they stay.
+        train_top = max((r.get("step", 0) for r in rows if "train/loss" in r), default=None)
       rows.append(row)
       top = step if top is None else max(top, step)
+      train_top = step if is_train else train_top
   return rows
 
 
