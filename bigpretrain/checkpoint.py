@@ -216,8 +216,9 @@ def _reading(directory: str, step: int):
 
 
 class CheckpointMismatch(ValueError):
-  """The checkpoint is readable but was written for another configuration: the run refuses
-  to start rather than train over it (the user's error; nothing is moved or deleted)."""
+  """The checkpoint is readable but was written for another configuration, or is past the
+  run's total_steps: the run refuses to start rather than train over it or mislabel it (the
+  user's error; nothing is moved or deleted)."""
 
 
 # The meta entries a restored train state must agree on (the objective by name: its other

@@ -7,8 +7,8 @@ resume from `config.resume` (another run's checkpoints, its step `config.resume_
 set: the whole train state and data position); else (3) initialise the weights from
 `config.model_init` (fine-tuning: weights only, the optimizer and step start fresh;
 `config.model_init_head` may then initialise the head); else (4) the scratch initialisation.
-A checkpoint written for another configuration stops the run (checkpoint.CheckpointMismatch)
-at (1) or (2).
+A checkpoint written for another configuration, or past the run's total_steps, stops the run
+(checkpoint.CheckpointMismatch) at (1) or (2).
 
 The EMA of the weights (config.ema) restarts from the starting weights unless the restored
 checkpoint carried its own EMA.
@@ -19,6 +19,18 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain.runtime import console
 from bigpretrain import model_init
+
+
+def _refuse_past_end(step: int, total_steps: int, directory: str, source: str) -> None:
+  """Raises CheckpointMismatch when the checkpoint to resume from, of `step`, is past the
+  run's last step: the run would evaluate and log that state as step total_steps's."""
+  if step > total_steps:
+    raise ckpt_lib.CheckpointMismatch(
+        f"checkpoint step {step} in {directory} is past total_steps={total_steps}: that "
+        "state has trained beyond the end of this run. Raise total_steps to "
+        f"{step} or more (with --config.allow_schedule_change=True), go back to a checkpoint "
+        f"at or before step {total_steps} with --config.resume_step=N, or use another "
+        f"{source}.")
 
 
 def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointer,
@@ -37,6 +49,8 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   source, restored = "workdir", None
   if latest is not None or not config.resume:
     restored = checkpointer.restore(state, stream, step)
+  if restored is not None:  # Before anything is set aside.
+    _refuse_past_end(restored[1], exp.total_steps, checkpointer.directory, "--workdir")
   if restored is not None and step is not None and step < latest:
     moved, aside = checkpointer.set_aside_from(restored[1] + 1, "superseded")
     console.say(f"config.resume_step={step}: checkpoints {moved} moved to {aside}")
@@ -48,6 +62,7 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     with_resume.close()
     if restored is None:
       raise FileNotFoundError(f"config.resume={config.resume!r} holds no checkpoint.")
+    _refuse_past_end(restored[1], exp.total_steps, with_resume.directory, "--config.resume")
   start = 0
   if restored is not None:  # A checkpoint without a divergence record keeps the fresh one.
     restored_state, start = restored

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,9 @@ from PIL import Image
 import pytest
 
 from bigpretrain import checkpoint
+from bigpretrain import config_lib
+from bigpretrain import divergence
+from bigpretrain import initial_state
 from bigpretrain.runtime import metric_writers
 from bigpretrain.runtime import workdir_lock
 from input_pipeline import datasets
@@ -249,6 +253,42 @@ def test_another_runs_checkpoints_are_read_only(tmp_path, capsys):
   assert step == 2 and float(restored["params"]["body"]["w"][0]) == 2.0
   assert "step 4 " in capsys.readouterr().out
   assert _tree(directory) == before and not (tmp_path / "other_corrupt").exists()
+
+
+def _experiment(total_steps: int, **overrides):
+  """What initial_state.restore_or_init reads of a train.Experiment."""
+  config = helpers.set_overrides(config_lib.base_config(), overrides)
+  return types.SimpleNamespace(config=config, total_steps=total_steps, shardings={})
+
+
+def _fresh_state() -> dict:
+  return {**_state(head_classes=3), "health": divergence.init_health(4)}
+
+
+def test_a_checkpoint_past_total_steps_is_refused_and_moves_nothing(tmp_path):
+  ckpts = tmp_path / "checkpoints"
+  _save_steps(ckpts, (2, 6))
+  before = _tree(ckpts)
+  reader = checkpoint.Checkpointer(str(ckpts), async_save=False)
+  with pytest.raises(checkpoint.CheckpointMismatch) as e:
+    initial_state.restore_or_init(_experiment(3), _fresh_state(), None, reader, str(tmp_path))
+  assert str(e.value).startswith(f"checkpoint step 6 in {ckpts} is past total_steps=3: ")
+  assert "--config.resume_step=N" in str(e.value) and "another --workdir" in str(e.value)
+  assert _tree(ckpts) == before
+  # Going back to a step at or before the end is the way on: step 6 is set aside.
+  state, start = initial_state.restore_or_init(_experiment(3, resume_step=2), _fresh_state(),
+                                               None, reader, str(tmp_path))
+  reader.close()
+  assert start == 2 and float(state["params"]["body"]["w"][0]) == 2.0
+  assert sorted(os.listdir(tmp_path / "checkpoints_superseded")) == ["6"]
+  # Another run's checkpoints (config.resume) alike, left as they are.
+  other = checkpoint.Checkpointer(str(tmp_path / "empty"), async_save=False)
+  with pytest.raises(checkpoint.CheckpointMismatch,
+                     match=re.escape(f"checkpoint step 6 in {ckpts}_superseded is past "
+                                     "total_steps=4: ") + ".* another --config.resume"):
+    initial_state.restore_or_init(_experiment(4, resume=f"{ckpts}_superseded"), _fresh_state(),
+                                  None, other, str(tmp_path / "run"))
+  other.close()
 
 
 def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):
