@@ -77,7 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
   # a hashtag model's head through the WordNet class map (bigpretrain/swag/head_init.py).
   c.model_init_head = ''
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the rest.
-  # Logical axis name -> mesh axis (None = replicated). A tuple so overrides keep the type.
+  # (logical axis name, mesh axis) rules, in order of priority as flax.linen reads them (a
+  # name's later rules apply where its earlier ones' axes are taken; None = replicated;
+  # bigpretrain/sharding.py). A tuple so overrides keep the type.
   # FSDP shards transformer weights on 'embed' and convolution kernels on their input
   # channels ('conv_in'), tensor parallelism the other axis of each.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),

@@ -1,8 +1,10 @@
 """Device mesh, logical-axis -> mesh-axis rules, and placement of params and batches.
 
 Parameters carry logical axis names (`nnx.with_partitioning`); `config.sharding_rules` maps
-each logical name to a mesh axis, MaxText style. A dimension whose size does not divide its
-mesh axis stays replicated rather than failing, so small heads and odd widths still work.
+logical names to mesh axes with flax.linen's (and MaxText's) semantics: rules in order of
+priority, a name's later rules tried where its earlier ones' axes are taken. A dimension
+whose size does not divide its mesh axis stays replicated rather than failing, so small
+heads and odd widths still work.
 """
 from collections.abc import Mapping, Sequence
 import math
@@ -45,19 +47,34 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
+_FREE = object()  # A dimension no rule has taken yet.
+
+
 def logical_to_mesh(logical: Sequence[str | None], shape: Sequence[int],
                     rules: Sequence[tuple[str, str | None]], mesh: Mesh) -> P:
-  """PartitionSpec for one array from its logical axis names and the rules."""
-  rule_map = dict(rules)
-  used, spec = set(), []
-  for name, dim in zip(logical, shape):
-    axis = rule_map.get(name) if name is not None else None
-    if axis is None or axis in used or mesh.shape[axis] == 1 or dim % mesh.shape[axis]:
-      spec.append(None)
+  """PartitionSpec for one array from its logical axis names and the rules.
+
+  flax.linen's logical_to_mesh_axes semantics: the rules are read in order, and each one
+  gives the (first) dimension of its logical name its mesh axis, unless an earlier rule took
+  that dimension (a None rule takes it unsharded) or the axis already shards another
+  dimension of the array. A name may so have several rules, tried in order:
+  ('embed', 'fsdp'), ('embed', 'tensor') puts 'embed' on 'tensor' where 'fsdp' is taken.
+  A size-1 axis takes its dimension as in flax, and shards nothing (None in the spec); a rule
+  whose axis does not divide the dimension is passed over (the dimension stays free for a
+  later rule, the axis for another dimension), so odd widths stay replicated, not failing.
+  """
+  logical = tuple(logical)
+  spec, used = [_FREE if name is not None else None for name in logical], set()
+  for name, axis in rules:
+    if name not in logical or spec[logical.index(name)] is not _FREE:
       continue
-    used.add(axis)
-    spec.append(axis)
-  return P(*spec)
+    pos = logical.index(name)
+    if axis is None:
+      spec[pos] = None
+    elif axis not in used and shape[pos] % mesh.shape[axis] == 0:
+      used.add(axis)
+      spec[pos] = axis if mesh.shape[axis] > 1 else None
+  return P(*(None if a is _FREE else a for a in spec))
 
 
 def state_shardings(abstract_state: nnx.State, rules, mesh: Mesh):

@@ -1,6 +1,8 @@
 """The trainer in-process: sharding equivalence, eval counting, and clear errors."""
+import itertools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -59,6 +61,42 @@ def test_params_are_sharded_by_logical_rules():
   # Adam moments follow the parameter they belong to.
   mu = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape == kernel.shape]
   assert mu and all(x.sharding.spec == fc1 for x in mu)
+
+
+_RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("mlp", "fsdp"), ("embed", "tensor"),
+          ("heads", None), ("heads", "tensor"))
+_NAMES = (("embed", "mlp"), ("mlp", "embed"), ("embed", "mlp", "heads"),
+          ("heads", None, "embed"), ("mlp", "heads"))
+
+
+def _flax_spec(names, rules):
+  return tuple(nn.logical_to_mesh_axes(names, rules))
+
+
+def test_sharding_rules_are_read_as_flax_reads_them():
+  # Every ordering of 4 of the rules (a name's several rules, and a None rule, among them).
+  orderings = list(itertools.permutations(_RULES, 4))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  for rules in orderings:
+    for names in _NAMES:
+      got = sharding.logical_to_mesh(names, (8,) * len(names), rules, mesh)
+      assert tuple(got) == _flax_spec(names, rules), (rules, names)
+  # A size-1 axis takes its dimension as in flax, sharding nothing.
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+  for rules in orderings:
+    for names in _NAMES:
+      want = tuple(None if a == "tensor" else a for a in _flax_spec(names, rules))
+      assert tuple(sharding.logical_to_mesh(names, (8,) * len(names), rules, mesh)) == want
+  # An axis that does not divide its dimension ('embed': 6 over fsdp=4) is passed over: flax
+  # on the rules without it.
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  for rules in orderings:
+    for names in _NAMES:
+      shape = tuple(6 if n == "embed" else 8 for n in names)
+      fits = tuple(r for r in rules if r[0] not in names or r[1] is None or
+                   shape[names.index(r[0])] % mesh.shape[r[1]] == 0)
+      got = sharding.logical_to_mesh(names, shape, rules, mesh)
+      assert tuple(got) == _flax_spec(names, fits), (rules, names)
 
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
