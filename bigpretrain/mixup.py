@@ -10,6 +10,7 @@ batch flipped along its first axis):
 With both alphas > 0, cutmix is chosen with probability switch_prob, else mixup. Targets are
 lam * smooth(t) + (1 - lam) * smooth(flip(t)), smooth(t) = t (1 - s) + s / C, where t are the
 objective's hard targets (one-hot labels, or multi-hot for multi-label objectives).
+With repeated augmentation the batch is mixed in blocks, one per copy and host (mix_batch).
 
 Pure jnp: jit-able, and the flip works on batches sharded over devices (XLA moves the rows).
 """
@@ -50,22 +51,16 @@ def cutmix_box(rng: jax.Array, height: int, width: int,
   return top, bottom, left, right
 
 
-def _cutmix(rng, images, lam):
-  """Pastes the flipped batch into one box; returns (images, corrected lam)."""
-  height, width = images.shape[1], images.shape[2]
-  top, bottom, left, right = cutmix_box(rng, height, width, lam)
-  rows = jnp.arange(height)[:, None]
-  cols = jnp.arange(width)[None, :]
-  inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
-  mixed = jnp.where(inside[None, :, :, None], jnp.flip(images, axis=0), images)
-  area = (bottom - top) * (right - left)
-  return mixed, 1.0 - area.astype(jnp.float32) / (height * width)
+def _partners(x: jax.Array, blocks: int, copies: int) -> jax.Array:
+  """[B, ...] -> [blocks, B / blocks, ...]: row j of block g holds row (m - 1 - j + 2c) mod m
+  of the same block (m = B / blocks, c = g mod copies); for one block, the batch flipped.
 
-
-def _mixup(images, lam):
-  x = images.astype(jnp.float32)
-  mixed = lam * x + (1.0 - lam) * jnp.flip(x, axis=0)
-  return mixed.astype(images.dtype), lam
+  Flips and rolls, not a gather, so that XLA moves the rows of a sharded batch with
+  collective permutes."""
+  m = x.shape[0] // blocks
+  x = x.reshape(blocks // copies, copies, m, *x.shape[1:])
+  return jnp.stack([jnp.roll(jnp.flip(x[:, c], axis=1), 2 * c, axis=1)
+                    for c in range(copies)], axis=1).reshape(blocks, m, *x.shape[3:])
 
 
 def _check(name: str, value, lo: float, hi: float, hi_open: bool = False) -> float:
@@ -77,13 +72,20 @@ def _check(name: str, value, lo: float, hi: float, hi_open: bool = False) -> flo
 
 
 def mix_batch(rng: jax.Array, images: jax.Array, targets: jax.Array, *, mixup_alpha: float,
-              cutmix_alpha: float, switch_prob: float = 0.5,
-              label_smoothing: float = 0.0) -> tuple[jax.Array, jax.Array]:
+              cutmix_alpha: float, switch_prob: float = 0.5, label_smoothing: float = 0.0,
+              blocks: int = 1, copies: int = 1) -> tuple[jax.Array, jax.Array]:
   """Mixes a batch: (images [B, H, W, C] same dtype, targets float32 [B, C]).
 
   `targets` are the objective's hard targets (one-hot, or multi-hot for multi-label
   objectives), smoothed as t (1 - s) + s / C before mixing. Both alphas 0 leaves the images
   alone and returns the smoothed targets.
+
+  `blocks` > 1 splits the batch into that many blocks of m = B / blocks consecutive rows, each
+  mixed on its own (its own switch, lam and box); row j of block g is paired with row
+  (m - 1 - j + 2c) mod m of its block, c = g mod `copies`. With repeated augmentation the
+  pipeline's batch is such blocks (copy c of a host's records in block c, see
+  train.mixup_layout), so the k copies of a record get k partners and k lams, as when
+  DeiT-III's sampler spreads them over GPUs that mix their own batches.
   """
   mixup_alpha = _check("mixup_alpha", mixup_alpha, 0, math.inf)
   cutmix_alpha = _check("cutmix_alpha", cutmix_alpha, 0, math.inf)
@@ -92,21 +94,48 @@ def mix_batch(rng: jax.Array, images: jax.Array, targets: jax.Array, *, mixup_al
   if images.ndim != 4 or targets.ndim != 2 or targets.shape[0] != images.shape[0]:
     raise ValueError(f"mixup: expected images [B, H, W, C] and targets [B, C], got "
                      f"{images.shape} and {targets.shape}")
+  if (not all(isinstance(v, int) and v >= 1 for v in (blocks, copies))
+      or images.shape[0] % blocks or blocks % copies):
+    raise ValueError(f"mixup: blocks={blocks!r} must divide the batch of {images.shape[0]} "
+                     f"and copies={copies!r} must divide blocks")
   y1 = smooth(targets, label_smoothing)
   if mixup_alpha == 0 and cutmix_alpha == 0:
     return images, y1
-  y2 = jnp.flip(y1, axis=0)
-  k_switch, k_mix, k_cut, k_box = jax.random.split(rng, 4)
+  batch, height, width = images.shape[:3]
+  # Per block: keys for the switch, mixup's lam, cutmix's lam and cutmix's box.
+  keys = jax.vmap(lambda k: jax.random.split(k, 4))(
+      jax.random.split(rng, blocks) if blocks > 1 else rng[None])
+  x = images.reshape(blocks, batch // blocks, height, width, -1)
+  x2 = _partners(images, blocks, copies)
+
+  def mix(x, x2):
+    lam = jax.vmap(lambda k: jax.random.beta(k, mixup_alpha, mixup_alpha))(keys[:, 1])
+    a = lam[:, None, None, None, None]
+    return (a * x.astype(jnp.float32) + (1.0 - a) * x2.astype(jnp.float32)).astype(x.dtype), lam
+
+  def cut(x, x2):
+    lam = jax.vmap(lambda k: jax.random.beta(k, cutmix_alpha, cutmix_alpha))(keys[:, 2])
+    top, bottom, left, right = (v[:, None, None] for v in jax.vmap(
+        lambda k, lam: cutmix_box(k, height, width, lam))(keys[:, 3], lam))
+    rows = jnp.arange(height)[None, :, None]
+    cols = jnp.arange(width)[None, None, :]
+    inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
+    area = (bottom - top) * (right - left)
+    return (jnp.where(inside[:, None, :, :, None], x2, x),
+            1.0 - area[:, 0, 0].astype(jnp.float32) / (height * width))
+
   if cutmix_alpha == 0:
-    images, lam = _mixup(images, jax.random.beta(k_mix, mixup_alpha, mixup_alpha))
+    mixed, lam = mix(x, x2)
   elif mixup_alpha == 0:
-    images, lam = _cutmix(k_box, images, jax.random.beta(k_cut, cutmix_alpha, cutmix_alpha))
+    mixed, lam = cut(x, x2)
   else:
-    use_cutmix = jax.random.uniform(k_switch) < switch_prob
-    images, lam = jax.lax.cond(
-        use_cutmix,
-        lambda x: _cutmix(k_box, x, jax.random.beta(k_cut, cutmix_alpha, cutmix_alpha)),
-        lambda x: _mixup(x, jax.random.beta(k_mix, mixup_alpha, mixup_alpha)),
-        images)
-  lam = lam.astype(jnp.float32)
-  return images, lam * y1 + (1.0 - lam) * y2
+    use_cutmix = jax.vmap(jax.random.uniform)(keys[:, 0]) < switch_prob
+    if blocks == 1:  # Only the chosen branch runs.
+      mixed, lam = jax.lax.cond(use_cutmix[0], cut, mix, x, x2)
+    else:
+      (mixed_m, lam_m), (mixed_c, lam_c) = mix(x, x2), cut(x, x2)
+      mixed = jnp.where(use_cutmix[:, None, None, None, None], mixed_c, mixed_m)
+      lam = jnp.where(use_cutmix, lam_c, lam_m)
+  lam = lam.astype(jnp.float32)[:, None, None]
+  y = lam * y1.reshape(blocks, batch // blocks, -1) + (1.0 - lam) * _partners(y1, blocks, copies)
+  return mixed.reshape(images.shape), y.reshape(y1.shape)

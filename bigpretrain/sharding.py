@@ -95,6 +95,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def batch_processes(mesh: Mesh) -> list[int]:
+  """The process that feeds each shard of the batch, in the global batch's row order."""
+  return [d.process_index for d in mesh.devices[:, :, 0].flat]
+
+
 def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
   """The global batch must split evenly over data-parallel devices and over processes."""
   dp = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -86,9 +86,26 @@ def eval_weights(state: dict) -> dict:
   return {**state, **state["ema"]} if "ema" in state else state
 
 
+def mixup_layout(config, mesh) -> tuple[int, int]:
+  """(blocks, copies) for mixup.mix_batch: with repeated augmentation k > 1 the global batch
+  is, process by process, k blocks of copies (pipeline.train_iterator), each mixed on its own;
+  else one block, timm's pairing over the whole batch."""
+  k = config.data.repeated_augment
+  if k == 1 or not objectives.mixup_enabled(config.mixup):
+    return 1, 1
+  feeders = sharding.batch_processes(mesh)
+  runs = [p for i, p in enumerate(feeders) if i == 0 or feeders[i - 1] != p]
+  if len(runs) != len(set(runs)):
+    logging.warning(
+        "the mesh interleaves the processes' devices along the batch, so the mixup blocks "
+        "do not follow the %d copies of repeated augmentation: copies of a record may be "
+        "mixed with the same partner and lam", k)
+  return len(set(feeders)) * k, k
+
+
 def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: int,
                     mixup_cfg, normalize: str, ema_momentum: float = 0.0,
-                    divergence_cfg=None):
+                    divergence_cfg=None, mixup_blocks: tuple[int, int] = (1, 1)):
   """(state, batch, frozen) -> (state, metrics): loss, gradients, update and norms, on device;
   with ema_momentum > 0 also the EMA of the new weights (see ema_update).
 
@@ -98,7 +115,7 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
 
   The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
   With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
-  mixed; `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
+  mixed in `mixup_blocks` = (blocks, copies) (mixup_layout); `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
   """
   use_mixup = objectives.mixup_enabled(mixup_cfg)
   divergence_cfg = divergence_cfg or config_lib.base_config().divergence
@@ -114,7 +131,8 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
       images, targets = mixup.mix_batch(
           mix_rng, batch["image"], objective.dense_targets(batch),
           mixup_alpha=mixup_cfg.mixup_alpha, cutmix_alpha=mixup_cfg.cutmix_alpha,
-          switch_prob=mixup_cfg.switch_prob, label_smoothing=mixup_cfg.label_smoothing)
+          switch_prob=mixup_cfg.switch_prob, label_smoothing=mixup_cfg.label_smoothing,
+          blocks=mixup_blocks[0], copies=mixup_blocks[1])
       batch = {**batch, "image": images, "targets": targets}
 
     def loss_fn(params):
@@ -337,7 +355,8 @@ class Experiment(ModelSetup):
     """The jitted step `(state, batch, frozen) -> (state, metrics)`; pass `self.frozen`."""
     fn = make_train_step(self.model_def, self.objective, self.tx, self.schedule,
                          self.config.seed, self.config.mixup, self.config.data.normalize,
-                         self.config.ema.momentum, self.config.divergence)
+                         self.config.ema.momentum, self.config.divergence,
+                         mixup_layout(self.config, self.mesh))
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),

@@ -255,20 +255,28 @@ def _first_step(config):
   return jax.device_get(m), exp, batch, before
 
 
-@pytest.mark.parametrize("recipe", ["single_label", "multi_label"])
-def test_mixup_trains_against_the_mixed_targets(recipe):
-  """The step's loss equals the loss recomputed outside on the mixed images and targets."""
-  overrides = {"mixup.mixup_alpha": 0.8, "model.head_zeroinit": False}  # Non-uniform logits.
+@pytest.mark.parametrize("recipe,copies", [("single_label", 1), ("multi_label", 1),
+                                           ("single_label", 2)])
+def test_mixup_trains_against_the_mixed_targets(recipe, copies):
+  """The step's loss equals the loss recomputed outside on the mixed images and targets;
+  with repeated augmentation each copy's block is mixed on its own."""
+  overrides = {"mixup.mixup_alpha": 0.8, "model.head_zeroinit": False,  # Non-uniform logits.
+               "data.repeated_augment": copies}
+  if copies > 1:
+    overrides["mixup.cutmix_alpha"] = 1.0
   if recipe == "single_label":
     overrides["objective.label_smoothing"] = 0.0
   config = helpers.tiny_config(recipe, **overrides)
   m, exp, batch, state = _first_step(config)
+  assert train.mixup_layout(config, exp.mesh) == (copies, copies)  # One process.
   rng = jax.random.fold_in(jax.random.key(config.seed), 0)
   rng, mix_rng = jax.random.split(rng)
   images = preprocess.normalize(jnp.asarray(batch["image"]), config.data.normalize)
   hard = exp.objective.dense_targets({"label": jnp.asarray(batch["label"])})
-  images, targets = mixup.mix_batch(mix_rng, images, hard, mixup_alpha=0.8, cutmix_alpha=0.0,
-                                    switch_prob=config.mixup.switch_prob)
+  images, targets = mixup.mix_batch(mix_rng, images, hard, mixup_alpha=0.8,
+                                    cutmix_alpha=config.mixup.cutmix_alpha,
+                                    switch_prob=config.mixup.switch_prob,
+                                    blocks=copies, copies=copies)
   logits = np.asarray(exp.model_def.merge(state["params"], state["extra"])(
       images, train=True, rng=rng), np.float64)
   t = np.asarray(targets, np.float64)

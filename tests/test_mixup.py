@@ -206,3 +206,95 @@ def test_multi_hot_targets_mix_like_one_hots():
     x0, x3 = images[0, 0, 0, 0], images[3, 0, 0, 0]
     lam = (float(out[0, 0, 0, 0]) - x3) / (x0 - x3)
     np.testing.assert_allclose(targets, lam * y + (1 - lam) * y[::-1], atol=1e-5)
+
+
+# ------------------------------------------------------- repeated augmentation: mixing in blocks
+
+
+def _ra_batch(processes, copies, records):
+  """A global batch as pipeline.train_iterator lays it out: process p's rows, then copy c's,
+  then record j; record (p, j) has value 1 + p * records + j in every pixel, all copies."""
+  ids = np.array([[[p * records + j for j in range(records)] for _ in range(copies)]
+                  for p in range(processes)]).reshape(-1)
+  return _const_images(processes * records, 4, 6)[ids], ids
+
+
+@pytest.mark.parametrize("alphas", [dict(mixup_alpha=0.8, cutmix_alpha=0.0),
+                                    dict(mixup_alpha=0.0, cutmix_alpha=1.0),
+                                    dict(mixup_alpha=0.8, cutmix_alpha=1.0)])
+def test_repeated_copies_get_their_own_partner_and_lam(alphas):
+  processes, copies, m = 2, 3, 6
+  images, ids = _ra_batch(processes, copies, m)
+  blocks = processes * copies
+  for key in range(3):
+    out, targets = jax.jit(functools.partial(mixup.mix_batch, blocks=blocks, copies=copies,
+                                             **alphas))(
+        jax.random.key(key), jnp.asarray(images), _one_hot(ids, processes * m))
+    out, targets = np.asarray(out), np.asarray(targets, np.float64)
+    lams, partners = [], np.zeros((processes, copies, m), int)
+    for g in range(blocks):
+      p, c = divmod(g, copies)
+      rows = np.arange(g * m, (g + 1) * m)
+      partner = p * m + (m - 1 - np.arange(m) + 2 * c) % m  # Record ids, worked by hand.
+      own = ids[rows]
+      partners[p, c] = partner
+      assert np.all(partner != own)  # m even: nobody mixes with itself.
+      lam = targets[rows, own]
+      np.testing.assert_allclose(lam, lam[0], atol=1e-6)  # One lam per block.
+      np.testing.assert_allclose(targets[rows, partner], 1 - lam, atol=1e-6)
+      pixels = out[rows]
+      x, x2 = (own + 1)[:, None, None, None], (partner + 1)[:, None, None, None]
+      from_own = np.isclose(pixels, x, atol=1e-5)
+      from_partner = np.isclose(pixels, x2, atol=1e-5)
+      if np.all(from_own | from_partner):  # CutMix: the same box in every row of the block.
+        np.testing.assert_array_equal(from_partner, from_partner[:1].repeat(m, 0))
+        np.testing.assert_allclose(1 - from_partner[0].mean(), lam[0], atol=1e-6)
+      else:  # Mixup.
+        np.testing.assert_allclose(pixels, np.broadcast_to(lam[0] * x + (1 - lam[0]) * x2,
+                                                           pixels.shape), rtol=1e-5)
+      lams.append(lam[0])
+    assert len(set(np.round(lams, 6))) > 1  # Not one lam for the batch.
+    for p, j in np.ndindex(processes, m):  # Each copy of a record meets another record.
+      assert len(set(partners[p, :, j])) == copies
+
+
+def test_one_block_is_the_flipped_batch():
+  images = np.random.default_rng(9).random((6, 3, 3, 3), np.float32)
+  labels = np.arange(6)
+  kw = dict(mixup_alpha=0.8, cutmix_alpha=1.0)
+  one = _mix(4, images, labels, **kw)
+  both = jax.jit(functools.partial(mixup.mix_batch, blocks=1, copies=1, **kw))(
+      jax.random.key(4), jnp.asarray(images), _one_hot(labels, 10))
+  for a, b in zip(one, both):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("blocks,copies", [(4, 1), (3, 2), (2, 3), (0, 1)])
+def test_blocks_must_divide_the_batch_and_copies_the_blocks(blocks, copies):
+  with pytest.raises(ValueError, match="blocks"):
+    mixup.mix_batch(jax.random.key(0), jnp.zeros((6, 2, 2, 3)), jnp.zeros((6, 4)),
+                    mixup_alpha=0.2, cutmix_alpha=0.0, blocks=blocks, copies=copies)
+
+
+def test_mixup_layout_follows_processes_and_copies(caplog):
+  import types  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+
+  def mesh(feeders):  # data x fsdp x tensor = len x 1 x 2, the tensor pair on one process.
+    devices = [[[types.SimpleNamespace(process_index=p)] * 2] for p in feeders]
+    return types.SimpleNamespace(devices=np.array(devices, dtype=object))
+
+  def config(k, cutmix_alpha=1.0):
+    return ml_collections.ConfigDict(dict(
+        data=dict(repeated_augment=k),
+        mixup=dict(mixup_alpha=0.0, cutmix_alpha=cutmix_alpha, switch_prob=0.5,
+                   label_smoothing=0.0)))
+
+  assert train.mixup_layout(config(1), mesh([0, 0, 1, 1])) == (1, 1)
+  assert train.mixup_layout(config(3, cutmix_alpha=0.0), mesh([0, 1])) == (1, 1)
+  caplog.clear()
+  assert train.mixup_layout(config(3), mesh([1, 1, 0, 0, 2, 2])) == (9, 3)
+  assert "interleaves" not in caplog.text
+  assert train.mixup_layout(config(3), mesh([0, 1, 0, 1])) == (6, 3)
+  assert "interleaves" in caplog.text
