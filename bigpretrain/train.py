@@ -511,6 +511,27 @@ class _StepOutputs:
     return row
 
 
+def _logged_evals(workdir: str, step: int) -> dict:
+  """The evaluations an earlier run of `workdir` logged at `step` ({} if none)."""
+  try:
+    rows = metric_writers.read_metrics(workdir)
+  except FileNotFoundError:
+    return {}
+  found = {}
+  for row in rows:
+    if row.get("step") == step and "train/loss" not in row:
+      found.update({k: v for k, v in row.items() if k != "step"})
+  return found
+
+
+def _process_0_says(flag: bool) -> bool:
+  """Process 0's `flag`, on every process (they must take the same branch)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                         preemption: preemption_lib.Preemption) -> dict:
   preemption.setting_up(True)  # Until the loop: a signal stops the run, nothing to save.
@@ -584,8 +605,12 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   checkpointer.wait()
   checkpointer.close()
   results = out.results
-  if not results and start >= total_steps:
-    results = out.run_evals(total_steps, state, force=True)
+  if not results and start >= total_steps:  # A finished run, run again.
+    results = _logged_evals(workdir, total_steps) if is_main else {}
+    if _process_0_says(bool(results)):
+      console.say(f"The run had finished; its final eval is in {workdir}/metrics.jsonl.")
+    else:  # Stopped between its last save and its final eval.
+      results = out.run_evals(total_steps, state, force=True)
   writer.close()
   summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
                      if not k.endswith("num_examples"))

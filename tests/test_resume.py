@@ -154,3 +154,31 @@ def test_two_processes_match_one_process_and_a_slow_one_is_flagged(reference, tm
     assert row["perf/slowest_process"] == 1, row
     # Process 1 spent at least `delay` per step in next(), none of it waiting for process 0.
     assert row["perf/slowest_step_time_ms"] >= 1e3 * delay
+
+
+def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(demo_run,
+                                                                             tmp_path, capsys):
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  workdir = tmp_path / "run"
+  shutil.copytree(demo_run, workdir, ignore=shutil.ignore_patterns("*.lock", "log.*"))
+  metrics = workdir / "metrics.jsonl"
+  logged = metrics.read_text()
+  final = [json.loads(l) for l in logged.splitlines() if json.loads(l)["step"] == 2
+           and "train/loss" not in json.loads(l)]
+  assert len(final) == 1 and len(final[0]) > 1
+  want = {k: v for k, v in final[0].items() if k != "step"}
+  config = helpers.tiny_config(total_steps=2)  # What demo_run trained.
+
+  assert train.train_and_evaluate(config, str(workdir)) == want
+  assert metrics.read_text() == logged  # Nothing evaluated again, no row added.
+  assert "had finished" in capsys.readouterr().out
+
+  # Stopped after its last save, before its final eval: the eval runs, once.
+  metrics.write_text("".join(l + "\n" for l in logged.splitlines()
+                             if json.loads(l) != final[0]))
+  got = train.train_and_evaluate(config, str(workdir))
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+  rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert sum(r["step"] == 2 and "train/loss" not in r for r in rows) == 1
