@@ -42,6 +42,8 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   step = config.resume_step if config.resume_step >= 0 else None
   latest = checkpointer.latest_step()
   if latest is not None:  # Resuming: the schedule must be the same.
+    if step is None:  # Said first: allowing the schedule change would not resume it.
+      _refuse_past_end(latest, exp.total_steps, checkpointer.directory, "--workdir")
     config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
   elif step is not None and not config.resume:
     raise ValueError(f"config.resume_step={step}: {checkpointer.directory} holds no "

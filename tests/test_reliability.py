@@ -275,6 +275,14 @@ def test_a_checkpoint_past_total_steps_is_refused_and_moves_nothing(tmp_path):
   assert str(e.value).startswith(f"checkpoint step 6 in {ckpts} is past total_steps=3: ")
   assert "--config.resume_step=N" in str(e.value) and "another --workdir" in str(e.value)
   assert _tree(ckpts) == before
+  # Said before the schedule change that lowered total_steps (allowing it would not resume).
+  (tmp_path / "config.json").write_text(json.dumps(
+      helpers.set_overrides(config_lib.base_config(), {"total_steps": 6}).to_dict()))
+  lowered = _experiment(3)
+  lowered.config.total_steps = 3
+  with pytest.raises(checkpoint.CheckpointMismatch, match="is past total_steps=3: "):
+    initial_state.restore_or_init(lowered, _fresh_state(), None, reader, str(tmp_path))
+  (tmp_path / "config.json").unlink()
   # Going back to a step at or before the end is the way on: step 6 is set aside.
   state, start = initial_state.restore_or_init(_experiment(3, resume_step=2), _fresh_state(),
                                                None, reader, str(tmp_path))
