@@ -52,7 +52,9 @@ def test_per_level_and_pooled_accuracy_match_numpy_loops():
   np.testing.assert_array_equal(valid, want_valid)
   assert 0 < want_correct[:3].sum() < want_valid[:3].sum()  # Non-trivial data.
   num_correct, num_valid = metrics.semantic_accuracy(logits, targets, tree)
-  assert int(num_correct) == want_correct.sum() and int(num_valid) == want_valid.sum()
+  # Pooled over the levels of two or more classes: level 3 holds class 5 alone.
+  assert want_valid[3] > 0 and want_correct[3] == want_valid[3]
+  assert int(num_correct) == want_correct[:3].sum() and int(num_valid) == want_valid[:3].sum()
 
 
 def test_prediction_is_restricted_to_the_level():
@@ -78,7 +80,7 @@ def test_jit_with_tree_closed_over_and_static():
   static = jax.jit(metrics.semantic_accuracy, static_argnums=2)(logits, targets, tree)
   np.testing.assert_array_equal(closed[0], want[0])
   np.testing.assert_array_equal(closed[1], want[1])
-  assert int(static[0]) == want[0].sum() and int(static[1]) == want[1].sum()
+  assert int(static[0]) == want[0][:3].sum() and int(static[1]) == want[1][:3].sum()
 
 
 def _level_softmax_by_hand(row):
@@ -131,3 +133,14 @@ def test_multi_label_answer_subtracts_the_children():
                    for c in range(len(_PARENT))])
   got = np.asarray(metrics.multi_label_answer(jnp.asarray(logits), tree))[0]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_eval_metrics_name_the_ranked_levels_only():
+  from bigpretrain.objectives import base  # pylint: disable=import-outside-toplevel
+  tree = SemanticTree.from_parents(_PARENT)
+  labels = np.array([5, 3, 6, 7])
+  logits = np.random.default_rng(2).normal(size=(4, 8)).astype(np.float32)
+  out = base.semantic_eval_metrics(jnp.asarray(logits), jnp.asarray(labels), jnp.ones(4), tree)
+  assert sorted(out) == ["level0_top1", "level1_top1", "level2_top1", "semantic_top1"]
+  correct, valid = _numpy_per_level(logits, _targets(labels))
+  assert [int(x) for x in out["semantic_top1"]] == [correct[:3].sum(), valid[:3].sum()]

@@ -39,9 +39,12 @@ def per_level_accuracy(logits: jax.Array, semantic_targets: jax.Array,
 
 def semantic_accuracy(logits: jax.Array, semantic_targets: jax.Array,
                       tree: SemanticTree) -> tuple[jax.Array, jax.Array]:
-  """Correct and labelled (image, level) pairs pooled over levels: (num_correct, num_valid)."""
+  """Correct and labelled (image, level) pairs pooled over the levels of two or more classes:
+  (num_correct, num_valid). A level of one class is always right; the authors' metric leaves
+  it out (ImageNet-21K-P's 12th level, one class: the paper's 11 hierarchies)."""
   correct, valid = per_level_accuracy(logits, semantic_targets, tree)
-  return jnp.sum(correct), jnp.sum(valid)
+  ranked = jnp.asarray(tree.level_sizes > 1)
+  return jnp.sum(jnp.where(ranked, correct, 0)), jnp.sum(jnp.where(ranked, valid, 0))
 
 
 # Hierarchical inference: one answer per image from a model trained on the class tree.
