@@ -39,11 +39,28 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, ...]
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh over all (or the given) devices."""
+  """A ('data', 'fsdp', 'tensor') mesh over all (or the given) devices.
+
+  Over several TPU slices (Multislice) the 'data' axis spans them, as MaxText's data
+  parallelism over the data-center network: only the gradients' reduction crosses it,
+  'fsdp' and 'tensor' stay inside a slice (jax.make_mesh refuses such devices)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices > 1:
+    if shape[0] % slices:
+      raise ValueError(
+          f"config.mesh={dict(zip(MESH_AXES, shape))}: the devices are {slices} TPU slices and "
+          f"the 'data' axis spans them, so data={shape[0]} must be a multiple of {slices} "
+          "('fsdp' and 'tensor' stay inside a slice).")
+    from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (shape[0] // slices, *shape[1:]), (slices, 1, 1), devices,
+        allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES, axis_types=auto)
   if devices == jax.devices():
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 

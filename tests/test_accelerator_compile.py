@@ -17,6 +17,7 @@ from bigpretrain.models import pallas_conv
 from bigpretrain.plan import accelerators
 from bigpretrain.plan import aot_plan
 from bigpretrain.plan import hlo_collectives
+from bigpretrain import sharding
 from tests import helpers
 
 pytestmark = pytest.mark.compile
@@ -88,18 +89,19 @@ def test_demo_recipe_plans_on_the_accelerator_compiler(demo_config, topology, co
     assert k["kernels"]["matmul"] > 0 and k["unknown_trip_counts"] == 0
 
 
-@pytest.mark.parametrize("topology,compiler", [("gpu:h100:1x2", "XLA:GPU"),
-                                               ("tpu:v5e:2x2", "libtpu")])
-def test_cli_plans_with_the_accelerator_compiler(topology, compiler, tmp_path):
+@pytest.mark.parametrize("topology,compiler,data", [("gpu:h100:1x2", "XLA:GPU", 1),
+                                                    ("tpu:v5e:2x2:2", "libtpu", 2)])
+def test_cli_plans_with_the_accelerator_compiler(topology, compiler, data, tmp_path):
   """Two images per device: XLA:GPU's default Triton GEMM tiling failed on this step's
   f32[10,128] dot with no GPU to autotune on (aot_plan.GPU_COMPILE_ONLY_OPTIONS). A
   compile-only executable is kept out of the persistent cache (it cannot be read back: the
-  next plan warned), and libtpu logs no errors about the TPU VM it is not on."""
+  next plan warned), and libtpu logs no errors about the TPU VM it is not on. The TPU case
+  is two slices (Multislice), the 'data' axis across them."""
   n = len(_devices(topology))
   cache = tmp_path / "jax_cache"
   args = [sys.executable, "-m", "bigpretrain.tools.plan",
           f"--config={helpers.ROOT / 'configs' / 'semantic_softmax.py'}:model=vit_demo",
-          f"--topology={topology}", f"--mesh=data:1,fsdp:{n},tensor:1", "--json",
+          f"--topology={topology}", f"--mesh=data:{data},fsdp:{n // data},tensor:1", "--json",
           f"--config.batch_size={2 * n}", "--config.data.image_size=16",
           f"--config.compilation_cache_dir={cache}"]
   out = subprocess.run(args, env=helpers.env(1), cwd=helpers.ROOT, capture_output=True,
@@ -109,6 +111,18 @@ def test_cli_plans_with_the_accelerator_compiler(topology, compiler, tmp_path):
   assert p["accelerator"] == accelerators.parse_topology(topology).accelerator.name
   assert not cache.exists() or not list(cache.iterdir()), list(cache.iterdir())
   assert "E0000" not in out.stderr and "could not determine" not in out.stderr, out.stderr
+
+
+def test_several_tpu_slices_take_the_data_axis_across_them(monkeypatch):
+  devices = _devices("tpu:v5e:2x2:2")
+  assert len(devices) == 8 and {d.slice_index for d in devices} == {0, 1}
+  monkeypatch.setattr(jax, "devices", lambda *_: devices)  # As a Multislice run sees them.
+  mesh = sharding.make_mesh(dict(data=4, fsdp=2, tensor=1))  # jax.make_mesh refuses them.
+  slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  np.testing.assert_array_equal(slice_of[:, :, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+  with pytest.raises(ValueError, match="data=1 must be a multiple of 2"):
+    sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
 
 
 def test_kernel_counts_add_up_the_bytes_the_transposes_write():

@@ -267,10 +267,13 @@ def test_tpu_and_gpu_collective_forms_are_counted_once():
 def test_topology_spellings_and_errors():
   t = accelerators.parse_topology("tpu:v5p:4x4x4")
   assert t.accelerator.name == "v5p" and t.num_devices == 64 and t.spec == "tpu:v5p:4x4x4"
+  m = accelerators.parse_topology("tpu:v5e:16x16:4")
+  assert (m.slices, m.devices_per_slice, m.num_devices, m.spec) == (4, 256, 1024,
+                                                                     "tpu:v5e:16x16:4")
   g = accelerators.parse_topology("gpu:h100:4x8")
   assert g.accelerator.platform == "gpu" and g.num_devices == 32
   for bad in ("v5e:2x2", "tpu:v5e:2by2", "gpu:v5e:2x2", "tpu:h100:2x2", "tpu:tpu9:2x2",
-              "gpu:h100:32"):
+              "gpu:h100:32", "gpu:h100:4x8:2", "tpu:v5e:2x2:0", "tpu:v5e:2x2:two"):
     with pytest.raises(ValueError, match="topology"):
       accelerators.parse_topology(bad)
 

@@ -99,39 +99,49 @@ def by_device_kind(device_kind: str) -> Accelerator | None:
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """A parsed --topology: 'tpu:v5p:4x4x4' (chips along the slice's axes, as libtpu names
-  slices) or 'gpu:h100:4x8' (nodes x GPUs per node)."""
+  slices; 'tpu:v5e:16x16:4' is four such slices over the data-center network, Multislice) or
+  'gpu:h100:4x8' (nodes x GPUs per node)."""
   accelerator: Accelerator
   shape: tuple[int, ...]
+  slices: int = 1
 
   @property
-  def num_devices(self) -> int:
+  def devices_per_slice(self) -> int:
     n = 1
     for d in self.shape:
       n *= d
     return n
 
   @property
+  def num_devices(self) -> int:
+    return self.devices_per_slice * self.slices
+
+  @property
   def spec(self) -> str:
-    return f"{self.accelerator.platform}:{self.accelerator.name}:" + "x".join(
-        map(str, self.shape))
+    return (f"{self.accelerator.platform}:{self.accelerator.name}:" + "x".join(
+        map(str, self.shape)) + (f":{self.slices}" if self.slices > 1 else ""))
 
 
 def parse_topology(spec: str) -> Topology:
-  """'tpu:v5e:2x2' / 'gpu:h100:4x8' -> Topology, or a ValueError saying what is accepted."""
+  """'tpu:v5e:2x2' / 'tpu:v5e:2x2:2' / 'gpu:h100:4x8' -> Topology, or a ValueError saying
+  what is accepted."""
   parts = spec.split(":")
   compilable = sorted(n for n, a in ACCELERATORS.items() if a.target)
-  usage = (f"--topology={spec!r}: expected PLATFORM:CHIP:SHAPE, e.g. tpu:v5e:2x2, "
-           f"tpu:v5p:4x4x4 (chips per slice axis) or gpu:h100:4x8 (nodes x GPUs per node); "
-           f"CHIP one of {compilable}.")
-  if len(parts) != 3 or not re.fullmatch(r"\d+(x\d+)*", parts[2]):
+  usage = (f"--topology={spec!r}: expected PLATFORM:CHIP:SHAPE[:SLICES], e.g. tpu:v5e:2x2, "
+           f"tpu:v5p:4x4x4 (chips per slice axis), tpu:v5e:16x16:4 (four slices) or "
+           f"gpu:h100:4x8 (nodes x GPUs per node); CHIP one of {compilable}.")
+  if (len(parts) not in (3, 4) or not re.fullmatch(r"\d+(x\d+)*", parts[2])
+      or not re.fullmatch(r"\d+", (parts + ["1"])[3])):
     raise ValueError(usage)
   platform, name, shape = parts[0], parts[1], tuple(int(d) for d in parts[2].split("x"))
+  slices = int((parts + ["1"])[3])
   acc = ACCELERATORS.get(name)
-  if acc is None or not acc.target or acc.platform != platform or min(shape) < 1:
+  if (acc is None or not acc.target or acc.platform != platform or min(shape) < 1
+      or slices < 1):
     raise ValueError(usage)
-  if platform == "gpu" and len(shape) != 2:
+  if platform == "gpu" and (len(shape) != 2 or len(parts) == 4):
     raise ValueError(f"--topology={spec!r}: a GPU cluster is NODESxGPUS_PER_NODE, e.g. 4x8.")
-  return Topology(acc, shape)
+  return Topology(acc, shape, slices)
 
 
 def _jax_requirement(extra: str, package: str) -> str | None:
@@ -215,9 +225,10 @@ def topology_devices(topology: Topology | str) -> list:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     prefix, cores_per_chip = _CLOUD_TPU_TYPES[acc.target]
     os.environ.setdefault("TPU_ACCELERATOR_TYPE",
-                          f"{prefix}-{cores_per_chip * topo.num_devices}")
+                          f"{prefix}-{cores_per_chip * topo.devices_per_slice}")
     desc = topologies.get_topology_desc(
-        platform="tpu", topology_name=f"{acc.target}:" + "x".join(map(str, topo.shape)))
+        platform="tpu", topology_name=f"{acc.target}:" + "x".join(map(str, topo.shape)),
+        **({"num_slices": topo.slices} if topo.slices > 1 else {}))
   else:
     nodes, per_node = topo.shape
     desc = topologies.get_topology_desc(
