@@ -115,7 +115,8 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
 
   The batch's uint8 images are normalised by the `normalize` preset (config.data.normalize).
   With mixup/cutmix on, the batch gains 'targets' [B, C]: the objective's dense_targets,
-  mixed in `mixup_blocks` = (blocks, copies) (mixup_layout); `frozen` is the objective's fixed input (e.g. a frozen model to distil from) or None.
+  mixed in `mixup_blocks` = (blocks, copies) (mixup_layout); `frozen` is the objective's
+  fixed input (e.g. a frozen model to distil from) or None.
   """
   use_mixup = objectives.mixup_enabled(mixup_cfg)
   divergence_cfg = divergence_cfg or config_lib.base_config().divergence

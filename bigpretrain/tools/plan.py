@@ -3,8 +3,8 @@ r"""Plan a config's train step ahead of time: memory, FLOPs and collectives per 
   python -m bigpretrain.tools.plan --config=configs/semantic_softmax.py:model=vit_b16,dataset=imagenet21k_p \
       --topology=tpu:v5p:4x4x4 --mesh=data:1,fsdp:64,tensor:1 [--json]
   python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:4x8   # 4 nodes of 8 GPUs.
-  python -m bigpretrain.tools.plan --config=... --topology=tpu:v5e:16x16:4 --mesh=data:4,fsdp:256,tensor:1
-      # 4 slices (Multislice): 'data' spans them, over the data-center network.
+  python -m bigpretrain.tools.plan --config=... --topology=tpu:v5e:16x16:4 \
+      --mesh=data:4,fsdp:256,tensor:1   # 4 slices (Multislice): 'data' spans them.
   python -m bigpretrain.tools.plan --config=... --devices=64 --accelerator=h100  # XLA:CPU.
   python -m bigpretrain.tools.plan --config=... --topology=gpu:h100:1x1 --max_batch  # remat on, off
   python -m bigpretrain.tools.plan --config=configs/semantic_kd.py:model=tresnet_m,teacher=unused,dataset=imagenet21k_p \
