@@ -66,8 +66,9 @@ x3 (our pipeline keeps the 3 copies in one global batch, so the batch is 1536 = 
 instead of the paper's 2048; the lr follows by the sqrt rule; each host's copies are mixed as
 blocks of their own, with their own lam and partners, as DeiT-III's GPUs mix theirs); ViT
 with LayerScale 1e-4, qkv bias, class token, position embedding added to the patches before
-the class token joins (pos_embed_cls=False), truncated-normal head; tau from Table A.1 ("Imnet1k train" row) by ViT size (ViT-S, M, B, L,
-H: vit_s16, vit_m16, vit_b16, vit_l16, vit_h14).
+the class token joins (pos_embed_cls=False), truncated-normal head; tau from Table A.1
+("Imnet1k train" row) by ViT size (ViT-S, M, B, L, H: vit_s16, vit_m16, vit_b16, vit_l16,
+vit_h14).
 
 Args: dataset (demo | tfds:NAME), data_dir, model (registry name), epochs (400 or 800; the
 fine-tuning stage's: 20), res (image size; -1: TRAIN_RES by size, 224 when fine-tuning), tau
