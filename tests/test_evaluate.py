@@ -4,12 +4,15 @@ import dataclasses
 import subprocess
 import sys
 
+import cv2
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bigpretrain import sharding
+from bigpretrain.evaluators import classification
 from bigpretrain.evaluators import evaluate
 from bigpretrain import models
 from bigpretrain import preprocess
@@ -311,3 +314,22 @@ def test_bad_input_errors_clearly(run, tmp_path):
                        cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1
   assert "ERROR: block 7 does not exist" in out.stderr
+
+
+def test_a_split_with_no_readable_record_is_an_error_not_an_empty_metric_row():
+  records = [{"image": b"not an image", "label": 0}] * 3
+  dataset = type("Corrupt", (), {"info": type("Info", (), {"name": "corrupt"})(),
+                                 "source": staticmethod(lambda split: records)})()
+  step = jax.jit(lambda p, e, b: {"top1": (jnp.sum(b["mask"]), jnp.sum(b["mask"]))})
+  data_cfg = {**pipeline.data_defaults(), "image_size": 8}
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  with pytest.raises(ValueError, match=r"No record of split 'validation' of 'corrupt' could "
+                                       r"be read \(3 corrupt"):
+    classification.evaluate(step, {"params": {}, "extra": {}}, dataset, data_cfg, mesh,
+                            split="validation", batch_size=8, fields={"label": 0})
+  records[1] = {"image": cv2.imencode(".png", np.zeros((8, 8, 3), np.uint8))[1].tobytes(),
+                "label": 0}
+  totals, skipped, _ = classification.evaluate(
+      step, {"params": {}, "extra": {}}, dataset, data_cfg, mesh, split="validation",
+      batch_size=8, fields={"label": 0})
+  assert (float(totals["top1"][0]), skipped) == (1.0, 2)

@@ -38,20 +38,25 @@ def _add(totals, out):
 def evaluate(eval_step, state, dataset, data_cfg, mesh, *, split: str, batch_size: int,
              fields) -> tuple[dict, int, int]:
   """Sums `eval_step` over `split`: (host totals, corrupt records skipped on all processes,
-  batches)."""
+  batches). ValueError when no record of the split could be read."""
   batches = pipeline.eval_iterator(
       subset.split_source(dataset, split), data_cfg, global_batch_size=batch_size,
       process_index=jax.process_index(), process_count=jax.process_count(), fields=fields)
-  totals, skipped, count = None, 0, 0
+  totals, skipped, read, count = None, 0, 0, 0
   for batch in batches:
     skipped += int(batch.pop("_skipped"))  # Corrupt records arrive as masked rows.
+    read += int(np.sum(batch["mask"]))
     batch.pop("index", None)
     out = eval_step(state["params"], state["extra"], sharding.global_batch(batch, mesh))
     totals = out if totals is None else _add(totals, out)
     count += 1
   if totals is None:
     raise ValueError(f"Split {split!r} of {dataset.info.name!r} is empty.")
-  return jax.device_get(totals), inference.total_over_processes(skipped), count
+  skipped = inference.total_over_processes(skipped)
+  if not inference.total_over_processes(read):
+    raise ValueError(f"No record of split {split!r} of {dataset.info.name!r} could be read "
+                     f"({skipped} corrupt or unreadable records skipped): check the data.")
+  return jax.device_get(totals), skipped, count
 
 
 def check_topk(name: str, topk) -> tuple[int, ...]:
