@@ -34,6 +34,7 @@ class Position:
     if self.start < 0 or (c.size and (c[0] < self.start or np.any(np.diff(c) <= 0))):
       raise ValueError(f"bad stream position: start {self.start}, consumed {self.consumed[:8]}"
                        "... must be >= start, sorted and distinct")
+    object.__setattr__(self, "_before", c - self.start - np.arange(len(c)))
 
   @property
   def at_start(self) -> bool:
@@ -44,9 +45,7 @@ class Position:
 
     With d_i = consumed[i] - start - i (remaining records before consumed[i]), consumed[i]
     precedes the q-th remaining record iff d_i <= q."""
-    c = np.asarray(self.consumed, np.int64)
-    d = c - self.start - np.arange(len(c))
-    out = self.start + np.asarray(q, np.int64) + np.searchsorted(d, q, side="right")
+    out = self.start + np.asarray(q, np.int64) + np.searchsorted(self._before, q, side="right")
     return int(out) if np.ndim(out) == 0 else out
 
   def to_json(self) -> dict:
