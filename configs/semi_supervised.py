@@ -100,8 +100,9 @@ labelled data includes W); the teacher is vit_demo pretrained by configs/swag_vi
 of 64); K = 100 as in the plain demo.
 
 Args: scale (demo | paper), dataset, data_dir, teacher, student (registry names; teacher=same
-gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked |
-balanced_with_tags; unbalanced needs --config.selection.zipf_total or class_sizes), baseline
+gives the student's architecture), p, k, variant (balanced_ranked | unbalanced_ranked;
+unbalanced needs --config.selection.zipf_total or class_sizes; balanced_with_tags is the
+selection job's alone, as the teacher's predictions carry no tags), baseline
 (standard | long; '' = the scale's default), dedup (NAME:SPLIT[,...] evaluation sets, 'off',
 or '' = the scale's default), pool (another dataset as U, above; '' = splits of `dataset`),
 semi_weak (the semi-weakly supervised variant; needs pool at paper scale).

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,10 +77,10 @@ def test_paper_defaults_and_variants():
   c = recipe.get_config("scale=paper")
   assert (c.teacher.model.name, c.student.model.name) == ("resnext101_32x48d", "resnet50")
   assert (c.infer.top_p, c.selection.k, c.selection.variant) == (10, 16_000, "balanced_ranked")
-  same = recipe.get_config("scale=paper,teacher=same,p=5,k=8000,variant=balanced_with_tags")
+  same = recipe.get_config("scale=paper,teacher=same,p=5,k=8000,variant=unbalanced_ranked")
   assert same.teacher.model.name == "resnet50"
   assert (same.infer.top_p, same.selection.k, same.selection.variant) == (
-      5, 8000, "balanced_with_tags")
+      5, 8000, "unbalanced_ranked")
   with pytest.raises(ValueError, match="scale"):
     recipe.get_config("scale=huge")
 
@@ -250,7 +251,10 @@ def test_bad_input_gets_clear_errors(tmp_path):
     semi_supervised.run(_tiny_config(**{"data.pool_splits": ("nope",)}), str(tmp_path))
   with pytest.raises(ValueError, match="pool_train_rest needs config.data.subset_frac"):
     semi_supervised.run(_tiny_config(**{"data.subset_frac": 1.0}), str(tmp_path / "b"))
-  assert not (tmp_path / "round1").exists()  # Nothing ran.
+  with pytest.raises(ValueError, match="balanced_with_tags draws by the images' tags"):
+    semi_supervised.run(_tiny_config(**{"selection.variant": "balanced_with_tags"}),
+                        str(tmp_path / "c"))
+  assert not list(tmp_path.rglob("round1"))  # Nothing ran.
 
   # Predictions of a teacher with another class list: refused before selection.
   names = datasets.get_dataset({"name": "demo"}).info.class_names
@@ -265,6 +269,27 @@ def test_bad_input_gets_clear_errors(tmp_path):
     semi_supervised.pool_stage({"unlabeled": preds}, {}, names, tmp_path / "pool")
   with pytest.raises(ValueError, match="another class list"):
     semi_supervised.selection_stage(_tiny_config(), preds, names, tmp_path / "sel")
+
+
+@pytest.mark.beam
+def test_a_pool_rebuilt_with_other_exclusions_is_not_read_through_the_old_selection(tmp_path):
+  names = datasets.get_dataset({"name": "demo"}).info.class_names
+  preds = tmp_path / "preds"
+  preds.mkdir()
+  selection_formats.write_predictions(preds / "a.parquet", "demo", "unlabeled", [0, 1, 2, 3],
+                                      [[0, 1], [1, 0], [0, 2], [2, 1]],
+                                      [[0.6, 0.4], [0.7, 0.3], [0.8, 0.2], [0.9, 0.1]])
+  selection_formats.write_info(preds, class_names=names, top_p=2, dataset="demo",
+                               splits=["unlabeled"], num_records=4)
+  pool, sel = tmp_path / "pool", tmp_path / "sel"
+  semi_supervised.pool_stage({"unlabeled": preds}, {"unlabeled": np.array([0])}, names, pool)
+  semi_supervised.selection_stage(_tiny_config(), pool, names, sel)
+  # The pool deleted and built again without another record: the same size, other images.
+  shutil.rmtree(pool)
+  semi_supervised.pool_stage({"unlabeled": preds}, {"unlabeled": np.array([3])}, names, pool)
+  with pytest.raises(ValueError, match=r"\[selection\] .*sel was built from another "
+                                       r"pool_excluded than now"):
+    semi_supervised.selection_stage(_tiny_config(), pool, names, sel)
 
 
 # ------------------------------------------------------------------------------------------

@@ -323,8 +323,11 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   k = None if c.variant == "unbalanced_ranked" else c.k
   params = {key: v for key, v in c.to_dict().items()
             if key not in ("beam_runner", "beam_options")}  # How, not what, it selects.
-  check_inputs("selection", folder, {"pool": identity(pool / selection_formats.INFO_FILE),
-                                     "selection": params})
+  excluded = pool / POOL_EXCLUDED_FILE  # Same-sized pools of other exclusions differ here.
+  check_inputs("selection", folder, {
+      "pool": identity(pool / selection_formats.INFO_FILE),
+      "pool_excluded": json.loads(excluded.read_text()) if excluded.exists() else {},
+      "selection": params})
   if (folder / selection_formats.SELECTION_FILE).exists():
     _say(f"[selection] done already in {folder}: skipped")
   else:
@@ -354,6 +357,11 @@ def run(config, workdir: str) -> dict:
   pool_info = (datasets.get_dataset({"name": pool_name(config), "dir": config.data.dir}).info
                if foreign_pool else full.info)
   pool_splits = check_pool(config, pool_info)
+  if config.selection.variant == "balanced_with_tags":
+    raise ValueError("config.selection.variant=balanced_with_tags draws by the images' tags, "
+                     "which the teacher's predictions over U do not carry: run `python -m "
+                     "input_pipeline.prepare selection --variant=balanced_with_tags` on "
+                     "predictions with a 'tags' column instead.")
   labelled = labelled_data(config)
   d_source = datasets.train_sources(labelled, full)[0][0]  # subset.SubsetSource when drawn.
   class_names = list(full.info.class_names) or [str(c) for c in range(full.info.num_classes)]
