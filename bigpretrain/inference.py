@@ -51,8 +51,9 @@ def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, me
   """Runs a per-row step (make_forward, or make_step returning a 'mask') over `source`, every
   process its own slice as pipeline.eval_iterator reads it, with the record `fields` the
   step reads; yields (rows, skipped) per batch: rows are the batch's real records as numpy
-  arrays, the same on every process ('index' = position in `source`), skipped the corrupt
-  records the pipeline dropped from the batch (on all processes)."""
+  arrays, the same on every process, sorted by 'index' (position in `source`) when the step
+  returns it, so in one order for any process count; skipped the corrupt records the
+  pipeline dropped from the batch (on all processes)."""
   batches = pipeline.eval_iterator(source, data_cfg, global_batch_size=batch_size,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count(), fields=fields or {})
@@ -60,5 +61,7 @@ def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, me
     skipped = total_over_processes(int(batch.pop("_skipped")))
     result = jax.device_get(step(variables["params"], variables["extra"],
                                  sharding.global_batch(batch, mesh)))
-    keep = result.pop("mask") > 0
+    keep = np.flatnonzero(result.pop("mask") > 0)
+    if "index" in result:  # The hosts' rows interleave in the global batch.
+      keep = keep[np.argsort(result["index"][keep], kind="stable")]
     yield {k: v[keep] for k, v in result.items()}, skipped

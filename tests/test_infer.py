@@ -8,8 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bigpretrain.semisup import pool_predictions
+from bigpretrain import inference
 from bigpretrain import models
+from bigpretrain import sharding
+from bigpretrain.semisup import pool_predictions
 from input_pipeline import augment_spec
 from input_pipeline import datasets
 from input_pipeline import decoding
@@ -154,6 +156,23 @@ def test_host_slices_cover_each_record_of_a_shard_once():
       seen.append(batch["index"][batch["mask"] > 0] + source.start)
   seen = np.concatenate(seen)
   assert sorted(seen.tolist()) == list(range(20, 40))
+
+
+def test_forward_rows_come_in_record_order_whatever_order_the_hosts_rows_arrive_in():
+  """The global batch holds host 0's rows, then host 1's...: forward_rows sorts them, so dedup's
+  index positions and ties follow record order on any process count (here: a step that
+  reverses its rows, one process)."""
+  source = subset.RangeSource(datasets.get_dataset({"name": DATA}).source(SPLIT), 0, 20)
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+
+  def step(params, extra, batch):
+    del params, extra
+    return {"index": batch["index"][::-1], "mask": batch["mask"][::-1]}
+
+  rows = [r["index"] for r, _ in inference.forward_rows(
+      step, {"params": {}, "extra": {}}, source, {"image_size": 32}, batch_size=16, mesh=mesh)]
+  assert [len(r) for r in rows] == [16, 4]
+  assert np.concatenate(rows).tolist() == list(range(20))
 
 
 def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatch):
