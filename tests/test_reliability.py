@@ -15,6 +15,8 @@ import sys
 import time
 import types
 
+import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 from PIL import Image
@@ -25,6 +27,7 @@ from bigpretrain import config_lib
 from bigpretrain import divergence
 from bigpretrain import initial_state
 from bigpretrain.runtime import metric_writers
+from bigpretrain.runtime import process_zero
 from bigpretrain.runtime import workdir_lock
 from input_pipeline import datasets
 from input_pipeline import decoding
@@ -71,6 +74,35 @@ def test_several_processes_need_a_workdir_and_one_that_fails_does_not_wait(tmp_p
   assert r.returncode == 1 and "ERROR: [Errno 2] No such file or directory: '/proc/no_such_dir'" \
       in r.stderr, r.stderr[-3000:]
   assert "exited with status 1; stopping the others" in r.stderr
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_work_that_fails_on_process_0_stops_every_process_naming_it(process, monkeypatch):
+  """As process `process` of 2 (jax's process queries and broadcast stubbed): process 0 runs
+  the work and tells the others whether it failed; they raise instead of waiting for it."""
+  sent = []
+
+  def broadcast(flag):  # Process 0's flag reaches everyone; here it failed.
+    sent.append(int(flag))
+    return np.int32(0)
+
+  monkeypatch.setattr(jax, "process_index", lambda: process)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  ran = []
+
+  def work():
+    ran.append(process)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  expected = (OSError, "No space left") if process == 0 else (
+      process_zero.FailedOnProcess0, r"\[selection\] failed on process 0")
+  with pytest.raises(expected[0], match=expected[1]):
+    process_zero.run("[selection]", work)
+  assert ran == ([0] if process == 0 else [])
+  assert sent == ([0] if process == 0 else [1])
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda flag: np.int32(1))
+  assert process_zero.run("[selection]", lambda: 5) == (5 if process == 0 else None)
 
 
 def test_a_log_file_that_cannot_be_written_is_said_once(capsys):

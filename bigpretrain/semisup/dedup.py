@@ -40,7 +40,6 @@ import uuid
 from absl import logging
 from etils import epath
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import tqdm
@@ -50,6 +49,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
 from input_pipeline import exclusions
 from input_pipeline import subset
@@ -260,15 +260,14 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
         index.add(np.ascontiguousarray(rows["features"], np.float32))
         pool_ids.append(rows["index"])
 
-  report = None
-  if is_main:
+  def write_report() -> dict:
     if index is None or not len(query_keys):
       raise ValueError(f"No readable images in the pool {pool!r} or in --against={against!r}.")
     if queries.shape[1] != index.d:
       raise ValueError(f"Feature sizes differ: {queries.shape[1]} (queries), {index.d} (pool).")
-    pool_ids = np.concatenate(pool_ids)
+    ids = np.concatenate(pool_ids)
     best = closest_pool_images(index, queries, top_n=top_n, max_distance=max_distance)
-    pairs = [{"pool": _key(pool_name, pool_split, pool_ids[p]),
+    pairs = [{"pool": _key(pool_name, pool_split, ids[p]),
               "nearest": _key(*query_keys[q]), "distance": float(d)}
              for p, q, d in zip(best["pool"].tolist(), best["query"].tolist(),
                                 distance(best["ip"]).tolist())]
@@ -296,8 +295,9 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
     tmp = root / f".{REPORT_FILE}.tmp-{uuid.uuid4().hex}"
     tmp.write_text(json.dumps(report, indent=1))
     tmp.rename(done)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("dedup_done")
+    return report
+
+  report = process_zero.run("deduplication", write_report)
   return report if report is not None else json.loads(done.read_text())
 
 

@@ -41,6 +41,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
 from input_pipeline import exclusions
 from input_pipeline import selection_formats
@@ -202,34 +203,46 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
       skipped += skipped_rows
       parts.append(rows)
       bar.update(len(rows["index"]))
-    if is_main:
-      rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-      order = np.argsort(rows["index"], kind="stable")
-      rows = {k: v[order] for k, v in rows.items()}
-      rows["index"] = records[rows["index"]]  # Subset position -> record index.
-      if len(np.unique(rows["index"])) != len(rows["index"]):
-        raise RuntimeError(f"Shard {name}: a record came back twice from the eval pipeline.")
-      _write_shard(root, name, data, split, rows)
+    process_zero.run(f"Writing shard {name}", _finish_shard, root, name, data, split, parts,
+                     records)
   bar.close()
   if skipped:
     logging.warning("%d corrupt records skipped (not in the predictions).", skipped)
 
   info_path = root / selection_formats.INFO_FILE
-  if is_main and not info_path.exists():
+  process_zero.run("Writing predictions.json", _write_info, root, names, class_names, top_p,
+                   data, split, params["scores"], len(excluded) if exclude else None)
+  return json.loads(info_path.read_text())
+
+
+def _finish_shard(root: epath.Path, name: str, dataset: str, split: str, parts: list[dict],
+                  records: np.ndarray) -> None:
+  """One shard's rows, in record order, as `name` (process 0)."""
+  rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  order = np.argsort(rows["index"], kind="stable")
+  rows = {k: v[order] for k, v in rows.items()}
+  rows["index"] = records[rows["index"]]  # Subset position -> record index.
+  if len(np.unique(rows["index"])) != len(rows["index"]):
+    raise RuntimeError(f"Shard {name}: a record came back twice from the eval pipeline.")
+  _write_shard(root, name, dataset, split, rows)
+
+
+def _write_info(root: epath.Path, names: list[str], class_names: list[str], top_p: int,
+                dataset: str, split: str, scores: str, num_excluded: int | None) -> None:
+  """predictions.json, the done marker, once every shard is there (process 0)."""
+  info_path = root / selection_formats.INFO_FILE
+  if not info_path.exists():
     missing = [n for n in names if not (root / n).exists()]
     if missing:
-      raise RuntimeError(f"Shards {missing[:3]} are missing in {out} after the run.")
+      raise RuntimeError(f"Shards {missing[:3]} are missing in {root} after the run.")
     num_records = 0
     for n in names:
       with (root / n).open("rb") as f:
         num_records += pq.ParquetFile(f).metadata.num_rows
     tmp = root / f".info-tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    selection_formats.write_info(tmp, class_names=class_names, top_p=top_p, dataset=data,
-                         splits=[split], num_records=num_records, scores=params["scores"],
-                         num_excluded=len(excluded) if exclude else None)
+    selection_formats.write_info(tmp, class_names=class_names, top_p=top_p, dataset=dataset,
+                                 splits=[split], num_records=num_records, scores=scores,
+                                 num_excluded=num_excluded)
     (tmp / selection_formats.INFO_FILE).rename(info_path)
     tmp.rmdir()
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("infer_done")
-  return json.loads(info_path.read_text())

@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain.runtime import console
+from bigpretrain.runtime import process_zero
 from bigpretrain.semisup import dedup
 from bigpretrain.semisup import pool_predictions
 from bigpretrain import train
@@ -264,8 +265,11 @@ def pool_stage(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
                        "finetune folders.")
     _say(f"[pool] done already in {folder}: skipped")
     return
-  if not is_main():
-    return
+  process_zero.run("[pool]", _build_pool, pred_dirs, exclude, excluded, class_names, folder)
+
+
+def _build_pool(pred_dirs: dict[str, epath.Path], exclude: dict[str, np.ndarray],
+                excluded: dict, class_names: list[str], folder: epath.Path) -> None:
   folder.mkdir(parents=True, exist_ok=True)
   infos = {s: json.loads((d / selection_formats.INFO_FILE).read_text())
            for s, d in pred_dirs.items()}
@@ -401,10 +405,9 @@ def run(config, workdir: str) -> dict:
       infer_stage(teacher, config, split, folder)
     _sync("pool")
     pool_stage(preds, exclude, class_names, rdir / "pool")
-    _sync("selection")
-    if is_main():  # One Beam job; --config.selection.beam_runner spreads it.
-      sel = selection_stage(config, rdir / "pool", class_names, rdir / "selection")
-    _sync("student")
+    # One Beam job; --config.selection.beam_runner spreads it.
+    sel = process_zero.run("[selection]", selection_stage, config, rdir / "pool", class_names,
+                           rdir / "selection")
     if not is_main():
       sel = json.loads((rdir / "selection" / selection_formats.SELECTION_FILE).read_text())
     student_data = {"name": f"selection:{rdir / 'selection'}", "dir": config.data.dir,
