@@ -2,7 +2,8 @@
 
   python launch/gke_jobset.py --name=ss-vitb --image=IMAGE --gpu=nvidia-h100-mega-80gb \
       --num_nodes=4 [--dry_run] -- --config=configs/semantic_softmax.py:... --workdir=gs://B/runs/ss
-  python launch/gke_jobset.py --name=ss-vitb --image=IMAGE --tpu=tpu-v5p-slice --topology=4x4x4 ...
+  python launch/gke_jobset.py --name=ss-vitb --image=IMAGE --tpu=tpu-v5p-slice --topology=4x4x4 \
+      [--num_slices=2] ...
 
 One JobSet (jobset.x-k8s.io/v1alpha2) with one Indexed Job of one pod per host, each running
 `python3 -m bigpretrain.main ...` from IMAGE (the package installed, plus jax[cuda12] or
@@ -10,9 +11,12 @@ jax[tpu]). GPU: a process per node owns all its GPUs; pod 0, reached at its stab
 `<name>-workers-0-0.<name>` through the JobSet's headless service, hosts the coordinator, and a
 pod's completion index is its process id (BIGPRETRAIN_* variables, read by
 bigpretrain.runtime.distributed). TPU: GKE gives each pod of the slice TPU_WORKER_ID and
-TPU_WORKER_HOSTNAMES, from which JAX finds the slice. A preempted or deleted pod gets SIGTERM and
---grace_seconds to checkpoint; a failed pod restarts the whole JobSet (every process must
-rejoin), up to --max_restarts times, resuming from --workdir. The workdir gs://B/PATH is
+TPU_WORKER_HOSTNAMES, from which JAX finds the slice. --num_slices=N (Multislice, multi-host
+slices only): N Jobs, one slice each on its own node pool, joined over the data-center network
+by the MEGASCALE_* variables (coordinator: the first pod of slice 0; JAX numbers the processes
+slice by slice, and the mesh's data axis spans the slices). A preempted or deleted pod gets
+SIGTERM and --grace_seconds to checkpoint; a failed pod restarts the whole JobSet (every process
+must rejoin), up to --max_restarts times, resuming from --workdir. The workdir gs://B/PATH is
 bucket B mounted at /gcs/B by GKE's Cloud Storage FUSE CSI driver (the cluster needs it
 enabled and the pods' service account access to B), so the run gets --workdir=/gcs/B/PATH,
 a path every pod reads and writes. Not set here: the GPU fabric's
@@ -84,6 +88,13 @@ def manifest(args) -> dict:
     # The host's network for the slice's data-center traffic, as GKE's TPU examples do.
     pod["hostNetwork"] = True
     pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if args.num_slices > 1:
+      env += [
+          {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{args.name}-{JOB}-0-0.{args.name}"},
+          {"name": "MEGASCALE_NUM_SLICES", "value": str(args.num_slices)},
+          {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {
+              "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}},
+      ]
   container = {
       "name": "train",
       "image": args.image,
@@ -116,7 +127,7 @@ def manifest(args) -> dict:
           "failurePolicy": {"maxRestarts": args.max_restarts},
           "replicatedJobs": [{
               "name": JOB,
-              "replicas": 1,
+              "replicas": args.num_slices,
               "template": {"spec": {
                   "parallelism": hosts, "completions": hosts, "completionMode": "Indexed",
                   "backoffLimit": 0, "template": {
@@ -143,6 +154,8 @@ def parse(argv) -> argparse.Namespace:
   p.add_argument("--port", type=int, default=1234, help="jax.distributed coordinator port.")
   p.add_argument("--tpu", help=f"GKE TPU accelerator label, one of {_TPU_2D + _TPU_3D}.")
   p.add_argument("--topology", help="TPU slice topology, e.g. 4x4 (v5e, v6e) or 4x4x4 (v4, v5p).")
+  p.add_argument("--num_slices", type=int, default=1,
+                 help="TPU slices of --topology joined over the data-center network.")
   p.add_argument("--module", default="bigpretrain.main", help="python -m MODULE to run.")
   p.add_argument("--max_restarts", type=int, default=3)
   p.add_argument("--grace_seconds", type=int, default=300,
@@ -163,9 +176,14 @@ def parse(argv) -> argparse.Namespace:
     if not args.topology:
       p.error("--tpu needs --topology")
     try:
-      tpu_hosts(args.tpu, args.topology)
+      hosts, _ = tpu_hosts(args.tpu, args.topology)
     except ValueError as e:
       p.error(str(e))
+    if args.num_slices < 1 or (args.num_slices > 1 and hosts == 1):
+      p.error(f"--num_slices={args.num_slices}: Multislice joins multi-host slices (>= 1; "
+              f"{args.topology} is one host)")
+  elif args.num_slices != 1:
+    p.error("--num_slices is for TPU slices; GPU nodes are counted by --num_nodes")
   if not any(a.startswith("--config=") for a in args.main_args):
     p.error("the training flags after -- need --config=...")
   workdir = [a.split("=", 1)[1] for a in args.main_args if a.startswith("--workdir=")]

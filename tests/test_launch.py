@@ -295,8 +295,32 @@ def test_gke_tpu_jobset(accelerator, topology, hosts, chips):
   assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
 
 
+def test_gke_tpu_multislice_jobset():
+  m = jobset("--tpu=tpu-v5p-slice", "--topology=2x2x4", "--num_slices=3")
+  (replicated,) = m["spec"]["replicatedJobs"]
+  job, pod = pod_of(m)
+  assert replicated["replicas"] == 3 and (job["parallelism"], job["completions"]) == (4, 4)
+  env = {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
+  # Slice 0's first pod is ss-workers-0-0; each Job of the JobSet is one slice.
+  assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "ss-workers-0-0.ss"
+  assert env["MEGASCALE_NUM_SLICES"] == "3"
+  assert env["MEGASCALE_SLICE_ID"] == {"fieldRef": {
+      "fieldPath": "metadata.labels['jobset.sigs.k8s.io/job-index']"}}
+  # One slice per node pool.
+  assert m["metadata"]["annotations"] == {
+      "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+  single = jobset("--tpu=tpu-v5p-slice", "--topology=2x2x4")
+  assert single["spec"]["replicatedJobs"][0]["replicas"] == 1
+  assert not any(e["name"].startswith("MEGASCALE_")
+                 for e in pod_of(single)[1]["containers"][0]["env"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--name=ss", "--gpu=nvidia-h100-80gb", "--num_nodes=2"], "required: --image"),
+    (["--name=ss", "--image=i", "--tpu=tpu-v6e-slice", "--topology=2x4", "--num_slices=2"],
+     "2x4 is one host"),
+    (["--name=ss", "--image=i", "--gpu=g", "--num_nodes=2", "--num_slices=2"],
+     "--num_slices is for TPU slices"),
     (["--name=ss", "--image=i"], "exactly one of --gpu and --tpu"),
     (["--name=ss", "--image=i", "--gpu=g", "--tpu=tpu-v5p-slice", "--topology=2x2x1"],
      "exactly one of --gpu and --tpu"),
