@@ -10,6 +10,10 @@
 #                            advise for JAX: tpu-ubuntu2204-base (v4 and older), v2-alpha-tpuv5
 #                            (v5p), v2-alpha-tpuv5-lite (v5e), v2-alpha-tpuv6e (v6e)
 #   --project=P              gcloud project (default: gcloud's configured one)
+#   --num_slices=N           Multislice: N slices of the accelerator type, created as one queued
+#                            resource (nodes NAME-0 ... NAME-(N-1)), waited for until ACTIVE;
+#                            the TPU runtime joins them over the data-center network and the
+#                            trainer's data axis spans them
 #   --spot                   create Spot VMs; a preempted run resumes from --workdir when relaunched
 #   --repo=URL [--branch=B]  git clone URL (branch B) on the workers instead of copying this
 #                            checkout's committed HEAD (git archive: uncommitted edits stay here)
@@ -23,8 +27,8 @@
 # path that each worker mounts with gcsfuse at /gcs/BUCKET (installed if missing, as Cloud
 # Storage FUSE's docs do it) and the run gets as --workdir=/gcs/BUCKET/PATH, or a path of
 # storage the workers already share. JAX finds the slice's hosts itself
-# (bigpretrain.runtime.distributed). A Spot slice found PREEMPTED or TERMINATED is deleted and
-# created again (a Spot VM cannot be restarted).
+# (bigpretrain.runtime.distributed). A Spot slice found PREEMPTED or TERMINATED (a queued
+# resource: SUSPENDED or FAILED) is deleted and created again (a Spot VM cannot be restarted).
 set -euo pipefail
 
 die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
@@ -43,7 +47,7 @@ show() {
 }
 
 name="" zone="" accelerator="" version="" project="" spot=0 repo="" branch="" remote_dir=bigpretrain
-module=bigpretrain.main dry_run=0
+module=bigpretrain.main dry_run=0 num_slices=1
 while [[ $# -gt 0 && $1 != "--" ]]; do
   case $1 in
     --name=*) name=${1#*=} ;;
@@ -51,6 +55,7 @@ while [[ $# -gt 0 && $1 != "--" ]]; do
     --accelerator_type=*) accelerator=${1#*=} ;;
     --version=*) version=${1#*=} ;;
     --project=*) project=${1#*=} ;;
+    --num_slices=*) num_slices=${1#*=} ;;
     --spot) spot=1 ;;
     --repo=*) repo=${1#*=} ;;
     --branch=*) branch=${1#*=} ;;
@@ -66,6 +71,7 @@ done
 [[ -n $zone ]] || die "--zone is required"
 [[ -n $accelerator ]] || die "--accelerator_type is required (e.g. v5p-64)"
 [[ -z $branch || -n $repo ]] || die "--branch needs --repo"
+[[ $num_slices =~ ^[1-9][0-9]*$ ]] || die "--num_slices must be an integer >= 1, got '$num_slices'"
 [[ $remote_dir =~ ^[A-Za-z0-9_.-]+$ ]] || die "--remote_dir must be a plain folder name, got '$remote_dir'"
 [[ " $* " == *" --config="* ]] || die "the training flags after -- need --config=..."
 [[ " $* " == *" --workdir="* ]] || die "the training flags after -- need --workdir=... (shared storage, e.g. gs://...)"
@@ -82,10 +88,24 @@ fi
 tpu=(gcloud compute tpus tpu-vm)
 where=("--zone=$zone")
 [[ -n $project ]] && where+=("--project=$project")
-create=("${tpu[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator" "--version=$version")
+if ((num_slices == 1)); then
+  nodes=("$name")
+  create=("${tpu[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator"
+          "--version=$version")
+  describe=("${tpu[@]}" describe "$name" "${where[@]}" "--format=value(state)")
+  delete=("${tpu[@]}" delete "$name" "${where[@]}" --quiet)
+  gone="PREEMPTED TERMINATED"
+else  # Multislice needs a queued resource; its nodes are NAME-0, NAME-1, ...
+  nodes=()
+  for ((i = 0; i < num_slices; i++)); do nodes+=("$name-$i"); done
+  queued=(gcloud compute tpus queued-resources)
+  create=("${queued[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator"
+          "--runtime-version=$version" "--node-count=$num_slices" "--node-prefix=$name")
+  describe=("${queued[@]}" describe "$name" "${where[@]}" "--format=value(state.state)")
+  delete=("${queued[@]}" delete "$name" "${where[@]}" --force --quiet)
+  gone="SUSPENDED FAILED"
+fi
 ((spot)) && create+=(--spot)
-describe=("${tpu[@]}" describe "$name" "${where[@]}" "--format=value(state)")
-delete=("${tpu[@]}" delete "$name" "${where[@]}" --quiet)
 
 # The workdir gs://BUCKET/PATH: mounted on every worker, the run given its mounted path.
 args=() mount=""
@@ -118,21 +138,23 @@ if [[ -n $repo ]]; then
 else
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   archive=${TMPDIR:-/tmp}/bigpretrain_$name.tar.gz
-  steps=(
-    "$(show git -C "$root" archive --format=tar.gz "--output=$archive" HEAD)"
-    "$(show "${tpu[@]}" scp "$archive" "$name:bigpretrain.tar.gz" "${where[@]}" --worker=all)"
-  )
+  steps=("$(show git -C "$root" archive --format=tar.gz "--output=$archive" HEAD)")
   fetch="rm -rf \$HOME/$remote_dir && mkdir -p \$HOME/$remote_dir && tar -xzf \$HOME/bigpretrain.tar.gz -C \$HOME/$remote_dir && $install"
 fi
 rc="\$HOME/bigpretrain_run.rc"  # The training's exit status, read after the stream.
 run="${mount}cd \$HOME/$remote_dir && rm -f $rc && nohup sh -c '\"\$@\"; echo \$? > $rc' sh"
 run+=" python3 -m $module $(show "$@") > $log 2>&1 < /dev/null & echo \$! > $pid"
 stream="tail -n +1 -F --pid=\$(cat $pid) $log; exit \$(cat $rc 2>/dev/null || echo 1)"
-steps+=(
-  "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all "--command=$fetch")"
-  "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all "--command=$run")"
-  "$(show "${tpu[@]}" ssh "$name" "${where[@]}" --worker=0 "--command=$stream")"
-)
+for node in "${nodes[@]}"; do
+  if [[ -z $repo ]]; then
+    steps+=("$(show "${tpu[@]}" scp "$archive" "$node:bigpretrain.tar.gz" "${where[@]}" --worker=all)")
+  fi
+  steps+=("$(show "${tpu[@]}" ssh "$node" "${where[@]}" --worker=all "--command=$fetch")")
+done
+for node in "${nodes[@]}"; do
+  steps+=("$(show "${tpu[@]}" ssh "$node" "${where[@]}" --worker=all "--command=$run")")
+done
+steps+=("$(show "${tpu[@]}" ssh "${nodes[0]}" "${where[@]}" --worker=0 "--command=$stream")")
 
 if ((dry_run)); then
   echo "$(show "${describe[@]}") || $(show "${create[@]}")"
@@ -141,17 +163,24 @@ if ((dry_run)); then
 fi
 exists=1
 state=$("${describe[@]}" 2> /dev/null) || exists=0
-if ((exists)) && [[ $state == PREEMPTED || $state == TERMINATED ]]; then
-  echo "TPU VM $name in $zone is $state: deleting it to create it again" >&2
+if ((exists)) && [[ " $gone " == *" $state "* ]]; then
+  echo "TPU $name in $zone is $state: deleting it to create it again" >&2
   "${delete[@]}"
   exists=0
 fi
 if ((!exists)); then
-  echo "creating TPU VM $name ($accelerator, $version) in $zone" >&2
+  echo "creating TPU $name ($num_slices x $accelerator, $version) in $zone" >&2
   "${create[@]}"
+  if ((num_slices > 1)); then state=$("${describe[@]}"); fi
 else
-  echo "reusing TPU VM $name in $zone ($state)" >&2
+  echo "reusing TPU $name in $zone ($state)" >&2
 fi
+while ((num_slices > 1)) && [[ $state != ACTIVE ]]; do  # A queued resource waits for capacity.
+  [[ " $gone " != *" $state "* ]] || die "queued resource $name is $state"
+  echo "waiting for queued resource $name ($state)" >&2
+  sleep "${BIGPRETRAIN_POLL_SECONDS:-30}"
+  state=$("${describe[@]}")
+done
 for step in "${steps[@]}"; do
   echo "+ $step" >&2
   eval "$step"

@@ -104,8 +104,43 @@ def test_tpu_pod_dry_run_clone_and_default_versions():
     assert lines(r.stdout)[1][-1] == f"--version={version}"
 
 
+def test_tpu_pod_multislice_is_one_queued_resource_whose_nodes_all_run(tmp_path):
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  # describe: absent at first; once created, waiting for capacity twice, then active.
+  fake_tool(bin_dir, "gcloud", '[[ $4 == describe ]] || exit 0\n'
+            'n=$(cat "$FAKE_LOG.n" 2>/dev/null || echo 0); echo $((n + 1)) > "$FAKE_LOG.n"\n'
+            '((n == 0)) && exit 1\n((n < 3)) && echo WAITING_FOR_RESOURCES || echo ACTIVE\n')
+  env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "log"),
+         "TMPDIR": str(tmp_path), "BIGPRETRAIN_POLL_SECONDS": "0"}
+  args = ["--name=p", "--zone=z", "--accelerator_type=v5p-16", "--num_slices=2", "--spot", "--",
+          *MAIN]
+  printed = lines(run([LAUNCH / "tpu_pod.sh", "--dry_run", *args], env).stdout)
+  queued = ["gcloud", "compute", "tpus", "queued-resources"]
+  assert printed[0] == [*queued, "describe", "p", "--zone=z", "--format=value(state.state)"]
+  assert printed[1] == [*queued, "create", "p", "--zone=z", "--accelerator-type=v5p-16",
+                        "--runtime-version=v2-alpha-tpuv5", "--node-count=2", "--node-prefix=p",
+                        "--spot"]
+  # Each slice's node gets the code and starts the run; the log streams from slice 0.
+  assert [(c[4], c[5]) for c in printed[3:]] == [
+      ("scp", printed[3][5]), ("ssh", "p-0"), ("scp", printed[5][5]), ("ssh", "p-1"),
+      ("ssh", "p-0"), ("ssh", "p-1"), ("ssh", "p-0")]
+  assert printed[3][6:] == ["p-0:bigpretrain.tar.gz", "--zone=z", "--worker=all"]
+  assert printed[5][6] == "p-1:bigpretrain.tar.gz"
+  assert printed[-1][-2] == "--worker=0" and "tail -n +1 -F" in printed[-1][-1]
+  r = run([LAUNCH / "tpu_pod.sh", *args], env)
+  assert r.returncode == 0, r.stderr
+  assert r.stderr.count("waiting for queued resource p (WAITING_FOR_RESOURCES)") == 2
+  calls = (tmp_path / "log").read_text().splitlines()
+  describe = " ".join(printed[0])
+  assert calls == [describe, " ".join(printed[1]), describe, describe, describe] + [
+      " ".join(argv) for argv in printed[3:]]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--zone=z", "--accelerator_type=v5p-8"], "--name is required"),
+    (["--name=p", "--zone=z", "--accelerator_type=v5p-8", "--num_slices=0"],
+     "--num_slices must be an integer >= 1"),
     (["--name=p", "--accelerator_type=v5p-8"], "--zone is required"),
     (["--name=p", "--zone=z"], "--accelerator_type is required"),
     (["--name=p", "--zone=z", "--accelerator_type=v9x-8"], "pass --version"),
