@@ -434,8 +434,8 @@ class Checkpointer:
       try:
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except
-        # A tree or shape mismatch is refused, not moved.
-        self._check_tree(step, {"params": weights, "train": train})
+        # A tree or shape mismatch is refused, not moved (the divergence record as read).
+        self._check_tree(step, {"params": weights, "train": abstract_train})
         self._unreadable(step, e, older)
         continue
       restored = {**out["params"], **out["train"]}

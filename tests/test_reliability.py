@@ -253,6 +253,24 @@ def _save_steps(directory, steps) -> None:
   saver.close()
 
 
+def test_a_damaged_checkpoint_falls_back_after_the_divergence_window_changed(tmp_path):
+  """A resume may change config.divergence.window (the saved record is read at its own size
+  and dropped); a damaged newest checkpoint then still falls back, not 'another config'."""
+  directory = tmp_path / "ckpt"
+  saver = checkpoint.Checkpointer(str(directory), async_save=False)
+  for step in (2, 4):
+    saver.save(step, {**_state(head_classes=3, value=float(step)),
+                      "health": divergence.init_health(4)})
+  saver.close()
+  _truncate_arrays(directory / "4")
+  reader = checkpoint.Checkpointer(str(directory), async_save=False)
+  restored, step = reader.restore({**_state(head_classes=3), "health": divergence.init_health(8)})
+  reader.close()
+  assert step == 2 and "health" not in restored
+  assert float(restored["params"]["body"]["w"][0]) == 2.0
+  assert (tmp_path / "ckpt_corrupt" / "4").is_dir()
+
+
 @pytest.mark.parametrize("error", [
     OSError(errno.ETIMEDOUT, "Connection timed out"),
     ValueError("UNAVAILABLE: Error reading local file: read of 4096 bytes failed"),
