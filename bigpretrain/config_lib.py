@@ -57,7 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.compute_dtype = 'float32'  # One of COMPUTE_DTYPES.
   # '' = '<cache>/jax' (see compilation_cache_dir()); 'none' disables the persistent cache.
   c.compilation_cache_dir = ''
-  c.resume = ''  # Checkpoint dir to resume from when the workdir has none.
+  c.resume = ''  # A run's workdir (or checkpoint dir) to resume from when the workdir has none.
   # The checkpoint step to resume from (-1 = the newest): an earlier one of the workdir (its
   # later checkpoints are moved to checkpoints_superseded/), else of config.resume. Remove
   # it from the command for later re-runs, or each would go back to step N again.

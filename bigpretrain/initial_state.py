@@ -58,8 +58,9 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     console.say(f"config.resume_step={step}: checkpoints {moved} moved to {aside}")
   if restored is None and config.resume:
     source = "resume"
-    with_resume = ckpt_lib.Checkpointer(config.resume, async_save=False,
-                                        meta=checkpointer.meta, read_only=True)
+    with_resume = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(config.resume),
+                                        async_save=False, meta=checkpointer.meta,
+                                        read_only=True)
     restored = with_resume.restore(state, stream, step)
     with_resume.close()
     if restored is None:
@@ -69,7 +70,8 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   if restored is not None:  # A checkpoint without a divergence record keeps the fresh one.
     restored_state, start = restored
     state = {"health": state["health"], **restored_state}
-    console.say(f"Resuming from step {start} in {workdir}")
+    console.say(f"Resuming from step {start} in "
+                f"{with_resume.directory if source == 'resume' else workdir}")
   elif config.model_init:
     source = "model_init"
     loaded, fresh, resized, dropped = ckpt_lib.init_from(

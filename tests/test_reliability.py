@@ -349,6 +349,21 @@ def test_a_checkpoint_past_total_steps_is_refused_and_moves_nothing(tmp_path):
   other.close()
 
 
+def test_config_resume_takes_a_runs_workdir_as_model_init_does(tmp_path, capsys):
+  _save_steps(tmp_path / "other" / "checkpoints", (2,))
+  here = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False)
+  state, start = initial_state.restore_or_init(
+      _experiment(4, resume=str(tmp_path / "other")), _fresh_state(), None, here,
+      str(tmp_path / "run"))
+  assert start == 2 and float(state["params"]["body"]["w"][0]) == 2.0
+  assert f"Resuming from step 2 in {tmp_path / 'other' / 'checkpoints'}" in (
+      capsys.readouterr().out)
+  with pytest.raises(FileNotFoundError, match="nope does not exist"):
+    initial_state.restore_or_init(_experiment(4, resume=str(tmp_path / "nope")),
+                                  _fresh_state(), None, here, str(tmp_path / "run"))
+  here.close()
+
+
 def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):
   # A resumed run judges spikes against the same window of recent losses as the
   # uninterrupted run, and keeps counting skipped steps.
