@@ -9,6 +9,7 @@ import difflib
 import json
 import math
 import os
+import re
 from typing import Any
 
 import ml_collections
@@ -281,6 +282,11 @@ def _check_values(config: Mapping[str, Any]) -> None:
               'model_init_head', 'model_init_resize'):
     if not isinstance(config[key], str):
       raise ValueError(f'config.{key}={config[key]!r} must be a str.')
+  try:
+    re.compile(config.model_init_skip)
+  except re.error as e:
+    raise ValueError(f'config.model_init_skip={config.model_init_skip!r} is not a regular '
+                     f'expression: {e}.') from None
   for section in ('model', 'data', 'objective'):
     name = config[section].name
     if not isinstance(name, str) or not name:

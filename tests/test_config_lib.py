@@ -118,6 +118,7 @@ def test_missing_required_keys():
     ('batch_size', 0), ('batch_size', -8), ('log_every_steps', -1),
     ('eval_every_steps', -5), ('ckpt_every_steps', -1), ('keep_ckpts', 0),
     ('compute_dtype', 'float16'), ('compilation_cache_dir', 3),
+    ('model_init_skip', '^params/(head'),
 ])
 def test_bad_top_level_values(key, value):
   c = config_lib.base_config().to_dict()  # A plain dict: any type can be planted.
