@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import config_lib
+from bigpretrain import models
 from bigpretrain import optim
 from configs import cosub_in1k
 
@@ -18,6 +19,9 @@ def test_training_stage_runs_at_deit3_input_size(model, res):
   assert c.data.image_size == res and c.num_epochs == 400
   assert cosub_in1k.get_config(PAPER + model + ",res=112").data.image_size == 112  # B.4.
   assert cosub_in1k.get_config(PAPER + "resnet152,tau=0.05").data.image_size == 224  # B.1.
+  # The model builds at that size (ViT-H/14 at 160: 11 x 11 patches, as DeiT-III's).
+  model_def = models.ModelDef.from_config(c.model, 1000, c.compute_dtype, c.data.image_size)
+  assert model_def.abstract_module().grid == (res // int(model[5:]),) * 2
 
 
 def test_finetune_stage_is_deit3s_20_epochs_at_224_with_cosubs_changes():

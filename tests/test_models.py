@@ -148,9 +148,17 @@ def test_vit_demo_forward_shape_dtype_and_features():
     model(_images(2, 48))
 
 
-def test_vit_rejects_indivisible_image_size():
-  with pytest.raises(ValueError, match="patch_size"):
-    _abstract("vit_b16", num_classes=10, image_size=100)
+def test_vit_size_not_a_multiple_of_the_patch_leaves_the_last_pixels_out():
+  """timm's PatchEmbed: 20 px at patch 8 is a 2 x 2 grid of the top-left 16 x 16 pixels."""
+  big = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0), image_size=20,
+                         head_zeroinit=False)
+  small = models.get_model("vit_demo", num_classes=10, rngs=nnx.Rngs(0), image_size=16,
+                           head_zeroinit=False)
+  assert big.grid == (2, 2) and big.pos_embed.shape == small.pos_embed.shape
+  x = _images(2, 20)
+  np.testing.assert_allclose(big(x), small(x[:, :16, :16]), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="smaller than patch_size"):
+    _abstract("vit_b16", num_classes=10, image_size=8)
 
 
 def test_attention_matches_numpy_reference():

@@ -176,8 +176,10 @@ class VisionTransformer(base.Classifier):
     if head not in ("token", "gap"):
       raise ValueError(f"head must be 'token' or 'gap', got {head!r}")
     h, w = _pair(image_size)
-    if h % patch_size or w % patch_size:
-      raise ValueError(f"image_size {image_size!r} is not divisible by patch_size {patch_size}")
+    if h < patch_size or w < patch_size:
+      raise ValueError(f"image_size {image_size!r} is smaller than patch_size {patch_size}")
+    # A size that is not a multiple of the patch size leaves its last rows and columns out,
+    # as timm's and DeiT-III's PatchEmbed do (DeiT-III trains ViT-H/14 at 160 px: 11 x 11).
     self.num_classes = num_classes
     self.patch_size = patch_size
     self.image_size = (h, w)
