@@ -76,6 +76,23 @@ def test_esd_keeps_exactly_floor_rows_in_every_shard():
     layers.esd_residual(x, jnp.ones_like, 0.5, jax.random.key(0), num_shards=3)
 
 
+def test_esd_refuses_a_rate_below_1_that_keeps_no_row_and_scales_in_float32():
+  x = jnp.zeros((2, 3))
+  with pytest.raises(ValueError, match=r"keeps none of a data shard's 2 rows.*at least 3 rows"):
+    layers.esd_residual(x, jnp.ones_like, 0.6, jax.random.key(0))
+  np.testing.assert_array_equal(layers.esd_residual(x, jnp.ones_like, 1.0, None), x)
+  # A bfloat16 branch: the kept rows get bf16(branch x 5/3), the scale taken in float32.
+  v = jax.random.normal(jax.random.key(1), (5, 64))
+  out = np.asarray(layers.esd_residual(
+      jnp.zeros((5, 64)), lambda r: (r + v[:r.shape[0]]).astype(jnp.bfloat16), 0.4,
+      jax.random.key(2)))
+  kept = out[np.any(out != 0, axis=1)]
+  assert kept.shape == (3, 64)  # floor(0.6 x 5)
+  want = (np.asarray(v[:3].astype(jnp.bfloat16), np.float32) * np.float32(5 / 3)).astype(
+      jnp.bfloat16).astype(np.float32)
+  np.testing.assert_array_equal(np.sort(kept, axis=0), np.sort(want, axis=0))
+
+
 def test_esd_rate_zero_equals_the_plain_block():
   x = jax.random.normal(jax.random.key(2), (6, 3, 8))
   block = _block(0.0, "esd")

@@ -432,7 +432,8 @@ def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: f
   and scatter are batched over that axis. `branch` must act on each row independently.
 
   `num_shards` defaults to data_shards(). rate 0 computes the branch on all rows (no rng
-  needed); a rate that floors k to 0 skips the branch entirely.
+  needed); rate 1 skips the branch. A rate below 1 that floors k to 0 is refused: the block
+  would never train, a model other than the one asked for.
   """
   rows = x.shape[0]
   shards = data_shards() if num_shards is None else int(num_shards)
@@ -444,6 +445,13 @@ def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: f
   if keep == n:
     return x + branch(x)
   if keep == 0:
+    if rate < 1.0:
+      need = math.ceil(1.0 / (1.0 - rate) - 1e-6)
+      raise ValueError(
+          f"efficient stochastic depth: drop rate {rate:g} keeps none of a data shard's {n} "
+          f"rows (floor((1 - rate) x {n}) = 0), so the block would never train. Give each data "
+          f"shard at least {need} rows (batch_size / (data x fsdp)) or use "
+          "config.model.stochastic_depth='mask'.")
     return x
   if rng is None:
     raise ValueError(f"efficient stochastic depth with rate {rate} needs an `rng` key.")
@@ -452,7 +460,8 @@ def esd_residual(x: jax.Array, branch: Callable[[jax.Array], jax.Array], rate: f
   idx = _constrain_to_shards(idx)
   sub = jax.vmap(lambda rows_, i: rows_[i])(xs, idx)  # [shards, keep, ...]
   y = branch(sub.reshape((shards * keep,) + x.shape[1:]))
-  y = y.reshape((shards, keep) + y.shape[1:]) * jnp.asarray(n / keep, y.dtype)
+  # The n / k scale in float32 (bf16 would round e.g. 5/3 to 1.664), as drop_path's.
+  y = (y.reshape((shards, keep) + y.shape[1:]).astype(jnp.float32) * (n / keep)).astype(y.dtype)
   out = jax.vmap(lambda rows_, i, v: rows_.at[i].add(v.astype(rows_.dtype),
                                                      unique_indices=True))(xs, idx, y)
   return out.reshape(x.shape)
