@@ -1,10 +1,13 @@
 """Objectives beyond the loss math: multi-label targets, mAP, and semantic KD end to end."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bigpretrain.runtime import metric_writers
+from bigpretrain import objectives
 from bigpretrain import train
 from bigpretrain.objectives import multi_label
 from input_pipeline import datasets
@@ -110,6 +113,21 @@ def test_semantic_kd_without_teacher_is_a_clear_error(tmp_path):
   config = semantic_kd.get_config()
   with pytest.raises(ValueError, match="teacher_checkpoint is empty"):
     train.build(config)
+
+
+@pytest.mark.parametrize("recipe,key,value,match", [
+    ("semantic_softmax", "label_smoothing", 1.0, r"label_smoothing=1.0 must be in \[0, 1\)"),
+    ("semantic_softmax", "label_smoothing", -0.1, r"label_smoothing=-0.1 must be in"),
+    ("semantic_kd", "kd_weight", -1.0, r"kd_weight=-1.0 must be finite and >= 0"),
+    ("semantic_kd", "kd_weight", float("nan"), r"kd_weight=nan must be finite"),
+])
+def test_objective_values_out_of_range_are_refused_by_name(recipe, key, value, match):
+  config = importlib.import_module(f"configs.{recipe}").get_config()
+  config.objective[key] = value
+  if recipe == "semantic_kd":
+    config.objective.teacher_checkpoint = "/nonexistent"  # Read only later, in load_frozen.
+  with pytest.raises(ValueError, match=match):
+    objectives.get_objective(config.objective, datasets.get_dataset(config.data).info)
 
 
 def _reference_asl_sum(x, y, gamma_neg=4.0, gamma_pos=0.0, clip=0.05, eps=1e-8):

@@ -80,6 +80,14 @@ def check_keys(cfg, allowed: set[str]) -> None:
                      f"allowed: {sorted(allowed)}.")
 
 
+def label_smoothing(cfg, default: float) -> float:
+  """config.objective.label_smoothing (default `default`), refused outside [0, 1)."""
+  value = float(cfg.get("label_smoothing", default))
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"config.objective.label_smoothing={value} must be in [0, 1).")
+  return value
+
+
 def topk_metrics(logits, labels, mask, topk=(1, 5)) -> dict:
   """{'top{k}': (num_correct, num_examples)} over rows with mask 1."""
   out = {}

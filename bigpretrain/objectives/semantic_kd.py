@@ -12,6 +12,8 @@ project's own choices, not the paper's:
 - the MSE is summed over a level's n_k classes and averaged over the batch;
 - kd_weight 1: the semantic loss and the KD loss added with equal weight.
 """
+import math
+
 import jax
 
 from bigpretrain import checkpoint
@@ -31,6 +33,8 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
   def __init__(self, cfg, info):
     super().__init__(cfg, info, allowed=self.KEYS)
     self.kd_weight = float(cfg.get("kd_weight", 1.0))
+    if not (math.isfinite(self.kd_weight) and self.kd_weight >= 0):
+      raise ValueError(f"config.objective.kd_weight={self.kd_weight} must be finite and >= 0.")
     self.teacher_dir = cfg.get("teacher_checkpoint", "")
     if not self.teacher_dir:
       raise ValueError("config.objective.teacher_checkpoint is empty: semantic_kd needs a "

@@ -24,7 +24,7 @@ class SemanticSoftmax(base.Objective):
     if self.tree is None:
       raise ValueError(f"Dataset {info.name!r} has no WordNet wnids as class names: "
                        f"{cfg.name} needs them to build the semantic tree.")
-    self.label_smoothing = float(cfg.get("label_smoothing", 0.2))
+    self.label_smoothing = base.label_smoothing(cfg, 0.2)
     self.max_weight = float(cfg.get("max_weight", tree_lib.MAX_LEVEL_WEIGHT))
     self.tree.level_weights(self.max_weight)  # A bad max_weight fails here, not in the step.
     self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.

@@ -17,7 +17,7 @@ class Softmax(base.Objective):
 
   def __init__(self, cfg, info):
     base.check_keys(cfg, {"label_smoothing"})
-    self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
+    self.label_smoothing = base.label_smoothing(cfg, 0.0)
     self.num_classes = info.num_classes
     self.tree = base.class_tree(info.class_names)  # For semantic metrics, comparable across objectives.
 
