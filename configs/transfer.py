@@ -40,7 +40,8 @@ Modes:
     WordNet class names (the demo's) multi_label instead takes label + ancestors (below).
   - swag: configs/swag_finetune.py's values (Singh et al. 2022, section 4.1: SGD, no weight
     decay, mixup 0.1, EMA on ImageNet-1k, shorter-side centre-crop eval, a ViT without its
-    tanh representation layer), at the checkpoint's resolution (swag_finetune.py itself
+    tanh representation layer, Table 8's lr for the checkpoint's model), at the checkpoint's
+    resolution (swag_finetune.py itself
     moves to Table 1's 384-518 px).
   - cosub: configs/cosub_finetune_in1k.py's values (Touvron et al. 2023, supplement A.1:
     LAMB, LayerDecay, cosub on); ViT models only.
@@ -215,8 +216,10 @@ def _finetune(arg, demo: bool) -> ml_collections.ConfigDict:
     config = _in21k(demo)
   elif arg.recipe == "semisup_cub":
     config = _semisup_cub(demo)
-  elif arg.recipe == "swag":
-    config = swag_finetune.get_config(f"dataset={base_dataset},data_dir={arg.data_dir}")
+  elif arg.recipe == "swag":  # Table 8's lr and the ViT epochs depend on the model.
+    model = checkpoint.read_meta(arg.init)["model"]["name"] if arg.init else arg.model
+    config = swag_finetune.get_config(f"dataset={base_dataset},data_dir={arg.data_dir},"
+                                      f"model={model}")
   else:
     config = cosub_finetune_in1k.get_config(f"dataset={base_dataset},data_dir={arg.data_dir}")
   config.data.name, config.data.dir = arg.dataset, arg.data_dir

@@ -115,6 +115,23 @@ def test_swag_transfer_drops_the_vit_tanh_layer(monkeypatch):
   assert linear.model.pre_logits is True  # A frozen probe reads the model as trained.
 
 
+def test_swag_transfer_takes_table_8_for_the_checkpoints_model(monkeypatch):
+  import types
+  from configs import swag_finetune
+  monkeypatch.setattr(checkpoint, "read_meta", lambda path: {
+      "model": {"name": "vit_h14"}, "data": {"image_size": 224, "normalize": "imagenet"}})
+  info = types.SimpleNamespace(num_examples={"train": 1_803_460}, num_classes=365)
+  monkeypatch.setattr(swag_finetune.datasets, "get_dataset",
+                      lambda cfg: types.SimpleNamespace(info=info))
+  # Table 8: ViT H/14 on Places365 at lr 3e-3 (RegNetY-16GF, the recipe's default: 1.2e-2).
+  places = transfer.get_config("mode=finetune,init=/c,recipe=swag,dataset=tfds:places365_small")
+  assert places.optim.lr == pytest.approx(3e-3)
+  # Section 4.1: ViTs fine-tune 28 epochs on ImageNet-1k.
+  info.num_examples, info.num_classes = {"train": 1_281_167}, 1000
+  in1k = transfer.get_config("mode=finetune,init=/c,recipe=swag,dataset=tfds:imagenet2012")
+  assert in1k.num_epochs == 28 and in1k.model.name == "vit_h14"
+
+
 def test_batchnorm_statistics_are_the_recipes_not_the_checkpoints(monkeypatch):
   """semisup_cub's BN over 24 images (paper 002: 768 images on 32 GPUs, BN on each GPU) from
   a checkpoint without grouping; the in21k recipe's whole-batch BN from one with it (swag's:
