@@ -324,3 +324,28 @@ def test_resample_alpha_is_a_config_value():
     assert sampler.num_head_samples == round(alpha * len(source))
   with pytest.raises(ValueError, match="resample_alpha"):
     datasets.train_sources({**config.data.to_dict(), "resample_alpha": 1.5}, ds)
+
+
+def test_a_split_without_head_or_tail_images_is_refused_at_configure():
+  """A dataset prepared with a tail_threshold above every hashtag's count has no head images:
+  any head share is refused by name when the run is configured, not when the sampler starts."""
+  from input_pipeline.sources import hashtag_source  # pylint: disable=import-outside-toplevel
+  labels = [np.array([0])] * 4
+  no_head = hashtag_source.HashtagSource(_Split(4), labels, tail_threshold=5000,
+                                         head_tail=(0, 4))
+  with pytest.raises(ValueError, match=r"resample_alpha=0.7 draws head images.*"
+                     r"tail_threshold=5000.*a lower --tail_threshold, or set resample_alpha=0"):
+    no_head.configure({"resample_alpha": 0.7})
+  assert no_head.configure({"resample_alpha": 0.0}).alpha == 0.0
+  no_tail = hashtag_source.HashtagSource(_Split(4), labels, tail_threshold=1, head_tail=(4, 0))
+  with pytest.raises(ValueError, match=r"draws tail images.*a higher --tail_threshold.*=1\."):
+    no_tail.configure({"resample_alpha": 0.5})
+  assert no_tail.configure({"resample_alpha": 1.0}).alpha == 1.0
+
+
+class _Split(list):
+  """A stand-in record source: `n` records of split 'train'."""
+
+  def __init__(self, n):
+    super().__init__({"hashtag_ids": [0]} for _ in range(n))
+    self.split = "train"

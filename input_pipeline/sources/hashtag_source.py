@@ -49,7 +49,8 @@ class HashtagSource(datasets.Source):
   """
 
   def __init__(self, source, labels: list[np.ndarray] | None, *,
-               tail_threshold: int | None = None, alpha: float = ALPHA):
+               tail_threshold: int | None = None, alpha: float = ALPHA,
+               head_tail: tuple[int, int] | None = None):
     self._source = source
     self.split = source.split
     if tail_threshold is not None and labels is not None and len(labels) != len(source):
@@ -58,6 +59,7 @@ class HashtagSource(datasets.Source):
     self._labels = labels
     self._tail_threshold = tail_threshold
     self.alpha = alpha
+    self._head_tail = head_tail  # The preparation's (head, tail) image counts.
 
   def configure(self, data_cfg) -> "HashtagSource":
     """This split read with config.data.resample_alpha (datasets.train_sources' hook)."""
@@ -65,8 +67,18 @@ class HashtagSource(datasets.Source):
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
       raise ValueError(f"config.data.{ALPHA_KEY}={alpha!r} must be in [0, 1] (the head share "
                        "of the resampled samples).")
+    if self._head_tail is not None:
+      head, tail = self._head_tail
+      for group, count, asks, fix in (("head", head, alpha > 0, "a lower"),
+                                      ("tail", tail, alpha < 1, "a higher")):
+        if asks and count == 0:
+          raise ValueError(
+              f"config.data.{ALPHA_KEY}={alpha} draws {group} images, and split "
+              f"{self.split!r} has none at the tail_threshold={self._tail_threshold} it was "
+              f"prepared with (hashtags in fewer images are the tail). Prepare it again with "
+              f"{fix} --tail_threshold, or set {ALPHA_KEY}={int(group == 'tail')}.")
     return HashtagSource(self._source, self._labels, tail_threshold=self._tail_threshold,
-                         alpha=float(alpha))
+                         alpha=float(alpha), head_tail=self._head_tail)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -135,8 +147,10 @@ class HashtagDataset(datasets.Dataset):
       raise FileNotFoundError(
           f"{path} is missing: re-run `python -m input_pipeline.prepare hashtags` with the "
           "same --data_dir and --name; it writes the label index of a finished dataset.")
+    stats = self.info.stats
     return HashtagSource(_records(self.builder, split), label_lists(path),
-                         tail_threshold=self.tail_threshold)
+                         tail_threshold=self.tail_threshold,
+                         head_tail=(stats["head_train_images"], stats["tail_train_images"]))
 
 
 def _records(builder, split: str) -> datasets.RecordSource:
