@@ -330,14 +330,13 @@ def test_a_split_without_head_or_tail_images_is_refused_at_configure():
   """A dataset prepared with a tail_threshold above every hashtag's count has no head images:
   any head share is refused by name when the run is configured, not when the sampler starts."""
   from input_pipeline.sources import hashtag_source  # pylint: disable=import-outside-toplevel
-  labels = [np.array([0])] * 4
-  no_head = hashtag_source.HashtagSource(_Split(4), labels, tail_threshold=5000,
+  no_head = hashtag_source.HashtagSource(_Split(4), None, tail_threshold=5000,
                                          head_tail=(0, 4))
   with pytest.raises(ValueError, match=r"resample_alpha=0.7 draws head images.*"
                      r"tail_threshold=5000.*a lower --tail_threshold, or set resample_alpha=0"):
     no_head.configure({"resample_alpha": 0.7})
   assert no_head.configure({"resample_alpha": 0.0}).alpha == 0.0
-  no_tail = hashtag_source.HashtagSource(_Split(4), labels, tail_threshold=1, head_tail=(4, 0))
+  no_tail = hashtag_source.HashtagSource(_Split(4), None, tail_threshold=1, head_tail=(4, 0))
   with pytest.raises(ValueError, match=r"draws tail images.*a higher --tail_threshold.*=1\."):
     no_tail.configure({"resample_alpha": 0.5})
   assert no_tail.configure({"resample_alpha": 1.0}).alpha == 1.0
@@ -349,3 +348,33 @@ class _Split(list):
   def __init__(self, n):
     super().__init__({"hashtag_ids": [0]} for _ in range(n))
     self.split = "train"
+
+
+def test_label_index_is_read_by_host_slice_and_pickles_as_its_path(tmp_path):
+  import pickle  # pylint: disable=import-outside-toplevel
+  from input_pipeline.sources import hashtag_source  # pylint: disable=import-outside-toplevel
+  lists = [np.array([3, 5]), np.array([1]), np.array([0, 2, 4]), np.array([5])]
+  ids = np.concatenate(lists).astype(np.int32)
+  offsets = np.array([0, 2, 3, 6, 7], np.int64)
+  for save in (np.savez, np.savez_compressed):
+    path = tmp_path / f"{save.__name__}.npz"
+    save(path, ids=ids, offsets=offsets)
+    index = hashtag_source.LabelIndex(path)
+    assert len(index) == 4
+    part = index.slice(1, 3)  # Images 1 and 2.
+    np.testing.assert_array_equal(part.ids, [1, 0, 2, 4])
+    np.testing.assert_array_equal(part.offsets, [0, 1, 4])
+    assert len(pickle.dumps(index)) < 200 + len(str(path))
+  # np.savez stores the arrays whole: they are mapped, not read.
+  assert isinstance(hashtag_source.LabelIndex(tmp_path / "savez.npz")._load()[0], np.memmap)
+
+
+def test_demo_vocabulary_counts_are_the_label_indexs_image_counts():
+  """The resampler's f(h) comes from the vocabulary's 'images': the label index's count."""
+  ds = datasets.get_dataset({"name": "hashtags:demo", "dir": ""})
+  source = ds.source("train")
+  labels = source._labels.slice(0, len(source))
+  per_image = np.repeat(np.arange(len(labels)), np.diff(labels.offsets))
+  distinct = np.unique(per_image * len(ds.label_counts) + labels.ids) % len(ds.label_counts)
+  np.testing.assert_array_equal(np.bincount(distinct, minlength=len(ds.label_counts)),
+                                ds.label_counts)

@@ -39,7 +39,7 @@ How sample j is drawn (epoch e = j // M, position r = j % M):
   numpy.random.Generator.choice does).
 """
 import itertools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
@@ -81,28 +81,48 @@ def _check_int(name: str, value, minimum: int) -> int:
   return int(value)
 
 
-def importance(label_lists: Sequence[Sequence[int]], tail_threshold: int, *,
+class Labels(NamedTuple):
+  """N images' label ids, flat: image i holds ids[offsets[i]:offsets[i + 1]] (the layout of a
+  hashtag dataset's label index, read without a Python object per image)."""
+  ids: np.ndarray
+  offsets: np.ndarray  # int [N + 1], offsets[0] = 0.
+
+  @classmethod
+  def of(cls, label_lists: "Labels | Sequence[Sequence[int]]") -> "Labels":
+    """`label_lists` as Labels (one sequence of ids per image), or as it is if it is one."""
+    if isinstance(label_lists, Labels):
+      return label_lists
+    lengths = np.fromiter((len(labels) for labels in label_lists), np.int64, len(label_lists))
+    ids = np.asarray(list(itertools.chain.from_iterable(label_lists)))
+    return cls(ids, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+  def __len__(self) -> int:
+    return len(self.offsets) - 1
+
+
+def importance(label_lists: Labels | Sequence[Sequence[int]], tail_threshold: int, *,
                label_counts=None) -> tuple[np.ndarray, np.ndarray]:
   """Per-image importance max_h f(h)^-1/2 (float64 [N]) and tail flag (bool [N]).
 
   Args:
-    label_lists: N sequences of canonical label ids (ints >= 0), one per image; a label
-      repeated within an image counts once. Every image needs at least one label (the
+    label_lists: N sequences of canonical label ids (ints >= 0), one per image, or Labels; a
+      label repeated within an image counts once. Every image needs at least one label (the
       dataset job drops images left without one).
     tail_threshold: hashtags in at least this many images are the head (paper: 5,000).
     label_counts: f(h) of every label id (int [L], images holding it in the whole dataset),
       for a host that reads only its slice of the images; None counts f(h) in label_lists.
   """
   tail_threshold = _check_int("tail_threshold", tail_threshold, 0)
-  n = len(label_lists)
+  flat = Labels.of(label_lists)
+  n = len(flat)
   if n == 0:
     raise ValueError("label_lists is empty: no images to resample")
-  lengths = np.fromiter((len(labels) for labels in label_lists), np.int64, n)
+  lengths = np.diff(flat.offsets)
   if not lengths.all():
     empty = np.flatnonzero(lengths == 0)
     raise ValueError(f"{empty.size} images have no labels (first: image {empty[0]}); drop "
                      "them before resampling")
-  labels = np.asarray(list(itertools.chain.from_iterable(label_lists)))
+  labels = np.asarray(flat.ids)
   if labels.dtype.kind not in "iu":
     raise ValueError(f"label ids must be ints, got {labels.dtype} values")
   if labels.min() < 0:
@@ -348,8 +368,8 @@ def host_share(num_samples: int, process_index: int, process_count: int) -> int:
   return len(range(process_index, num_samples, process_count))
 
 
-def host_sampler(label_lists: Sequence[Sequence[int]], *, num_images: int, label_counts,
-                 tail_threshold: int, alpha: float, num_samples: int, seed: int,
+def host_sampler(label_lists: Labels | Sequence[Sequence[int]], *, num_images: int,
+                 label_counts, tail_threshold: int, alpha: float, num_samples: int, seed: int,
                  process_index: int, process_count: int,
                  log_epochs: bool = False) -> ResampledIndices:
   """Host p's resampler over its own image slice (see the module doc: memory O(images per

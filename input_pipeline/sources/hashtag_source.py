@@ -15,7 +15,9 @@ needs no Apache Beam.
 """
 import pathlib
 import re
+import struct
 from typing import Any
+import zipfile
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -35,20 +37,65 @@ DEMO_NAME = "demo"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*")
 
 
-def label_lists(path) -> list[np.ndarray]:
-  """A split's id lists from its label index file ('ids' flat, 'offsets' [N + 1])."""
-  with np.load(path) as index:
-    ids, offsets = index["ids"], index["offsets"]
-  return np.split(ids, offsets[1:-1]) if len(offsets) > 1 else []
+def _npz_array(path: str, name: str) -> np.ndarray:
+  """Member `name` of an .npz file, memory-mapped where np.savez stored it uncompressed (the
+  bytes of its .npy sit whole inside the zip), else read."""
+  with zipfile.ZipFile(path) as archive:
+    member = archive.getinfo(name + ".npy")
+  if member.compress_type != zipfile.ZIP_STORED:
+    with np.load(path) as arrays:
+      return arrays[name]
+  with open(path, "rb") as f:
+    f.seek(member.header_offset)
+    header = f.read(30)  # The zip local file header; the .npy follows its name and extra.
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    f.seek(member.header_offset + 30 + name_len + extra_len)
+    version = np.lib.format.read_magic(f)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read_header(f)
+    offset = f.tell()
+  if not shape or not np.prod(shape):
+    return np.zeros(shape, dtype)
+  return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape,
+                   order="F" if fortran else "C")
+
+
+class LabelIndex:
+  """A split's label index file ('ids' flat, 'offsets' [N + 1]: image i holds
+  ids[offsets[i]:offsets[i + 1]]), memory-mapped: a host reads only its own slice, and the
+  index pickles as its path (grain workers)."""
+
+  def __init__(self, path):
+    self.path = str(path)
+    self._arrays = None
+
+  def _load(self) -> tuple[np.ndarray, np.ndarray]:
+    if self._arrays is None:
+      self._arrays = (_npz_array(self.path, "ids"), _npz_array(self.path, "offsets"))
+    return self._arrays
+
+  def __len__(self) -> int:
+    return max(len(self._load()[1]) - 1, 0)
+
+  def slice(self, start: int, stop: int) -> resampling.Labels:
+    """Images [start, stop) of the split, read into memory."""
+    ids, offsets = self._load()
+    bounds = np.asarray(offsets[start:stop + 1], np.int64)
+    return resampling.Labels(np.asarray(ids[bounds[0]:bounds[-1]]), bounds - bounds[0])
+
+  def __getstate__(self):
+    return {"path": self.path, "_arrays": None}
 
 
 class HashtagSource(datasets.Source):
   """Records of one split, 'hashtag_ids' as a list of ints; train is resampled.
 
-  Picklable (grain workers): holds the wrapped RecordSource and plain arrays.
+  Picklable (grain workers): holds the wrapped RecordSource, the label index by its path and
+  the vocabulary's image counts.
   """
 
-  def __init__(self, source, labels: list[np.ndarray] | None, *,
+  def __init__(self, source, labels: LabelIndex | None, *, label_counts=None,
                tail_threshold: int | None = None, alpha: float = ALPHA,
                head_tail: tuple[int, int] | None = None):
     self._source = source
@@ -57,6 +104,7 @@ class HashtagSource(datasets.Source):
       raise ValueError(f"label index of split {self.split!r} has {len(labels)} images, the "
                        f"split {len(source)}; re-run the preparation to rewrite it")
     self._labels = labels
+    self._label_counts = label_counts  # f(h) over the split: int [vocabulary size].
     self._tail_threshold = tail_threshold
     self.alpha = alpha
     self._head_tail = head_tail  # The preparation's (head, tail) image counts.
@@ -77,8 +125,9 @@ class HashtagSource(datasets.Source):
               f"{self.split!r} has none at the tail_threshold={self._tail_threshold} it was "
               f"prepared with (hashtags in fewer images are the tail). Prepare it again with "
               f"{fix} --tail_threshold, or set {ALPHA_KEY}={int(group == 'tail')}.")
-    return HashtagSource(self._source, self._labels, tail_threshold=self._tail_threshold,
-                         alpha=float(alpha), head_tail=self._head_tail)
+    return HashtagSource(self._source, self._labels, label_counts=self._label_counts,
+                         tail_threshold=self._tail_threshold, alpha=float(alpha),
+                         head_tail=self._head_tail)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -95,7 +144,9 @@ class HashtagSource(datasets.Source):
     """The head/tail resampling over this split's images, epochs of len(self) samples."""
     if self._tail_threshold is None:
       raise ValueError(f"split {self.split!r} is read as it is, without resampling")
-    weights, is_tail = resampling.importance(self._labels, self._tail_threshold)
+    weights, is_tail = resampling.importance(self._labels.slice(0, len(self)),
+                                             self._tail_threshold,
+                                             label_counts=self._label_counts)
     return resampling.ResampledIndices(weights, is_tail, alpha=self.alpha, num_samples=len(self),
                                        seed=seed)
 
@@ -106,9 +157,8 @@ class HashtagSource(datasets.Source):
     if self._tail_threshold is None:
       return None
     start, stop = resampling.host_slice(len(self), process_index, process_count)
-    counts = np.bincount(np.concatenate([np.asarray(ids, np.int64) for ids in self._labels]))
     return resampling.host_sampler(
-        self._labels[start:stop], num_images=len(self), label_counts=counts,
+        self._labels.slice(start, stop), num_images=len(self), label_counts=self._label_counts,
         tail_threshold=self._tail_threshold, alpha=self.alpha, num_samples=len(self), seed=seed,
         process_index=process_index, process_count=process_count, log_epochs=True)
 
@@ -123,6 +173,8 @@ class HashtagDataset(datasets.Dataset):
       raise ValueError(f"{builder.data_dir} holds no hashtag vocabulary in its metadata; "
                        "prepare it with `python -m input_pipeline.prepare hashtags`.")
     self.vocabulary = [v["label"] for v in meta["vocabulary"]]
+    # f(h): the train images holding each label (the job's count, as importance needs).
+    self.label_counts = np.asarray([v["images"] for v in meta["vocabulary"]], np.int64)
     self.tail_threshold = int(meta["head_tail"]["tail_threshold"])
     splits = tuple(sorted(builder.info.splits.keys()))
     skipped = dict(meta.get("skipped", {}))
@@ -148,8 +200,8 @@ class HashtagDataset(datasets.Dataset):
           f"{path} is missing: re-run `python -m input_pipeline.prepare hashtags` with the "
           "same --data_dir and --name; it writes the label index of a finished dataset.")
     stats = self.info.stats
-    return HashtagSource(_records(self.builder, split), label_lists(path),
-                         tail_threshold=self.tail_threshold,
+    return HashtagSource(_records(self.builder, split), LabelIndex(path),
+                         label_counts=self.label_counts, tail_threshold=self.tail_threshold,
                          head_tail=(stats["head_train_images"], stats["tail_train_images"]))
 
 
