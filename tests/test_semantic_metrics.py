@@ -92,20 +92,34 @@ def _level_softmax_by_hand(row):
 
 
 def test_semantic_softmax_answer_is_the_walk_stop_probability():
-  """P(answer c) = (product of level probabilities along c's chain) * (1 - the next level's
-  mass on c's children), written out per class from _CHAINS."""
+  """P(through c) = P(through parent) * q(c) / max(q(parent), q of the parent's children),
+  P(answer c) = P(through c) - P(through c's children), written out per class."""
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, len(_PARENT))).astype(np.float32) * 2
   tree = SemanticTree.from_parents(_PARENT)
   got = np.asarray(metrics.semantic_softmax_answer(jnp.asarray(logits), tree))
   children = {c: [d for d, p in enumerate(_PARENT) if p == c] for c in range(len(_PARENT))}
   for b in range(3):
-    p = _level_softmax_by_hand(logits[b].astype(np.float64))
+    q = _level_softmax_by_hand(logits[b].astype(np.float64))
+    through = {}
+    for c in sum(_LEVELS, []):  # Parents first.
+      parent = _PARENT[c]
+      through[c] = q[c] if parent < 0 else through[parent] * q[c] / max(
+          q[parent], sum(q[d] for d in children[parent]))
     for c in range(len(_PARENT)):
-      through = np.prod([p[a] for a in _CHAINS[c]])
-      want = through * (1 - sum(p[d] for d in children[c]))
+      want = through[c] - sum(through[d] for d in children[c])
       np.testing.assert_allclose(got[b, c], want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got[b].sum(), 1.0, rtol=1e-5)  # A distribution over classes.
+
+
+def test_semantic_answer_counts_the_parents_mass_once():
+  """Root A; B, C, F under it; one leaf under each (D, E, G), labelled 40 / 30 / 30 %: level
+  softmaxes at those frequencies (the loss's minimiser) answer D with 0.4, not B (a product of
+  the level probabilities along the chain gave B 0.4 x (1 - 0.4) = 0.24 > D's 0.16)."""
+  tree = SemanticTree.from_parents([-1, 0, 0, 0, 1, 2, 3])
+  logits = np.log(np.array([[1.0, 0.4, 0.3, 0.3, 0.4, 0.3, 0.3]], np.float32))
+  answer = np.asarray(metrics.semantic_softmax_answer(jnp.asarray(logits), tree))[0]
+  np.testing.assert_allclose(answer, [0, 0, 0, 0, 0.4, 0.3, 0.3], atol=1e-6)
 
 
 def test_semantic_answer_picks_a_confident_deep_class_and_stops_when_unsure():

@@ -32,6 +32,7 @@ W = {
     "chair": "n03001627", "furniture": "n03405725", "person": "n00007846",
     "scrabble": "n00502161", "board_game": "n00502415", "word_game": "n00501870",
     "parlor_game": "n00501722", "sun": "n09450163", "star": "n09444100",
+    "automatic_firearm": "n02760429", "machine_gun": "n03701391", "automatic_rifle": "n02760855",
 }
 
 
@@ -59,31 +60,30 @@ def test_real_synsets_parents_and_depths():
   assert tree.wnids == [W[n] for n in names]
 
 
-def test_two_in_set_paths_of_different_lengths_nearest_wins():
+def test_a_class_hangs_under_its_lowest_in_set_ancestor_not_the_nearest():
   # dog reaches animal in 2 links (via domestic_animal) and mammal in 4 (via canine,
-  # carnivore, placental): the nearer one is the parent, although mammal is more specific.
+  # carnivore, placental); mammal lies under animal, so dog hangs under mammal and an image
+  # of a dog has one ground truth per level (animal, mammal, dog), none skipped.
   names = ["mammal", "dog", "animal"]
   tree = _tree(names)
-  assert _parent_names(tree, names) == {"mammal": "animal", "dog": "animal", "animal": None}
+  assert _parent_names(tree, names) == {"mammal": "animal", "dog": "mammal", "animal": None}
   # person reaches physical_entity in 2 links (causal_agent) and whole in 3 (organism,
   # living_thing); whole itself hangs under physical_entity (object in between).
   names = ["whole", "person", "physical_entity"]
   tree = _tree(names)
   assert _parent_names(tree, names) == {
-      "whole": "physical_entity", "person": "physical_entity", "physical_entity": None}
-  assert tree.class_depth.tolist() == [1, 1, 0]
+      "whole": "physical_entity", "person": "whole", "physical_entity": None}
+  assert tree.class_depth.tolist() == [1, 2, 0]
+  # automatic_rifle's two hypernyms: machine_gun, itself under automatic_firearm.
+  names = ["automatic_firearm", "machine_gun", "automatic_rifle"]
+  assert _parent_names(_tree(names), names)["automatic_rifle"] == "machine_gun"
 
 
 def test_ties_at_equal_distance_smallest_min_depth_then_offset():
-  # carnivore (min_depth 11) and animal (min_depth 6) are both 2 links above dog.
-  names = ["carnivore", "dog", "animal"]
-  assert _parent_names(_tree(names), names)["dog"] == "animal"
-  # canine (12) and domestic_animal (7) are both 1 link above dog.
+  # canine (min_depth 12) and domestic_animal (7) are both 1 link above dog, and neither
+  # lies above the other.
   names = ["canine", "domestic_animal", "dog"]
   assert _parent_names(_tree(names), names)["dog"] == "domestic_animal"
-  # physical_entity (min_depth 1) and living_thing (4) are both 2 links above person.
-  names = ["living_thing", "physical_entity", "person"]
-  assert _parent_names(_tree(names), names)["person"] == "physical_entity"
   # board_game and word_game both have min_depth 8: the smaller offset (word_game) wins.
   names = ["board_game", "scrabble", "word_game", "parlor_game"]
   assert _parent_names(_tree(names), names) == {

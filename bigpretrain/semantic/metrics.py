@@ -50,11 +50,11 @@ def semantic_accuracy(logits: jax.Array, semantic_targets: jax.Array,
 # Hierarchical inference: one answer per image from a model trained on the class tree.
 #
 # Read the model as a top-down walk: start at a root class, then at each node either step to
-# one of its children or stop there. subtree_probs(c) is the probability that the walk passes
-# through c (the label is c or a descendant of c); the probability that it stops at c (the
-# label is exactly c) is then subtree_probs(c) minus the sum over c's children. Its argmax is the
-# single answer and its ranking gives top-k. Unlike an argmax over all logits, it neither always
-# answers a root (ancestors are the most probable classes) nor a leaf, and needs no threshold.
+# one of its children or stop there. subtree probability of c: the walk passes through c (the
+# label is c or a descendant of c); the probability that it stops at c (the label is exactly
+# c) is then that minus the sum over c's children. Its argmax is the single answer and its
+# ranking gives top-k. Unlike an argmax over all logits, it neither always answers a root
+# (ancestors are the most probable classes) nor a leaf, and needs no threshold.
 
 
 def level_softmax(logits: jax.Array, tree: SemanticTree) -> jax.Array:
@@ -66,12 +66,21 @@ def level_softmax(logits: jax.Array, tree: SemanticTree) -> jax.Array:
 
 
 def path_probs(level_probs: jax.Array, tree: SemanticTree) -> jax.Array:
-  """Semantic softmax: P(the walk passes through c) = the product of the level probabilities
-  of c and of each of its ancestors (the level softmaxes are the walk's steps)."""
+  """Semantic softmax: P(the walk passes through c), from the level softmaxes q.
+
+  A level's softmax spreads its mass over all of that level's classes, not over one parent's
+  children: q_k(c) reads as P(the label's level-k class is c). The walk at parent P therefore
+  steps to its child c with q_k(c) / q_{k-1}(P), the share of P's mass that c's holds, and
+  stops at P with the rest; where P's children hold more than P (the two levels disagree),
+  the steps are scaled to sum to 1. (A product of q along the chain would count the parent's
+  mass twice: q_k(c) already includes it.)"""
   out = level_probs
   for classes in tree.level_classes[1:]:  # Parents sit one level up and are already done.
     parents = jnp.asarray(tree.parent[classes])
-    out = out.at[:, classes].multiply(out[:, parents])
+    q = level_probs[:, classes]
+    children = jnp.zeros_like(level_probs).at[:, parents].add(q)[:, parents]
+    share = q / jnp.maximum(jnp.maximum(level_probs[:, parents], children), 1e-30)
+    out = out.at[:, classes].set(out[:, parents] * share)
   return out
 
 

@@ -2,9 +2,9 @@
 
 Semantic softmax (Ridnik et al., 2021, section 3.3) trains one softmax per hierarchy level.
 This module turns a list of WordNet ids into a forest over those classes only: each class
-hangs under its nearest ancestor that is also a class. From that forest it derives the level
-of every class, the classes of every level, the per-level targets of a label, and the level
-balancing weights W_k.
+hangs under its nearest ancestor that is also a class and lies above no other such ancestor.
+From that forest it derives the level of every class, the classes of every level, the
+per-level targets of a label, and the level balancing weights W_k.
 
 Everything here is plain numpy and deterministic (independent of PYTHONHASHSEED and of nltk's
 hypernym order), because every host builds the same tree on its own. A tree is immutable and
@@ -44,22 +44,40 @@ def _up(synset) -> list:
 
 
 def _sort_key(synset) -> tuple[int, str, int]:
-  """Tie-break among equally near in-set ancestors: most general first, then offset."""
+  """Tie-break among equally near candidate parents: most general first, then offset."""
   return (synset.min_depth(), synset.pos(), synset.offset())
 
 
-def _nearest_in_set_ancestor(synset, index: dict) -> int:
-  """Class id of the nearest in-set ancestor of `synset` (breadth-first), or -1."""
+@functools.lru_cache(maxsize=None)
+def _ancestors(synset) -> frozenset:
+  """Every hypernym and instance hypernym above `synset`, transitively."""
+  out = set()
+  for h in _up(synset):
+    out.add(h)
+    out |= _ancestors(h)
+  return frozenset(out)
+
+
+def _parent_in_set(synset, index: dict) -> int:
+  """Class id of the parent of `synset` among the classes, or -1.
+
+  The candidates are its in-set ancestors that lie above no other in-set ancestor of it, so
+  that its chain to the root passes through every in-set ancestor it can (automatic_rifle
+  hangs under machine_gun, itself under automatic_firearm, though both are its hypernyms). Of
+  those, the nearest (fewest hypernym steps, breadth-first) wins, then _sort_key.
+  """
+  in_set = [a for a in _ancestors(synset) if a in index]
+  lowest = {a for a in in_set if not any(a in _ancestors(b) for b in in_set)}
   seen = {synset}
   frontier = [synset]
-  while frontier:
+  while frontier and lowest:
     layer = set()
     for s in frontier:
       for h in _up(s):
         if h not in seen:
           seen.add(h)
           layer.add(h)
-    found = [h for h in layer if h in index]
+    found = layer & lowest
     if found:
       return index[min(found, key=_sort_key)]
     # Whole layers are expanded before looking, so visiting order cannot change the result.
@@ -92,7 +110,7 @@ def _parents_from_wnids(wnids: tuple[str, ...]) -> tuple[int, ...]:
       logging.warning("Rebuilding the semantic tree kept in %s: %s", path, e)
   synsets = [wordnet.synset_from_wnid(w) for w in wnids]  # ValueError naming a bad wnid.
   index = {s: i for i, s in enumerate(synsets)}
-  parents = tuple(_nearest_in_set_ancestor(s, index) for s in synsets)
+  parents = tuple(_parent_in_set(s, index) for s in synsets)
   try:  # Atomic: processes that build the same tree at once never read a torn file.
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
@@ -181,10 +199,11 @@ class SemanticTree:
   def from_wnids(cls, wnids: Sequence[str]) -> "SemanticTree":
     """Tree over WordNet classes; class i is wnids[i].
 
-    Each class's parent is its nearest ancestor among the given classes: hypernym and
-    instance-hypernym links are walked breadth-first, and among the in-set synsets reached
-    at the smallest number of links the one with the smallest WordNet min_depth() wins,
-    then the smallest offset. Classes with no in-set ancestor are roots.
+    Each class's parent is its nearest in-set ancestor that lies above no other in-set
+    ancestor of it (so no in-set ancestor is skipped where one chain holds them all):
+    hypernym and instance-hypernym links are walked breadth-first, and among such synsets
+    reached at the smallest number of links the one with the smallest WordNet min_depth()
+    wins, then the smallest offset. Classes with no in-set ancestor are roots.
 
     Raises:
       ValueError naming the wnid: malformed, not in WordNet 3.0, or duplicated.
