@@ -63,8 +63,8 @@ def base_config() -> ml_collections.ConfigDict:
   # later checkpoints are moved to checkpoints_superseded/), else of config.resume. Remove
   # it from the command for later re-runs, or each would go back to step N again.
   c.resume_step = -1
-  # Resuming with another run length, batch size, lr or lr schedule than the checkpoint's run
-  # (SCHEDULE_KEYS) is refused unless this is True.
+  # Resuming with another run length, batch size, lr, lr schedule or seed than the
+  # checkpoint's run (SCHEDULE_KEYS) is refused unless this is True.
   c.allow_schedule_change = False
   c.model_init = ''  # Checkpoint to load params from (a teacher, an ImageNet-1K init).
   # Regex of param paths (e.g. '^params/head/') that model_init leaves freshly initialised;
@@ -414,9 +414,10 @@ def describe_duration(config: Mapping[str, Any], num_train_examples: int | None 
 
 
 # Keys that define the step count and the learning-rate schedule ('optim.schedule' is every
-# key of that section: its name, warmup, decay shape).
+# key of that section: its name, warmup, decay shape), and the seed: a checkpoint's data
+# position counts records of its seed's shuffle order.
 SCHEDULE_KEYS = ('total_steps', 'num_epochs', 'num_examples', 'batch_size', 'optim.lr',
-                 'optim.schedule')
+                 'optim.schedule', 'seed')
 
 
 def _flat(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -470,8 +471,9 @@ def check_schedule_unchanged(config: Mapping[str, Any], saved_config_path: str) 
     raise ValueError(
         f'Resuming the run in {os.path.dirname(saved_config_path)} with another schedule: '
         f'{"; ".join(changes)}. The checkpoint\'s step, optimizer state and data position '
-        'belong to the saved schedule; set --config.allow_schedule_change=True to resume '
-        'with the new values anyway, or use a new --workdir.')
+        'belong to the saved schedule (the data position to the saved seed\'s record order); '
+        'set --config.allow_schedule_change=True to resume with the new values anyway, or use '
+        'a new --workdir.')
 
 
 def compilation_cache_dir(config: Mapping[str, Any]) -> str | None:

@@ -246,9 +246,10 @@ def test_schedule_changes_name_the_keys():
   config.optim.lr = 0.5
   config.optim.schedule.warmup_steps = 3
   config.batch_size = 32
+  config.seed = saved["seed"] + 1  # The data position counts records of the seed's order.
   assert config_lib.schedule_changes(saved, config) == [
       "batch_size: 16 -> 32", f"optim.lr: {saved['optim']['lr']!r} -> 0.5",
-      "optim.schedule.warmup_steps: -1 -> 3"]
+      "optim.schedule.warmup_steps: -1 -> 3", f"seed: {saved['seed']} -> {saved['seed'] + 1}"]
 
 
 def _run_one(args):
