@@ -579,6 +579,11 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                      writer=writer, checkpointer=checkpointer, train_iter=train_iter,
                      perf=perf, profiler=profiler, bar=bar,
                      pending=_Pending(divergence.Monitor(config, checkpointer)))
+  if 0 < start < total_steps and any(_every(start, ev.every_steps, total_steps)
+                                     for ev in evaluators):
+    # Preempted at an evaluation step (the save comes first): that evaluation is still owed.
+    if not _process_0_says(bool(_logged_evals(workdir, start)) if is_main else False):
+      out.run_evals(start, state)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):

@@ -182,3 +182,13 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
     assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
   rows = [json.loads(l) for l in metrics.read_text().splitlines()]
   assert sum(r["step"] == 2 and "train/loss" not in r for r in rows) == 1
+
+  # Preempted at an eval step of a longer run (saved, not yet evaluated): the resumed run
+  # evaluates that step first, once, then trains on.
+  metrics.write_text("".join(l + "\n" for l in logged.splitlines()
+                             if json.loads(l) != final[0]))
+  longer = helpers.tiny_config(total_steps=3, eval_every_steps=2, allow_schedule_change=True)
+  train.train_and_evaluate(longer, str(workdir))
+  rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert [r["step"] for r in rows if "train/loss" not in r] == [2, 3]
+  assert max(r["step"] for r in rows if "train/loss" in r) == 3
