@@ -444,7 +444,10 @@ class Checkpointer:
       if "ema" in items:
         restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
-      self._good_through = step - 1
+      # Its state is confirmed by the next good loss; with the skip policy, the states of a
+      # run of bad steps in progress are not good either.
+      bad_run = int(restored.get("health", {}).get("bad_run", 0))
+      self._good_through = step - 1 - bad_run
       return restored, step
     if wanted is not None:
       where = "left in place" if self.read_only else f"moved to {self.directory}_corrupt/"

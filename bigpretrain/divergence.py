@@ -33,12 +33,13 @@ class Diverged(FloatingPointError):
 
 
 def init_health(window: int) -> dict:
-  """The step's running record: the last `window` good losses (NaN = empty) and the count of
-  skipped steps. Saved in the checkpoints, so that a resumed run judges its steps as the
-  uninterrupted run would; one restored from a checkpoint without it (written before it
-  was saved, or with another window) starts anew."""
+  """The step's running record: the last `window` good losses (NaN = empty), the count of
+  skipped steps and the bad steps in a row up to the last one (0 after a good step). Saved in
+  the checkpoints, so that a resumed run judges its steps, counts a run of bad steps and
+  moves checkpoints aside as the uninterrupted run would; one restored from a checkpoint
+  without it (written before it was saved, or with another window) starts anew."""
   return {"losses": jnp.full((window,), jnp.nan, jnp.float32),
-          "skipped_steps": jnp.zeros((), jnp.int32)}
+          "skipped_steps": jnp.zeros((), jnp.int32), "bad_run": jnp.zeros((), jnp.int32)}
 
 
 def assess(health: dict, loss, grad_norm, loss_factor: float, min_rise: float = 0.0):
@@ -55,7 +56,8 @@ def assess(health: dict, loss, grad_norm, loss_factor: float, min_rise: float = 
   healthy = finite & ~spike
   pushed = jnp.roll(losses, 1).at[0].set(loss.astype(jnp.float32))
   losses = jnp.where(healthy, pushed, losses)
-  return healthy, median, {**health, "losses": losses}
+  bad_run = jnp.where(healthy, 0, health["bad_run"] + 1).astype(jnp.int32)
+  return healthy, median, {**health, "losses": losses, "bad_run": bad_run}
 
 
 def keep_if(healthy, new, old):
@@ -109,7 +111,8 @@ class Monitor:
       if bool(row["_healthy"]):
         self.bad_since, good_through = None, step - 1
         continue
-      self.bad_since = step if self.bad_since is None else self.bad_since
+      # From the step's own count: a run of bad steps goes on across a resume.
+      self.bad_since = step - int(row["_bad_run"]) + 1
       if self.policy == "stop" or step - self.bad_since + 1 > self.max_skips:
         self._stop(step, row)
     if good_through is not None:

@@ -62,7 +62,7 @@ def state_shardings(model_def: models.ModelDef, tx, config, mesh):
       tx, lambda _, s: s, abstract_opt, variables["params"],
       transform_non_params=lambda _: repl)
   out = {"step": repl, **variables, "opt_state": opt, "skipped_records": repl,
-         "health": {"losses": repl, "skipped_steps": repl}}
+         "health": {"losses": repl, "skipped_steps": repl, "bad_run": repl}}
   if config.ema.momentum > 0:
     out["ema"] = dict(variables)
   return out
@@ -173,7 +173,8 @@ def make_train_step(model_def: models.ModelDef, objective, tx, schedule, seed: i
       metrics["train/skipped_steps"] = health["skipped_steps"]
     metrics["train/param_norm"] = (jnp.where(healthy, norms[2], norms[3]) if skip
                                    else norms[2])  # As kept.
-    metrics.update({"_healthy": healthy, "_loss_median": median})
+    metrics.update({"_healthy": healthy, "_loss_median": median,
+                    "_bad_run": health["bad_run"]})
     new_state = {"step": state["step"] + 1, **learned, "skipped_records": skipped,
                  "health": health}
     return new_state, metrics

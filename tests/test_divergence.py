@@ -121,10 +121,13 @@ def _interval_row(losses, healthy):
   config.divergence.policy = "skip"
   pending = train._Pending(divergence.Monitor(config, _Confirms()))
   skipped = np.cumsum(~np.array(healthy))
+  bad_run = 0
   for step, (loss, ok) in enumerate(zip(losses, healthy), 1):
+    bad_run = 0 if ok else bad_run + 1
     pending.add(step, {"train/loss": jnp.float32(loss), "train/grad_norm": jnp.float32(loss),
                        "train/skipped_steps": jnp.int32(skipped[step - 1]),
-                       "_healthy": jnp.bool_(ok), "_loss_median": jnp.float32(2.0)}, 16)
+                       "_healthy": jnp.bool_(ok), "_loss_median": jnp.float32(2.0),
+                       "_bad_run": jnp.int32(bad_run)}, 16)
   row, error = pending.flush(goodput.IntervalTimer())
   assert error is None
   return row
@@ -157,11 +160,13 @@ def test_a_skipped_step_keeps_the_moments_but_the_schedule_follows_the_step():
 
 def test_a_bad_step_is_a_non_finite_one_or_a_spike_over_the_running_median():
   window = jnp.array([3.0, 1.0, 2.0, jnp.nan], jnp.float32)  # Median of the good ones: 2.
-  health = {"losses": window, "skipped_steps": jnp.zeros((), jnp.int32)}
+  health = {"losses": window, "skipped_steps": jnp.zeros((), jnp.int32),
+            "bad_run": jnp.int32(2)}
   for loss, grad_norm, healthy in ((19.9, 1.0, True), (20.1, 1.0, False),
                                    (np.nan, 1.0, False), (1.0, np.inf, False)):
     ok, median, new = divergence.assess(health, jnp.float32(loss), jnp.float32(grad_norm), 10.0)
     assert bool(ok) == healthy and float(median) == 2.0
+    assert int(new["bad_run"]) == (0 if healthy else 3)  # The bad steps in a row.
     expected = [loss, 3.0, 1.0, 2.0] if healthy else [3.0, 1.0, 2.0, np.nan]
     np.testing.assert_array_equal(np.asarray(new["losses"]), np.float32(expected))
   # An empty window (a fresh run) calls no spike; factor 0 calls none at all.
@@ -170,7 +175,7 @@ def test_a_bad_step_is_a_non_finite_one_or_a_spike_over_the_running_median():
   assert bool(divergence.assess(health, jnp.float32(1e9), jnp.float32(1.0), 0.0)[0])
   # A small loss's noise: 12x its median but only 0.55 above it is no spike at min_rise 1.
   small = {"losses": jnp.array([0.05, 0.04, 0.06, jnp.nan], jnp.float32),
-           "skipped_steps": jnp.zeros((), jnp.int32)}
+           "skipped_steps": jnp.zeros((), jnp.int32), "bad_run": jnp.zeros((), jnp.int32)}
   assert bool(divergence.assess(small, jnp.float32(0.6), jnp.float32(1.0), 10.0, 1.0)[0])
   assert not bool(divergence.assess(small, jnp.float32(0.6), jnp.float32(1.0), 10.0, 0.0)[0])
   assert not bool(divergence.assess(small, jnp.float32(1.2), jnp.float32(1.0), 10.0, 1.0)[0])
@@ -187,3 +192,39 @@ def test_divergence_keys_are_validated(key, value, message):
   config = helpers.set_overrides(config_lib.base_config(), {key: value})
   with pytest.raises(ValueError, match=message):
     config_lib.validate(config)
+
+
+class _Aside:
+  """A checkpointer stand-in for Monitor: records what it is asked to move aside."""
+
+  def __init__(self):
+    self.moved_from = None
+
+  def confirm(self, step):
+    del step
+
+  def set_aside_from(self, step, why):
+    self.moved_from = step
+    return [s for s in (2, 4) if s >= step], f"checkpoints_{why}"
+
+  def latest_step(self):
+    return None
+
+  directory = "ckpts"
+
+
+def test_a_run_of_bad_steps_goes_on_across_a_resume():
+  """A resumed run's monitor starts fresh; the step's own count (health 'bad_run', restored
+  from the checkpoint) still dates the run of bad steps from before the resume."""
+  config = config_lib.base_config()
+  config.divergence.policy = "skip"
+  config.divergence.max_consecutive_skips = 3
+  aside = _Aside()
+  monitor = divergence.Monitor(config, aside)  # Resumed at step 4, steps 2-4 bad before it.
+  row = {"train/loss": jnp.float32(np.nan), "train/grad_norm": jnp.float32(1.0),
+         "_healthy": jnp.bool_(False), "_loss_median": jnp.float32(2.0),
+         "_bad_run": jnp.int32(4)}
+  with pytest.raises(divergence.Diverged, match=r"diverged at step 5 \(4 bad steps in a row "
+                     r"since step 2, .*checkpoints \[2, 4\]"):
+    monitor.observe([(5, row)])
+  assert aside.moved_from == 1  # Step 1's state gave step 2's bad loss.

@@ -367,19 +367,23 @@ def test_config_resume_takes_a_runs_workdir_as_model_init_does(tmp_path, capsys)
 def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):
   # A resumed run judges spikes against the same window of recent losses as the
   # uninterrupted run, and keeps counting skipped steps.
-  def with_health(window, losses=(), skipped=0):
+  def with_health(window, losses=(), skipped=0, bad_run=0):
     values = np.full((window,), np.nan, np.float32)
     values[:len(losses)] = losses
     return {**_state(head_classes=3), "health": {"losses": jnp.asarray(values),
-                                                 "skipped_steps": jnp.int32(skipped)}}
+                                                 "skipped_steps": jnp.int32(skipped),
+                                                 "bad_run": jnp.int32(bad_run)}}
 
   saver = checkpoint.Checkpointer(str(tmp_path / "new"), async_save=False)
-  saver.save(3, with_health(4, (2.5, 2.0), skipped=1))
+  saver.save(3, with_health(4, (2.5, 2.0), skipped=1, bad_run=1))
   saver.close()
   reader = checkpoint.Checkpointer(str(tmp_path / "new"), async_save=False)
   restored, _ = reader.restore(with_health(4))
   np.testing.assert_array_equal(restored["health"]["losses"], [2.5, 2.0, np.nan, np.nan])
   assert int(restored["health"]["skipped_steps"]) == 1
+  # Step 3 was bad (a run of one), so step 2's state diverged: only states up to step 1 count
+  # as good for rotation until a later good loss says otherwise.
+  assert int(restored["health"]["bad_run"]) == 1 and reader._good_through == 1
   assert "health" not in reader.restore(with_health(8))[0]  # Another window: none to restore.
   reader.close()
   old = checkpoint.Checkpointer(str(tmp_path / "old"), async_save=False)
