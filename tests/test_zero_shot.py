@@ -240,3 +240,24 @@ def test_bad_eval_resize_flag_is_refused_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=r"--eval_resize='center_crop\(2\)': the crop fraction"):
     zero_shot.run(str(tmp_path / "no_run"), "demo", eval_resize="center_crop(2)")
   assert not (tmp_path / "no_run").exists()
+
+
+def test_real_labels_are_scored_and_unlabelled_splits_refused(caplog):
+  """ReaL top-1 (Table 3's ReaL-IN column): the top class is one of the image's real labels,
+  over the images that have any. A split whose labels are withheld (-1) is refused."""
+  scores = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+  rows = {"sum": scores, "label": np.array([0, 0, 2, 1]),
+          "real_label": np.array([[0, 1], [0, -1], [-1, -1], [1, 2]])}
+  out = zero_shot.top1_from_rows(rows, {False: "sum"})
+  assert out["top1_no_platt"] == 0.5  # Images 0 and 2.
+  # Image 0's 0 is real, 1's 1 is not, 2 has none (left out), 3's 0 is not: 1 of 3.
+  assert out["real_top1_no_platt"] == pytest.approx(1 / 3) and out["num_real_examples"] == 3
+  with caplog.at_level("WARNING"):  # 4 images for 3 classes: no warning; 2 for 3: one.
+    zero_shot.top1_from_rows({"sum": scores, "label": rows["label"]}, {True: "sum"})
+    assert "Platt scaling fitted on" not in caplog.text
+    zero_shot.top1_from_rows({"sum": scores[:2], "label": rows["label"][:2]}, {True: "sum"})
+    assert "Platt scaling fitted on 2 images for 3 classes" in caplog.text
+  with pytest.raises(ValueError, match=r"2 of 4 images have no label of the 3 classes \(e.g. "
+                     r"-1: a test split whose labels are withheld\?\)"):
+    zero_shot.top1_from_rows({"sum": scores, "label": np.array([0, -1, -1, 1])},
+                             {False: "sum"})

@@ -11,7 +11,8 @@ from input_pipeline import subset
 class ZeroShot(base.Evaluator):
   """Settings: dataset (required: WordNet-labelled, e.g. 'demo' or 'tfds:imagenet2012'),
   aggregation ('' = the paper's per model, or one of zero_shot.AGGREGATIONS), platt ('on',
-  'off' or 'both'). Logs top1_platt and/or top1_no_platt."""
+  'off' or 'both'). Logs top1_platt and/or top1_no_platt (and their ReaL top-1 on a dataset
+  with ReaL labels)."""
   KEYS = ("aggregation", "platt")
 
   def __init__(self, name, cfg, exp):
@@ -22,6 +23,7 @@ class ZeroShot(base.Evaluator):
          "class_names": exp.dataset.info.class_names}, "This run")
     info = self.dataset.info
     wnids = zero_shot.check_wordnet_classes(info.class_names, info.name)
+    self.num_real = info.num_classes if zero_shot.REAL_LABEL in info.features else 0
     self.chosen = zero_shot.aggregations(config.model.name, cfg.get("aggregation", ""),
                                          cfg.get("platt", "both"))
     self.exp = exp
@@ -35,6 +37,7 @@ class ZeroShot(base.Evaluator):
     data_cfg = zero_shot.eval_data_config(dict(config.data), config.data.get("num_workers", 0))
     source = subset.split_source(self.dataset, self.split)
     rows = zero_shot.collect_scores(self.step, state, source, data_cfg,
-                                    batch_size=config.batch_size, mesh=self.exp.mesh)
+                                    batch_size=config.batch_size, mesh=self.exp.mesh,
+                                    num_real=self.num_real)
     out = zero_shot.top1_from_rows(rows, self.chosen)
     return {f"{self.name}/{k}": v for k, v in out.items() if v is not None}

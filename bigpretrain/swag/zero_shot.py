@@ -42,6 +42,7 @@ from input_pipeline import subset
 AGGREGATIONS = ("sum", "mean", "max_split")
 PLATT_MODES = ("on", "off", "both")
 HASHTAG_OBJECTIVES = ("soft_target",)  # Objectives whose classes are canonical hashtags.
+REAL_LABEL = "real_label"  # ReaL's label lists (tfds imagenet2012_real), as evaluators read them.
 EVAL_RESIZE = "shorter_center_crop"  # Section 4.1: shorter side to the size, centre crop.
 
 
@@ -275,7 +276,23 @@ def top1(scores, labels) -> float:
   if scores.ndim != 2 or labels.shape != scores.shape[:1]:
     raise ValueError(f"scores [N, C] and labels [N] needed, got {scores.shape} and "
                      f"{labels.shape}")
+  bad = (labels < 0) | (labels >= scores.shape[1])
+  if bad.any():
+    raise ValueError(f"{int(bad.sum())} of {len(labels)} images have no label of the "
+                     f"{scores.shape[1]} classes (e.g. {int(labels[bad][0])}: a test split "
+                     "whose labels are withheld?); zero-shot top-1 needs a labelled split.")
   return float(np.mean(scores.argmax(axis=1) == labels))
+
+
+def real_top1(scores, real_labels) -> tuple[float, int]:
+  """ReaL top-1 (Beyer et al. 2020) of class scores [N, C] against each image's real labels
+  [N, K] (-1 padded): (the share whose top class is one of them, over the images that have
+  any; that count)."""
+  real = np.asarray(real_labels)
+  pred = np.asarray(scores).argmax(axis=1)
+  valid = (real >= 0).any(axis=1)
+  hit = (real == pred[:, None]).any(axis=1) & valid
+  return float(hit.sum() / max(valid.sum(), 1)), int(valid.sum())
 
 
 # ---------------------------------------------------------------- the command
@@ -331,14 +348,15 @@ def save_class_map(path: str, class_wnids: Sequence[str], hashtags: Sequence[str
 
 def scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
   """Jitted (params, extra, batch) -> replicated {method: class scores [B, C], 'label',
-  'mask'}: the hashtag softmax, aggregated on device (the [N, H] hashtag scores, H ~27k in
-  the paper, never leave it)."""
+  'mask'} (and the batch's REAL_LABEL lists when it has them): the hashtag softmax, aggregated
+  on device (the [N, H] hashtag scores, H ~27k in the paper, never leave it)."""
 
   def scores(module, batch):
     logits = module(batch["image"], train=False).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     out = {m: aggregate(probs, mapping, m) for m in methods}
-    return {**out, "label": batch["label"], "mask": batch["mask"]}
+    out.update({k: batch[k] for k in ("label", "mask", REAL_LABEL) if k in batch})
+    return out
 
   return inference.make_step(model_def, shardings, mesh, normalize, scores)
 
@@ -359,20 +377,33 @@ def top1_from_rows(rows: dict, chosen: dict[bool, str]) -> dict:
   if not len(rows["label"]):
     raise ValueError("the split yielded no readable images")
   result = {"top1_platt": None, "top1_no_platt": None}
+  real = rows.get(REAL_LABEL)
+
+  def score(key: str, scores) -> None:
+    result[key] = top1(scores, rows["label"])
+    if real is not None:  # ReaL-IN, Table 3's other ImageNet column.
+      result[f"real_{key}"], result["num_real_examples"] = real_top1(scores, real)
+
   if False in chosen:
-    result["top1_no_platt"] = top1(rows[chosen[False]], rows["label"])
+    score("top1_no_platt", rows[chosen[False]])
   if True in chosen:
     scores = rows[chosen[True]]
+    if len(scores) < scores.shape[1]:
+      logging.warning("Platt scaling fitted on %d images for %d classes: it pulls each image's "
+                      "prediction towards uniform, so top-1 with it says little; use a larger "
+                      "split.", len(scores), scores.shape[1])
     w, b = platt_fit(scores)  # Transductive: the test scores, no labels.
-    result["top1_platt"] = top1(platt_apply(scores, w, b), rows["label"])
+    score("top1_platt", platt_apply(scores, w, b))
   return result
 
 
-def collect_scores(step, variables: dict, source, data_cfg, *, batch_size: int, mesh) -> dict:
-  """scores_step's rows over a whole split, concatenated (the same on every process)."""
+def collect_scores(step, variables: dict, source, data_cfg, *, batch_size: int, mesh,
+                   num_real: int = 0) -> dict:
+  """scores_step's rows over a whole split, concatenated (the same on every process); with
+  `num_real` > 0 (the class count) also each image's REAL_LABEL list."""
+  fields = {"label": 0, **({REAL_LABEL: num_real} if num_real else {})}
   parts = [rows for rows, _ in inference.forward_rows(
-      step, variables, source, data_cfg, batch_size=batch_size, mesh=mesh,
-      fields={"label": 0})]
+      step, variables, source, data_cfg, batch_size=batch_size, mesh=mesh, fields=fields)]
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -389,7 +420,8 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
         num_workers: int = 0, eval_resize: str = EVAL_RESIZE) -> dict:
   """Zero-shot top-1 of `workdir`'s hashtag model on `dataset`:`split`; see the module doc.
 
-  Returns {'top1_platt', 'top1_no_platt' (None when not computed), 'aggregation_platt',
+  Returns {'top1_platt', 'top1_no_platt' (None when not computed; with ReaL labels also
+  'real_top1_platt' / 'real_top1_no_platt' and 'num_real_examples'), 'aggregation_platt',
   'aggregation_no_platt', 'num_examples', 'num_classes', 'num_hashtags', 'class_map'}.
   """
   augment_spec.eval_resize_op(eval_resize, "--eval_resize")  # Before any work.
@@ -415,7 +447,8 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
                      mapping, sorted(set(chosen.values())))
   rows = collect_scores(step, loaded.variables, subset.split_source(data, split),
                         eval_data_config(meta["data"], num_workers, eval_resize),
-                        batch_size=batch_size, mesh=mesh)
+                        batch_size=batch_size, mesh=mesh,
+                        num_real=info.num_classes if REAL_LABEL in info.features else 0)
   return {**top1_from_rows(rows, chosen),
           "aggregation_platt": chosen.get(True), "aggregation_no_platt": chosen.get(False),
           "num_examples": int(len(rows["label"])), "num_classes": len(wnids),

@@ -59,6 +59,9 @@ def main(argv):
     if result[key] is not None:
       label = "with Platt scaling" if key == "top1_platt" else "without Platt scaling"
       print(f"  top-1 {label}: {100 * result[key]:.2f}% ({result[agg]} aggregation)")
+      if f"real_{key}" in result:
+        print(f"  ReaL top-1 {label}: {100 * result[f'real_{key}']:.2f}% "
+              f"({result['num_real_examples']} images with real labels)")
 
 
 if __name__ == "__main__":
