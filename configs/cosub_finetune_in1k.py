@@ -8,7 +8,7 @@ checkpoint; a few minutes on a 2-core CPU):
   python -m bigpretrain.main \
     --config=configs/cosub_finetune_in1k.py:init=/tmp/cosub_in21k_demo/checkpoints \
     --workdir=/tmp/cosub_ft_demo2
-  From the seed-0 demo pre-training (24.9% top-1), 400 steps of fine-tuning reach 29.1%.
+  docs/recipes.md gives what these 400 steps do to the seed-0 demo pre-training.
 
 Paper scale (from the checkpoint of configs/cosub_in21k.py; ImageNet-1k as ArrayRecord):
   ARG=dataset=tfds:imagenet2012,data_dir=/data/tfds,model=vit_b16
@@ -41,7 +41,8 @@ the position embedding bicubically with half-pixel centres, as DeiT's fine-tunin
 (`F.interpolate(..., mode='bicubic', align_corners=False)`, cosub's code base); a converted
 checkpoint's as its library does (config.model_init_resize='auto').
 
-Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init), epochs (50),
+Args: dataset, data_dir, model, init (checkpoint dir -> config.model_init; required outside the
+demo, `none` to train from scratch), epochs (50),
 res (image size; -1: 224, 32 on the demo; above 224 adds A.1's 0.05 to tau), tau (-1 =
 DeiT-III's fine-tuning drop path; the demo uses 0.5), layer_decay (-1 = Table A.1;
 the demo uses 0.75), layer_decay_convention (cosub | mae), submodels (2).
@@ -59,6 +60,11 @@ def get_config(arg=None):
   """cosub fine-tuning on 1k; `arg` e.g. 'dataset=tfds:imagenet2012,model=vit_b16,init=DIR'."""
   arg = cosub_common.parse(arg, init="", epochs=50.0, layer_decay=-1.0,
                            layer_decay_convention="cosub")
+  if arg.dataset != "demo" and not arg.init:
+    raise ValueError(f"dataset={arg.dataset} needs init=DIR, the checkpoint to fine-tune (the "
+                     "run of configs/cosub_in21k.py), or init=none to train from scratch.")
+  if arg.init == "none":
+    arg.init = ""
   if arg.tau >= 0:
     tau = arg.tau
   elif arg.dataset == "demo" and not arg.model:

@@ -6,10 +6,9 @@ configs/cosub_finetune_in1k.py.
 Demo (no arg; the embedded `demo` dataset, 32x32, vit_demo, a few minutes on a 2-core CPU):
   python -m bigpretrain.main --config=configs/cosub_in21k.py --workdir=/tmp/cosub_in21k_demo
   Same recipe without cosub:  ... --config.objective.num_submodels=1
-  At demo scale cosub does NOT beat the baseline: validation top-1 after the 400 steps (tau
-  0.5, seeds 0/1/2) is 24.9 / 21.2 / 22.4%, mean 22.8 +- 1.9 (std) with cosub, vs
-  26.7 / 24.5 / 21.5%, mean 24.2 +- 2.6 without. 2.5 epochs is an under-fitting regime,
-  where a regulariser such as cosub has little to give.
+  At demo scale cosub does not beat the baseline (docs/recipes.md, "cosub on the demo", has
+  the figures for seeds 0/1/2): 2.5 epochs is an under-fitting regime, where a regulariser
+  such as cosub has little to give.
 
 Demo, long regime (`:regime=long`): what cosub is for. The supplement trains for long
 schedules (400-800 epochs on ImageNet-1k, 270 on ImageNet-21k, where A.1 adds 0.05 to tau
@@ -21,11 +20,9 @@ step costs ~1.9x a plain one (seed 2's runs back to back on a shared 2-core CPU:
 images/s, 360 s vs 195 s a run). The command (seeds 0, 1, 2):
   python -m bigpretrain.main --config=configs/cosub_in21k.py:regime=long --config.seed=0 \
     --workdir=/tmp/cosub_long_s0            # + --config.objective.num_submodels=1: no cosub
-  cosub does NOT win here either: validation top-1 after the 471 steps (seeds 0/1/2) is
-  21.3 / 22.1 / 22.2%, mean 21.9 +- 0.5 (std) with cosub, vs 26.6 / 23.4 / 28.1%, mean
-  26.0 +- 2.4 without. The baseline does not over-fit (cutmix, smoothing and tau 0.55 already
-  regularise vit_demo; from step 400 to 471 its top-1 moves -0.9 / +0.8 / +1.4 points), so
-  cosub's extra regularisation costs accuracy here rather than helping.
+  cosub does not win here either (docs/recipes.md): the baseline does not over-fit (cutmix,
+  smoothing and tau 0.55 already regularise vit_demo), so cosub's extra regularisation costs
+  accuracy here rather than helping.
 
 Paper scale (ImageNet-21K-P prepared by `python -m input_pipeline.prepare imagenet21k_p`; the
 paper uses the full ImageNet-21k release, which any tfds:NAME ArrayRecord build can stand in

@@ -221,7 +221,9 @@ def _finetune(arg, demo: bool) -> ml_collections.ConfigDict:
     config = swag_finetune.get_config(f"dataset={base_dataset},data_dir={arg.data_dir},"
                                       f"model={model}")
   else:
-    config = cosub_finetune_in1k.get_config(f"dataset={base_dataset},data_dir={arg.data_dir}")
+    # The checkpoint is set below; without one, transfer trains from scratch.
+    config = cosub_finetune_in1k.get_config(f"dataset={base_dataset},data_dir={arg.data_dir},"
+                                            "init=none")
   config.data.name, config.data.dir = arg.dataset, arg.data_dir
   if arg.steps > 0:
     config.total_steps = arg.steps

@@ -17,7 +17,7 @@ def test_large_resolution_adds_005_to_tau():
   assert at_448.model.drop_path_rate == pytest.approx(0.25) and at_448.data.image_size == 448
   assert cosub_in1k.get_config(PAPER + ",res=112").model.drop_path_rate == 0.2  # B.4's size.
   assert cosub_in1k.get_config(PAPER + ",res=448,tau=0.3").model.drop_path_rate == 0.3
-  ft = cosub_finetune_in1k.get_config(PAPER + ",res=384")
+  ft = cosub_finetune_in1k.get_config(PAPER + ",res=384,init=/ckpt")
   assert ft.model.drop_path_rate == pytest.approx(0.15 + 0.05)  # DeiT-III's ViT-B 0.15.
 
 
