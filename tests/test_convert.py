@@ -290,8 +290,9 @@ def test_new_num_classes_keeps_backbone_and_reinitialises_head(tmp_path, capsys)
                 _torch_logits(headless, images, features=True))
   assert np.asarray(model.head.kernel[...]).shape == (192, 4)
   # timm's num_classes=0 ("no head") and other sizes no model has: refused before writing.
-  for key, value in (("num_classes", 0), ("num_classes", -2), ("image_size", 0)):
-    with pytest.raises(ValueError, match=f"--{key}={value} must be an int >= 1"):
+  for key, value, what in (("num_classes", 0, "classes"), ("num_classes", -2, "classes"),
+                           ("image_size", 0, "side in pixels")):
+    with pytest.raises(ValueError, match=rf"--{key}={value} must be an int >= 1 \(.*{what}"):
       convert.import_weights("timm:vit_tiny_patch16_224", str(tmp_path / "w.safetensors"),
                              str(tmp_path / "bad"), **{key: value})
   assert not (tmp_path / "bad").exists()
@@ -448,6 +449,20 @@ def test_export_refuses_another_architecture(tmp_path):
                            "timm:resnet50")
   with pytest.raises(ValueError, match="expected a .safetensors"):
     convert.export_weights(str(tmp_path / "c"), str(tmp_path / "o.npz"))
+
+
+def test_unusable_out_is_refused_before_the_weights_are_read(tmp_path):
+  """Neither file below exists: the --out check comes first, naming the flag."""
+  (tmp_path / "a_file").write_text("")
+  missing = str(tmp_path / "missing.safetensors")
+  with pytest.raises(ValueError, match="--out=.*a_file cannot be written as a folder"):
+    convert.import_weights("timm:resnet18", missing, str(tmp_path / "a_file"))
+  (tmp_path / "d.safetensors").mkdir()
+  with pytest.raises(ValueError, match="--out=.*is a folder; give a file name"):
+    convert.export_weights(str(tmp_path / "no_ckpt"), str(tmp_path / "d.safetensors"))
+  with pytest.raises(ValueError, match="the folder .*no_such_dir does not exist"):
+    convert.export_weights(str(tmp_path / "no_ckpt"),
+                           str(tmp_path / "no_such_dir" / "o.safetensors"))
 
 
 def test_corrupt_files_are_clear_errors(tmp_path):

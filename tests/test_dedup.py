@@ -287,6 +287,12 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
     dedup.run(model, POOL, f"{AGAINST},{POOL}", out, top_n=3, **KW)
   with pytest.raises(ValueError, match=r"--max_distance=3.0 must be in \[0, 2\]"):
     dedup.run(model, POOL, AGAINST, out, max_distance=3.0, **KW)
+  # An --out that cannot be a folder is refused before any image is read.
+  (tmp_path / "a_file").write_text("")
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(dedup, "_faiss", lambda: pytest.fail("the work started"))
+    with pytest.raises(ValueError, match="--out=.*a_file cannot be written as a folder"):
+      dedup.run(model, POOL, AGAINST, str(tmp_path / "a_file"), top_n=3, **KW)
   models.register("test_no_features", _NoFeatures)
   try:  # Registered only here: every other test may assume all registered models have it.
     no_features = _checkpoint(tmp_path / "nofeat", "test_no_features")

@@ -180,6 +180,11 @@ def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatc
     pool_predictions.run(teacher, DATA, "nope", str(tmp_path / "a"), **KW)
   with pytest.raises(ValueError, match=r"--top_p=0 must be in \[1, "):
     pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "b"), **{**KW, "top_p": 0})
+  (tmp_path / "a_file").write_text("")
+  with pytest.MonkeyPatch.context() as patch:  # Refused before the model is loaded.
+    patch.setattr(pool_predictions.pretrained, "load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="--out=.*a_file cannot be written as a folder"):
+      pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "a_file"), **KW)
   # A started folder resumes only with the same parameters.
   out, _ = predictions
   with pytest.raises(ValueError, match="other parameters.*top_p"):

@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 
 from bigpretrain import checkpoint
 from bigpretrain.runtime import console
+from bigpretrain.runtime import out_paths
 from input_pipeline import augment_spec
 
 INTEROP_HINT = "pip install -e '.[interop]'"
@@ -528,8 +529,7 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
   meta's eval_resize is `eval_resize`, else the source library's (source_eval_resize)."""
   arch = get_arch(spec)
   out = os.path.abspath(out)
-  if os.path.isdir(out) and os.listdir(out):
-    raise ValueError(f"--out={out} is not empty; give a new directory")
+  _check_out_folder(out)
   cfg = model_def.config()
   meta = {
       "version": checkpoint.META_VERSION,
@@ -552,6 +552,13 @@ def write_checkpoint(out: str, model_def, variables: dict, spec: str, weights: s
   return meta
 
 
+def _check_out_folder(out: str) -> None:
+  """An import's --out: a new or empty folder that takes files."""
+  if os.path.isdir(out) and os.listdir(out):
+    raise ValueError(f"--out={out} is not empty; give a new directory")
+  out_paths.folder(out)
+
+
 def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None = None,
                    image_size: int | None = None, class_names: str | None = None,
                    eval_resize: str | None = None) -> dict:
@@ -560,12 +567,13 @@ def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None
   their dataset's); without it the meta has none. `eval_resize`: the meta's data.eval_resize
   (default: the library's published eval transform of the weights, source_eval_resize)."""
   get_arch(spec)
-  for flag, value in (("--num_classes", num_classes), ("--image_size", image_size)):
+  for flag, value, what in (("--num_classes", num_classes, "classes of the new head"),
+                            ("--image_size", image_size, "the input's side in pixels")):
     if value is not None and (not isinstance(value, int) or value < 1):
-      raise ValueError(f"{flag}={value!r} must be an int >= 1 (a head of 0 classes is not "
-                       "a model this trainer can fine-tune or evaluate).")
+      raise ValueError(f"{flag}={value!r} must be an int >= 1 ({what}).")
   if eval_resize is not None:
     augment_spec.eval_resize_op(eval_resize, "--eval_resize")
+  _check_out_folder(os.path.abspath(out))
   model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
                                            num_classes=num_classes, image_size=image_size)
   names = (read_class_names(class_names, int(model_def.kwargs["num_classes"]))
@@ -611,6 +619,8 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
   """Writes a bigpretrain checkpoint's weights as `spec`'s state dict (.safetensors, or .pth
   with torch). `spec` defaults to the layout the checkpoint was converted from."""
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
+  _state_dict_format(out)
+  out_paths.file(out)
   loaded = pretrained.load(ckpt)
   spec = spec or loaded.meta.get("source", {}).get("from")
   if not spec:
@@ -629,12 +639,19 @@ def export_weights(ckpt: str, out: str, spec: str | None = None) -> dict[str, np
 
 def write_state_dict(sd: dict[str, np.ndarray], out: str) -> None:
   """Writes a state dict as .safetensors (numpy API, no torch) or a torch pickle."""
-  suffix = os.path.splitext(out)[1].lower()
-  if suffix == ".safetensors":
+  if _state_dict_format(out) == "safetensors":
     _import_safetensors().save_file(sd, out)
-  elif suffix in PICKLE_SUFFIXES:
+  else:
     torch = _import_torch()
     torch.save({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, out)
-  else:
-    raise ValueError(f"--out={out}: expected a .safetensors or {'/'.join(PICKLE_SUFFIXES)} "
-                     "file name")
+
+
+def _state_dict_format(out: str) -> str:
+  """'safetensors' or 'torch', by the file name `out` (a ValueError for another)."""
+  suffix = os.path.splitext(out)[1].lower()
+  if suffix == ".safetensors":
+    return "safetensors"
+  if suffix in PICKLE_SUFFIXES:
+    return "torch"
+  raise ValueError(f"--out={out}: expected a .safetensors or {'/'.join(PICKLE_SUFFIXES)} "
+                   "file name")

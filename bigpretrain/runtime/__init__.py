@@ -4,6 +4,7 @@ goodput.py        where a run's time goes ('perf/...' metrics, profiler window)
 preemption.py     SIGTERM: every process saves the same step, then exits 0
 distributed.py    one `jax.distributed.initialize` for TPU pods, SLURM and flags
 workdir_lock.py   one trainer per workdir
+out_paths.py      a command's output folder or file, checked before its work
 metric_writers.py metrics.jsonl, TensorBoard and the progress bar
 console.py        the one channel for what a run tells its user
 cache.py          the cache folder (WordNet files, demo dataset, compilation cache)

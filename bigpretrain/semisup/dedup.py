@@ -49,6 +49,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import out_paths
 from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
 from input_pipeline import exclusions
@@ -194,6 +195,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
                        f"{report.get('params')} vs {params} now; use another --out.")
     logging.info("Reusing the finished deduplication in %s.", out)
     return report
+  process_zero.run("the --out check", out_paths.folder, out)
   faiss = _faiss()
   pool_source = _source(pool_name, pool_split, data_dir)
   eval_sources = [_source(n, s, data_dir) for n, s in evals]
@@ -289,7 +291,6 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
         "removed": removed,
         "first_kept": pairs[top_n] if top_n is not None and len(pairs) > top_n else None,
     }
-    root.mkdir(parents=True, exist_ok=True)
     exclusions.write(root / EXCLUSIONS_FILE, [(r["pool"]["dataset"], r["pool"]["split"],
                                                r["pool"]["index"]) for r in removed])
     tmp = root / f".{REPORT_FILE}.tmp-{uuid.uuid4().hex}"

@@ -41,6 +41,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import out_paths
 from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
 from input_pipeline import exclusions
@@ -154,6 +155,9 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   if not 1 <= top_p <= num_classes:
     raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the teacher's classes).")
 
+  root = epath.Path(out)
+  is_main = jax.process_index() == 0
+  process_zero.run("the --out check", out_paths.folder, out)
   mesh = sharding.make_mesh({"data": -1, "fsdp": fsdp, "tensor": 1})
   sharding.check_batch_size(batch_size, mesh)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
@@ -164,10 +168,6 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   source = dataset.source(split)
   ranges = shard_ranges(len(source), shard_size)
   names = [shard_name(split, s, len(ranges)) for s in range(len(ranges))]
-  root = epath.Path(out)
-  is_main = jax.process_index() == 0
-  if is_main:
-    root.mkdir(parents=True, exist_ok=True)
   params = {"workdir": str(workdir), "dataset": data, "split": split, "top_p": top_p,
             "scores": "logits" if logits else "softmax", "shard_size": shard_size,
             "split_records": len(source)}
