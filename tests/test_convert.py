@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bigpretrain import checkpoint
+from bigpretrain.evaluators import evaluate
 from bigpretrain import config_lib
 from bigpretrain import models
 from bigpretrain import predict
@@ -318,6 +319,9 @@ def test_converted_checkpoint_serves_predict(tmp_path):
   meta = json.loads(json.dumps(checkpoint.read_meta(str(tmp_path / "c"))))
   assert meta["source"]["from"] == "timm:resnet18" and meta["data"]["normalize"] == "imagenet"
   assert meta["data"]["eval_resize"] == "center_crop(0.95, bicubic)"
+  # It was trained on no dataset of ours: evaluating it needs one named.
+  with pytest.raises(ValueError, match="converted from timm:resnet18.*give --datasets"):
+    evaluate.evaluate(str(tmp_path / "c"))
   # A meta naming no known resize: one error naming the checkpoint, before any image.
   model_def, variables, _ = convert.to_bigpretrain(_state_dict(torch_model), "timm:resnet18")
   convert.write_checkpoint(str(tmp_path / "bad"), model_def, variables, "timm:resnet18",

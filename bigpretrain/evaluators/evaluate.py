@@ -214,6 +214,9 @@ def evaluate(path: str, specs=(), *, run_config: dict | None = None, data_dir: s
   """Evaluates the model at `path` on the (name, split) `specs` (default: its own dataset);
   `drop_blocks` is a tuple of block indices or 'sweep'."""
   ev = Evaluation(path, run_config=run_config, batch_size=batch_size, topk=topk)
+  if not specs and "source" in ev.meta:
+    raise ValueError(f"{path} holds weights converted from {ev.meta['source']['from']}, "
+                     "trained on no dataset of this project: give --datasets=NAME[:SPLIT].")
   specs = list(specs) or [(ev.meta["dataset"], "")]
   test_sets = [ev.test_set(n, s, data_dir=data_dir, class_map=class_map) for n, s in specs]
   names = [ts.name for ts in test_sets]
