@@ -117,6 +117,8 @@ def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_ste
   assert kd["argument_bytes"] - plain["argument_bytes"] == kd["frozen_bytes"]
   assert kd["flops_per_device"] > plain["flops_per_device"]  # The teacher's forward pass.
   infer = plan_lib.plan(_config(batch_size=16), step="infer", top_p=5)
+  with pytest.raises(ValueError, match=r"--top_p=101 must be in \[1, 100\]"):
+    plan_lib.plan(_config(batch_size=16), step="infer", top_p=101)
   assert infer["step"] == "infer" and infer["opt_state_bytes"] == 0
   assert infer["params_bytes"] == infer["state_bytes"] == plain["params_bytes"]
   # Forward only: about a third of the train step's forward + backward.
@@ -156,6 +158,9 @@ def test_unknown_dataset_needs_num_classes():
     plan_lib.planning_dataset(config, ("label",))
   info = plan_lib.planning_dataset(config, ("label",), num_classes=7).info
   assert info.num_classes == 7 and info.features == {"label": 0}
+  config.data.name = "imagenet21k"  # No loader serves it (imagenet21k_p does).
+  with pytest.raises(ValueError, match="'imagenet21k' is not a known dataset. Did you mean 'imagenet21k_p'"):
+    plan_lib.planning_dataset(config, ("label",), num_classes=7)
 
 
 def test_known_class_lists_ship_with_the_package():

@@ -96,6 +96,8 @@ def planning_dataset(config, objective_reads, num_classes: int | None = None,
   `list_length`: the step's shapes need one; the run length's split sizes do not matter to
   the step, so every split has one global batch)."""
   name = str(config.data.name)
+  if name not in datasets.SOURCES:  # A misspelt name, which the run would meet at its start.
+    raise ValueError(datasets.SOURCES.unknown_message(name))
   names = known_class_names(name)
   if names is None:
     if not num_classes:
@@ -168,6 +170,9 @@ def trace_step(config, num_classes: int | None = None, devices=None,
       state = exp.abstract_state()
       traced = exp.train_step().trace(state, abstract_batch(exp), exp.frozen)
     else:
+      classes = exp.dataset.info.num_classes
+      if not 1 <= top_p <= classes:  # As infer refuses it.
+        raise ValueError(f"--top_p={top_p} must be in [1, {classes}] (the model's classes).")
       state, shardings = pretrained.abstract_variables(exp.model_def, exp.mesh,
                                                        train.rules_of(config))
       forward = pool_predictions.make_step(exp.model_def, shardings, exp.mesh,

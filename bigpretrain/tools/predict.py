@@ -21,6 +21,7 @@ from absl import logging
 
 from bigpretrain import predict
 from bigpretrain.runtime import distributed
+from bigpretrain.tools import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
                                 required=True)
@@ -53,11 +54,8 @@ def main(argv):
   if not paths:
     print(f"ERROR: no image files in {' '.join(argv[1:])}", file=sys.stderr)
     sys.exit(1)
-  try:
+  with cli.user_errors():
     results = predict.predict(_WORKDIR.value, paths, _THRESHOLD.value)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"ERROR: {e}", file=sys.stderr)
-    sys.exit(1)
   failed = 0
   for r in results:
     if "error" in r:
