@@ -631,14 +631,17 @@ def checkpoint_dir(path: str) -> str:
   return inner if os.path.isdir(inner) else path
 
 
-def read_meta(path: str, step: int | None = None) -> dict:
-  """The 'meta' item (see run_meta) of the latest (or given) checkpoint under `path`."""
+def read_meta(path: str, step: int | None = None, *, required: bool = True) -> dict | None:
+  """The 'meta' item (see run_meta) of the latest (or given) checkpoint under `path`; None
+  for a checkpoint without one when not `required`."""
   directory = checkpoint_dir(path)
   with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No checkpoint found in {directory}.")
     if not os.path.isdir(os.path.join(directory, str(step), "meta")):
+      if not required:
+        return None
       raise ValueError(f"Checkpoint {directory}/{step} has no 'meta' item (model config and "
                        "class names), so it cannot describe its model; it was written by an "
                        "older bigpretrain. Re-save it with a current run or convert it.")

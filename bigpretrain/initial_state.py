@@ -83,6 +83,7 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     console.say(f"Initialised from {config.model_init}; kept fresh: {fresh or 'nothing'}; "
                 f"resized: {resized or 'nothing'}; not in this model, not loaded: "
                 f"{dropped or 'nothing'}")
+    _warn_other_normalize(config)
     if config.model_init_head:  # A registered hook, e.g. SWAG's zero-shot head.
       hook = model_init.HOOKS.get(config.model_init_head)
       state = {**state, "params": hook(config.model_init, state["params"],
@@ -96,3 +97,14 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
                    f"starts from the weights of step {start}.")
     state = exp.restart_ema(state)
   return state, start
+
+
+def _warn_other_normalize(config) -> None:
+  """Weights fed inputs normalised otherwise than in their training start from a shifted
+  input; a recipe copies the checkpoint's preset, a hand-set model_init may not."""
+  meta = ckpt_lib.read_meta(config.model_init, required=False)
+  trained = (meta or {}).get("data", {}).get("normalize")
+  if trained and trained != config.data.normalize:
+    console.warn(f"{config.model_init} was trained on inputs normalised as {trained!r}; this "
+                 f"run feeds it config.data.normalize={config.data.normalize!r} (set "
+                 f"--config.data.normalize={trained} unless that is meant).")

@@ -250,9 +250,15 @@ def test_swag_finetune_of_a_real_checkpoint_at_a_larger_resolution(tiny_checkpoi
   config.batch_size, config.total_steps = 16, 1
   config.evals = ml_collections.ConfigDict()
   config.compilation_cache_dir = helpers.JAX_CACHE
+  trained = checkpoint.read_meta(tiny_checkpoint)["data"]["normalize"]
+  assert config.data.normalize == trained  # The recipe takes the checkpoint's preset.
+  config.data.normalize = "0_1" if trained != "0_1" else "minus1_1"  # A hand-set other one.
   capsys.readouterr()
   train.train_and_evaluate(config, str(tmp_path))
-  assert "resized: ['params/pos_embed (1, 17, 128) -> (1, 65, 128)']" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "resized: ['params/pos_embed (1, 17, 128) -> (1, 65, 128)']" in out
+  assert (f"WARNING: {tiny_checkpoint} was trained on inputs normalised as {trained!r}; this "
+          f"run feeds it config.data.normalize={config.data.normalize!r}") in out
   assert checkpoint.read_meta(str(tmp_path))["model"]["image_size"] == 64
 
 
