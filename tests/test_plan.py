@@ -16,6 +16,7 @@ from bigpretrain.plan import hlo_collectives
 from bigpretrain import objectives
 from bigpretrain import sharding
 from bigpretrain import train
+from input_pipeline import datasets
 from tests import helpers
 
 # The demo ViT on 16px images (4 patches): compiles in seconds, same step as the recipe.
@@ -165,6 +166,8 @@ def test_unknown_dataset_needs_num_classes():
 
 def test_known_class_lists_ship_with_the_package():
   config = _config(16)
+  coarse = datasets.get_dataset({"name": "demo_coarse", "dir": ""}).info.class_names
+  assert plan_lib.known_class_names("demo_coarse") == coarse and len(coarse) == 12
   config.data.name = "imagenet21k_p"
   info = plan_lib.planning_dataset(config, ("label",)).info
   # ImageNet-21K-P (fall11): "12,358,688 images from 11,221 classes" (Ridnik et al., sec. 2.1).
@@ -200,6 +203,20 @@ def test_cli_sets_its_device_count_and_prints_one_json_line():
   assert p["compiler"].startswith("XLA:CPU")
   assert p["remat"] == "dots_saveable"  # The recipe keeps model.remat settable.
   assert "remat dots_saveable" in plan_lib.describe(p)
+
+
+def test_cli_plans_a_config_that_reads_its_checkpoint_while_it_loads(tmp_path):
+  """transfer.py with init= reads the checkpoint's meta while the config loads, which starts
+  JAX: --devices must be set before (it failed on the fixed device count); its dataset,
+  demo_coarse, has a class list the plan knows."""
+  init = helpers.random_checkpoint(tmp_path)
+  args = [sys.executable, "-m", "bigpretrain.tools.plan",
+          f"--config={helpers.ROOT / 'configs' / 'transfer.py'}:mode=finetune,init={init}",
+          "--devices=2", "--flops_only", "--config.batch_size=4"]
+  out = subprocess.run(args, env=helpers.env(1), cwd=helpers.ROOT, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1])["devices"] == 2
 
 
 # The forms the TPU and GPU compilers write, as in their compiled HLO (layouts trimmed).

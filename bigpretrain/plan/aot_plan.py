@@ -54,6 +54,7 @@ from bigpretrain import train
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline.sources import demo
+from input_pipeline.sources import demo_coarse
 
 # XLA:GPU with no GPU cannot autotune, and its default Triton GEMM tiling fails on some
 # shapes ("Couldn't find output tile sizes", e.g. ViT-B/16's bf16[12608,768] dot): a
@@ -76,6 +77,9 @@ def known_class_names(data_name: str) -> list[str] | None:
   """The class list of a dataset the package knows by name, or None."""
   if demo.is_demo_name(data_name):
     return demo.load_wnids()
+  if data_name in demo_coarse.FINE:  # The demo's classes one level up.
+    return demo_coarse.coarse_map(demo.load_wnids(),
+                                  leaves_only=demo_coarse.FINE[data_name] == "demo")[1]
   files = {datasets.IMAGENET21K_P: "imagenet21k_p_wnids.txt",
            "tfds:imagenet2012": "imagenet1k_wnids.txt"}
   if data_name in files:

@@ -125,6 +125,23 @@ def main(argv):
   print(json.dumps(p) if f.json else aot_plan.describe(p), flush=True)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """cli.parse_flags, with --devices' fake CPU devices set first: a config that reads its
+  checkpoint while it loads (transfer.py or swag_finetune.py with init=) starts JAX, and the
+  CPU device count cannot change after that."""
+  early = flags.FlagValues()
+  flags.DEFINE_integer("devices", None, "", flag_values=early)
+  flags.DEFINE_string("topology", None, "", flag_values=early)
+  try:
+    early(argv, known_only=True)
+  except flags.Error:
+    pass  # The full parse below names the bad value.
+  if early.devices is not None and early.devices >= 1 and early.topology is None:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", early.devices)
+  return cli.parse_flags(argv)
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(main, flags_parser=parse_flags)
