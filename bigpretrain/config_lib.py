@@ -110,9 +110,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = ml_collections.ConfigDict(dict(name='softmax'))
   c.optim = optim.optim_defaults()
   # Evaluators by name (bigpretrain/evaluators): 'eval' is the objective's metrics on
-  # data.eval_split every eval_every_steps; its results are logged as 'eval/...'.
+  # data.eval_split every eval_every_steps (its every_steps: -1); logged as 'eval/...'.
   c.evals = ml_collections.ConfigDict(
-      {'eval': ml_collections.ConfigDict(dict(type='classification', topk=(1, 5)))})
+      {'eval': ml_collections.ConfigDict(dict(type='classification', topk=(1, 5),
+                                              every_steps=-1))})
   # On-device mixup/cutmix inside the train step (timm semantics); both 0 = off.
   c.mixup = mixup.mixup_defaults()
   # EMA of the weights (params and float model state such as BatchNorm statistics), updated
@@ -263,6 +264,8 @@ def _check_values(config: Mapping[str, Any]) -> None:
   for key in _STEP_KEYS:
     if config[key] < 0:
       raise ValueError(f'config.{key}={config[key]} must be >= 0.')
+  if config.log_every_steps < 1:  # Each row's steps are held until it is written.
+    raise ValueError(f'config.log_every_steps={config.log_every_steps} must be >= 1.')
   if config.keep_ckpts < 1:
     raise ValueError(f'config.keep_ckpts={config.keep_ckpts} must be >= 1.')
   if config.resume_step < -1:
@@ -416,8 +419,12 @@ def describe_duration(config: Mapping[str, Any], num_train_examples: int | None 
 # Keys that define the step count and the learning-rate schedule ('optim.schedule' is every
 # key of that section: its name, warmup, decay shape), and the seed: a checkpoint's data
 # position counts records of its seed's shuffle order.
+# The run length and the lr at each step (LayerDecay scales it per layer), and what the saved
+# data position counts records of: the seed's shuffle order of these datasets, mix and subset.
 SCHEDULE_KEYS = ('total_steps', 'num_epochs', 'num_examples', 'batch_size', 'optim.lr',
-                 'optim.schedule', 'seed')
+                 'optim.schedule', 'optim.layer_decay', 'optim.layer_decay_lr_scale', 'seed',
+                 'data.name', 'data.mix', 'data.train_split', 'data.subset_frac',
+                 'data.subset_seed')
 
 
 def _flat(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -471,7 +478,8 @@ def check_schedule_unchanged(config: Mapping[str, Any], saved_config_path: str) 
     raise ValueError(
         f'Resuming the run in {os.path.dirname(saved_config_path)} with another schedule: '
         f'{"; ".join(changes)}. The checkpoint\'s step, optimizer state and data position '
-        'belong to the saved schedule (the data position to the saved seed\'s record order); '
+        'belong to the saved schedule (the data position to the saved record order: seed, '
+        'datasets, mix and subset); '
         'set --config.allow_schedule_change=True to resume with the new values anyway, or use '
         'a new --workdir.')
 

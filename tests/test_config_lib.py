@@ -115,7 +115,7 @@ def test_missing_required_keys():
 
 
 @pytest.mark.parametrize('key, value', [
-    ('batch_size', 0), ('batch_size', -8), ('log_every_steps', -1),
+    ('batch_size', 0), ('batch_size', -8), ('log_every_steps', -1), ('log_every_steps', 0),
     ('eval_every_steps', -5), ('ckpt_every_steps', -1), ('keep_ckpts', 0),
     ('compute_dtype', 'float16'), ('compilation_cache_dir', 3),
     ('model_init_skip', '^params/(head'),

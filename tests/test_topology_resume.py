@@ -247,9 +247,16 @@ def test_schedule_changes_name_the_keys():
   config.optim.schedule.warmup_steps = 3
   config.batch_size = 32
   config.seed = saved["seed"] + 1  # The data position counts records of the seed's order.
+  config.optim.layer_decay_lr_scale = 4.0  # The applied lr with LayerDecay.
+  config.data.mix = "demo_plain:0.5"  # The data position indexes the mixed stream.
+  config.data.subset_frac = 0.5
   assert config_lib.schedule_changes(saved, config) == [
       "batch_size: 16 -> 32", f"optim.lr: {saved['optim']['lr']!r} -> 0.5",
-      "optim.schedule.warmup_steps: -1 -> 3", f"seed: {saved['seed']} -> {saved['seed'] + 1}"]
+      "optim.schedule.warmup_steps: -1 -> 3",
+      f"optim.layer_decay_lr_scale: {saved['optim']['layer_decay_lr_scale']!r} -> 4.0",
+      f"seed: {saved['seed']} -> {saved['seed'] + 1}",
+      f"data.mix: {saved['data']['mix']!r} -> 'demo_plain:0.5'",
+      f"data.subset_frac: {saved['data']['subset_frac']!r} -> 0.5"]
 
 
 def _run_one(args):
