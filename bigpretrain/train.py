@@ -584,7 +584,8 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                                      for ev in evaluators):
     # Preempted at an evaluation step (the save comes first): that evaluation is still owed.
     if not _process_0_says(bool(_logged_evals(workdir, start)) if is_main else False):
-      out.run_evals(start, state)
+      with timer.excluded():  # Not the first train row's step time.
+        out.run_evals(start, state)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
   with jax.set_mesh(mesh):
     for step in range(start + 1, total_steps + 1):

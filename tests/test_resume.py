@@ -188,7 +188,17 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
   metrics.write_text("".join(l + "\n" for l in logged.splitlines()
                              if json.loads(l) != final[0]))
   longer = helpers.tiny_config(total_steps=3, eval_every_steps=2, allow_schedule_change=True)
-  train.train_and_evaluate(longer, str(workdir))
+  run_evals = train._StepOutputs.run_evals  # pylint: disable=protected-access
+
+  def slow_evals(self, *args, **kwargs):
+    time.sleep(2.0)  # An evaluation that takes long: not the next train row's step time.
+    return run_evals(self, *args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train._StepOutputs, "run_evals", slow_evals)  # pylint: disable=protected-access
+    train.train_and_evaluate(longer, str(workdir))
   rows = [json.loads(l) for l in metrics.read_text().splitlines()]
   assert [r["step"] for r in rows if "train/loss" not in r] == [2, 3]
   assert max(r["step"] for r in rows if "train/loss" in r) == 3
+  (row3,) = [r for r in rows if r["step"] == 3 and "train/loss" in r]
+  assert row3["perf/step_time_ms"] < 1500, row3
