@@ -71,6 +71,19 @@ def _check(name: str, value, lo: float, hi: float, hi_open: bool = False) -> flo
   return float(value)
 
 
+def check_config(mixup_cfg) -> None:
+  """config.mixup before anything is built: the ranges mix_batch takes (a negative alpha would
+  turn mixing off unsaid), and a label_smoothing, which only mixing applies, with it off."""
+  _check("mixup_alpha", mixup_cfg.mixup_alpha, 0, math.inf)
+  _check("cutmix_alpha", mixup_cfg.cutmix_alpha, 0, math.inf)
+  _check("switch_prob", mixup_cfg.switch_prob, 0, 1)
+  smoothing = _check("label_smoothing", mixup_cfg.label_smoothing, 0, 1, hi_open=True)
+  if smoothing > 0 and mixup_cfg.mixup_alpha == 0 and mixup_cfg.cutmix_alpha == 0:
+    raise ValueError(f"config.mixup.label_smoothing={smoothing} with mixup and cutmix off "
+                     "(both alphas 0) would not be applied: set config.objective."
+                     "label_smoothing instead, and config.mixup.label_smoothing=0.")
+
+
 def mix_batch(rng: jax.Array, images: jax.Array, targets: jax.Array, *, mixup_alpha: float,
               cutmix_alpha: float, switch_prob: float = 0.5, label_smoothing: float = 0.0,
               blocks: int = 1, copies: int = 1) -> tuple[jax.Array, jax.Array]:

@@ -195,6 +195,19 @@ def test_bad_arguments(kw, match):
                     mixup_alpha=0.2, cutmix_alpha=0.0)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(mixup_alpha=-0.8), "mixup_alpha"),  # Would turn mixing off unsaid.
+    (dict(mixup_alpha=0.8, switch_prob=5.0), "switch_prob"),
+    (dict(label_smoothing=0.1), "label_smoothing=0.1 with mixup and cutmix off"),
+])
+def test_config_values_are_checked_before_the_run(kw, match):
+  cfg = mixup.mixup_defaults()
+  mixup.check_config(cfg)
+  cfg.update(kw)
+  with pytest.raises(ValueError, match=match):
+    mixup.check_config(cfg)
+
+
 def test_multi_hot_targets_mix_like_one_hots():
   """Mixed multi-hot targets (multi-label objectives) are lam * y + (1 - lam) * flip(y)."""
   images = np.random.default_rng(7).random((4, 3, 3, 3), np.float32)

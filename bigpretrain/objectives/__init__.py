@@ -6,6 +6,7 @@ name where it is defined (`@base.OBJECTIVES.register(name)`); `config.objective.
 it. An objective outside this package registers the same way, in a module listed in
 config.plugins.
 """
+from bigpretrain import mixup
 from bigpretrain.objectives import base
 # The built-in objectives register themselves on import.
 from bigpretrain.objectives import cosub  # pylint: disable=unused-import
@@ -45,6 +46,8 @@ def check(objective: base.Objective, info, config) -> None:
     raise ValueError(
         f"Objective {name!r} reads batch fields {missing} that dataset {info.name!r} does not "
         f"provide (it has {sorted(k for k, v in info.features.items() if v is not None)}).")
+  if config.mixup is not None:
+    mixup.check_config(config.mixup)
   if mixup_enabled(config.mixup):
     if not objective.soft_targets:
       raise ValueError(
