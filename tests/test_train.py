@@ -122,6 +122,17 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
                      ("nosuch[:3]", "Unknown split")):
     with pytest.raises(ValueError, match=re.escape(error)):
       subset.split_source(exp.dataset, bad)
+  # An evaluator of the run's dataset in another folder reads that folder, not the run's.
+  with config.unlocked():
+    config.evals = ml_collections.ConfigDict({"eval": dict(
+        type="classification", data_dir="/proc/no_such_dir")})
+  with pytest.raises(FileNotFoundError, match="no_such_dir"):
+    evaluators.build(config, exp)
+  # The few-shot probe names its datasets and splits in `datasets`: the common keys are refused.
+  with config.unlocked():
+    config.evals = ml_collections.ConfigDict({"fewshot": dict(type="fewshot", split="train[:5]")})
+  with pytest.raises(ValueError, match=r"evals.fewshot has unknown keys \['split'\]"):
+    evaluators.build(config, exp)
 
 
 def test_train_and_evaluate_writes_metrics(tmp_path):

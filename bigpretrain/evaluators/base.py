@@ -15,15 +15,18 @@ class Evaluator:
   Common settings: every_steps (-1 or absent: config.eval_every_steps; 0: only at the end),
   dataset ('' or absent: config.data.name) with data_dir (default config.data.dir), and split
   ('' or absent: config.data.eval_split; 'validation[:1000]': a range of its records, as in
-  tfds). Subclasses list their own keys in KEYS.
+  tfds). Subclasses list their own keys in KEYS, and the common keys they do not read (their
+  own keys say it) in NOT_READ.
   """
   KEYS: tuple[str, ...] = ()
+  NOT_READ: tuple[str, ...] = ()
 
   def __init__(self, name: str, cfg, exp):
-    unknown = sorted(set(cfg.keys()) - set(COMMON_KEYS) - set(self.KEYS))
+    allowed = set(COMMON_KEYS) - set(self.NOT_READ) | set(self.KEYS)
+    unknown = sorted(set(cfg.keys()) - allowed)
     if unknown:
       raise ValueError(f"config.evals.{name} has unknown keys {unknown}; allowed: "
-                       f"{sorted(set(COMMON_KEYS) | set(self.KEYS))}.")
+                       f"{sorted(allowed)}.")
     config = exp.config
     self.name = name
     self.cfg = cfg
@@ -33,10 +36,10 @@ class Evaluator:
       raise ValueError(f"config.evals.{name}.every_steps={every!r} must be an int >= 0, or -1 "
                        "(= config.eval_every_steps).")
     self.split = cfg.get("split", "") or config.data.eval_split
-    dataset_name = cfg.get("dataset", "")
-    if dataset_name and dataset_name != config.data.name:
-      self.dataset = datasets.get_dataset(
-          {"name": dataset_name, "dir": cfg.get("data_dir", "") or config.data.dir})
+    dataset_name = cfg.get("dataset", "") or config.data.name
+    data_dir = cfg.get("data_dir", "") or config.data.dir
+    if (dataset_name, data_dir) != (config.data.name, config.data.dir):
+      self.dataset = datasets.get_dataset({"name": dataset_name, "dir": data_dir})
     else:
       self.dataset = exp.dataset
     subset.check_split(self.dataset.info, self.split, f"config.evals.{name}.split")

@@ -45,6 +45,7 @@ class FewShot(base.Evaluator):
   shared), shots (DEFAULT_SHOTS), seeds (3), l2_reg (fewshot.L2_REG), train_records (0: the
   whole train split is the pool; N: its first N records, a cheaper pool)."""
   KEYS = ("datasets", "shots", "seeds", "l2_reg", "train_records")
+  NOT_READ = ("dataset", "split")  # Each entry of `datasets` names both.
 
   def __init__(self, name, cfg, exp):
     super().__init__(name, cfg, exp)
