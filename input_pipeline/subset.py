@@ -19,9 +19,11 @@ Also here: record ranges of a split (RangeSource), and splits named with tfds's 
 import re
 from typing import Any, Mapping
 
+from absl import logging
 import numpy as np
 
 from input_pipeline import dataset_base
+from input_pipeline import decoding
 
 
 def per_class_counts(class_sizes, frac: float) -> np.ndarray:
@@ -132,14 +134,32 @@ def split_source(dataset, split: str):
   return RangeSource(source, start, stop)
 
 
+def _read(source, ids) -> list:
+  """The records `ids` of `source`; None for one that cannot be read (CorruptRecordError, which
+  training skips and counts too)."""
+  try:
+    return (source.__getitems__(ids) if hasattr(source, "__getitems__")
+            else [source[i] for i in ids])
+  except decoding.CorruptRecordError:
+    out = []
+    for i in ids:
+      try:
+        out.append(source[i])
+      except decoding.CorruptRecordError:
+        out.append(None)
+    return out
+
+
 def labels(source) -> np.ndarray:
-  """int64 [len(source)]: the 'label' of every record of `source`, read in chunks."""
+  """int64 [len(source)]: the 'label' of every record of `source`, read in chunks; -1 for a
+  record that cannot be read."""
   out = []
   for start in range(0, len(source), 1024):
     ids = list(range(start, min(start + 1024, len(source))))
-    records = (source.__getitems__(ids) if hasattr(source, "__getitems__")
-               else [source[i] for i in ids])
-    for i, record in zip(ids, records):
+    for i, record in zip(ids, _read(source, ids)):
+      if record is None:
+        out.append(-1)
+        continue
       label = record.get("label") if isinstance(record, Mapping) else None
       if isinstance(label, bool) or not isinstance(label, (int, np.integer)):
         raise ValueError(f"data.subset_frac needs single-label records with an int 'label'; "
@@ -170,4 +190,10 @@ def apply(source, data_cfg, dataset_name: str):
          len(source))
   if key not in _LABELS:
     _LABELS[key] = labels(source)
-  return SubsetSource(source, per_class_draw(_LABELS[key], float(frac), seed))
+    unreadable = int(np.sum(_LABELS[key] < 0))
+    if unreadable:
+      logging.warning("data.subset_frac: %d unreadable records of %s are left out of the draw.",
+                      unreadable, dataset_name)
+  readable = np.flatnonzero(_LABELS[key] >= 0)
+  draw = per_class_draw(_LABELS[key][readable], float(frac), seed)
+  return SubsetSource(source, readable[draw])

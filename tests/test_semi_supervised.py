@@ -105,6 +105,33 @@ def test_demo_labelled_draw_counts_and_determinism():
   assert not np.array_equal(other.indices, d.indices)
 
 
+def test_an_unreadable_record_is_left_out_of_the_draw():
+  """As training skips a record it cannot read, the draw leaves it out (it stopped the run)."""
+  from input_pipeline import decoding  # pylint: disable=import-outside-toplevel
+  from input_pipeline import subset  # pylint: disable=import-outside-toplevel
+
+  class Source:
+    split = "train"
+
+    def __len__(self):
+      return 50
+
+    def __getitem__(self, i):
+      if i == 7:
+        raise decoding.CorruptRecordError("record 7 of split 'train' cannot be read")
+      return {"label": i % 5}
+
+    def __getitems__(self, ids):
+      return [self[i] for i in ids]  # Raises for record 7, as RecordSource does.
+
+  got = subset.apply(Source(), {"subset_frac": 0.5, "subset_seed": 0}, "unreadable_test")
+  labels = np.array([i % 5 for i in range(50)])
+  readable = np.delete(np.arange(50), 7)
+  want = readable[subset.per_class_draw(labels[readable], 0.5, 0)]
+  np.testing.assert_array_equal(got.indices, want)
+  assert 7 not in got.indices and len(got) == 25  # Class 2 keeps round(0.5 x 9) = 5.
+
+
 # ------------------------------------------------------------------------------------------
 # The stage runner on a tiny pool.
 
