@@ -255,6 +255,24 @@ def test_a_sample_with_an_oversized_tag_file_is_rejected_under_one_reason(tmp_pa
   assert items[2].tags == ("dog",)
 
 
+def test_img2dataset_metadata_json_leaves_the_tags_to_the_caption_txt(tmp_path):
+  """img2dataset writes KEY.json (url, status, ...) beside KEY.txt (the caption): the tags come
+  from the .txt unless the .json holds a tag key."""
+  with tarfile.open(tmp_path / "s.tar", "w") as tar:
+    _add(tar, "a.jpg", _jpeg(0))
+    _add(tar, "a.json", b'{"url": "http://x/a.jpg", "caption": "sunset", "status": "success"}')
+    _add(tar, "a.txt", b"at the #beach #sunset")
+    _add(tar, "b.jpg", _jpeg(1))
+    _add(tar, "b.json", b'{"hashtags": ["dog"]}')
+    _add(tar, "b.txt", b"#cat")
+    _add(tar, "c.jpg", _jpeg(2))
+    _add(tar, "c.json", b'{"url": "http://x/c.jpg"}')
+  items = list(crawl_inputs.read_tar(crawl_inputs.InputFile(str(tmp_path / "s.tar"), "s.tar",
+                                                            "train")))
+  assert [(i.name, i.tags) for i in items] == [
+      ("s.tar/a", ("beach", "sunset")), ("s.tar/b", ("dog",)), ("s.tar/c", ())]
+
+
 def test_names_that_are_not_utf8_are_read_and_stored_escaped(tmp_path):
   # Latin-1 names (b'caf\xe9', not UTF-8) of a shard, its members, a manifest's image and id:
   # the OS, tarfile and the manifest reader give them with lone surrogates, which tfds text

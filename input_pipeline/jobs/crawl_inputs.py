@@ -5,8 +5,9 @@ Inputs are found under RAW by suffix (hidden entries ignored):
   *.tar      WebDataset shards as img2dataset writes them: members grouped by key (the
              member name up to the first '.' of its base name, as webdataset does), an image
              KEY.jpg/.jpeg/.png/.webp/.bmp/.gif plus the tags in KEY.json (the first of the
-             keys "hashtags", "tags" holding a list of str, or a str parsed as a .txt) or in
-             KEY.txt. Uncompressed tars only (images are later read at their offset).
+             keys "hashtags", "tags" holding a list of str, or a str parsed as a .txt) or,
+             when KEY.json holds neither key (img2dataset's metadata .json), in KEY.txt
+             (its caption). Uncompressed tars only (images are later read at their offset).
   *.jsonl    one JSON object a line: "id" (or "key"; default the line number), "image" (a path,
              relative to the manifest's folder or absolute) or "image_base64" (the bytes),
              "hashtags" or "tags" (list of str, or a str), optional "split".
@@ -153,13 +154,17 @@ def parse_tags(value: Any, where: str) -> tuple[tuple[str, ...], list[Skip]]:
   return tuple(sorted(tags)), skips
 
 
-def _tags_of_file(data: bytes, ext: str, where: str):
-  if ext == "txt":
-    return parse_tags(data, where)
-  meta = json.loads(_text(data))
-  if not isinstance(meta, dict):
-    raise ValueError("a tag .json must hold an object")
-  return parse_tags(next((meta[k] for k in TAG_KEYS if k in meta), None), where)
+def _sample_tags(parts: dict, where: str):
+  """(tags, skips) from a sample's KEY.json when it holds a TAG_KEYS key, else from its
+  KEY.txt (img2dataset writes a .json of metadata beside the caption's .txt)."""
+  if "json" in parts:
+    meta = json.loads(_text(parts["json"]))
+    if not isinstance(meta, dict):
+      raise ValueError("a tag .json must hold an object")
+    key = next((k for k in TAG_KEYS if k in meta), None)
+    if key is not None or "txt" not in parts:
+      return parse_tags(meta[key] if key else None, where)
+  return parse_tags(parts["txt"], where) if "txt" in parts else ((), [])
 
 
 def unsafe_member_name(name: str) -> bool:
@@ -188,20 +193,17 @@ def read_tar(f: InputFile) -> Iterator[Sample | Skip]:
       return
     where = f"{f.relpath}/{current}"
     image = next((parts[e] for e in IMAGE_EXTENSIONS if e in parts), None)
-    tag_ext = next((e for e in TAG_EXTENSIONS if e in parts), None)
     if image is None:
       yield Skip("no_image", where)
       return
     if "_bad_tags" in parts:  # The sample's tag file: rejected under this one reason.
       yield Skip("bad_tags", where, parts["_bad_tags"])
       return
-    tags, skips = (), []
-    if tag_ext is not None:
-      try:
-        tags, skips = _tags_of_file(parts[tag_ext], tag_ext, where)
-      except ValueError as e:  # json.JSONDecodeError is a ValueError.
-        yield Skip("bad_tags", where, f"{type(e).__name__}: {e}")
-        return
+    try:
+      tags, skips = _sample_tags(parts, where)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError.
+      yield Skip("bad_tags", where, f"{type(e).__name__}: {e}")
+      return
     yield from skips
     offset, size = image
     yield Sample(uid=f"{f.relpath}#{count}", name=where, split=f.split or "train", tags=tags,
