@@ -127,8 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
   # = only non-finite).
   # policy 'stop' ends the run at the first bad step, naming it and the last good checkpoint
   # (later ones, from the diverging state, are moved to checkpoints_diverged/); 'skip' applies
-  # no update on a bad step (counted in 'train/skipped_steps' since the run started or
-  # resumed) and stops only after max_consecutive_skips bad steps in a row. A factor of 10
+  # no update on a bad step (counted in 'train/skipped_steps' over the whole run, resumes
+  # included) and stops at a bad step that follows max_consecutive_skips in a row. A factor of 10
   # leaves the noise of small batches alone and catches a blow-up; min_rise (in loss units)
   # keeps a loss near 0 (a fine-tune's 0.05 -> 0.6) from counting as a spike.
   c.divergence = ml_collections.ConfigDict(dict(

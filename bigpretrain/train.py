@@ -571,6 +571,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   profiler = goodput_lib.Profiler(
       config.profile_steps, os.path.join(workdir, "profile", f"process_{jax.process_index()}"),
       total_steps)
+  cleanup.callback(profiler.close)  # A run that stops inside the window still writes it.
   input_delay = goodput_lib.input_delay()
   preemption.setting_up(False)
   # Drawn once the set-up is over: a signal during the set-up leaves its one line alone.

@@ -174,6 +174,24 @@ def test_profiler_trace_is_written(baseline):
   assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
 
 
+def test_a_run_that_stops_inside_the_window_writes_its_trace(tmp_path, monkeypatch):
+  next_batch, calls = train._next_batch, []  # pylint: disable=protected-access
+
+  def failing(*args):
+    calls.append(1)
+    if len(calls) == 4:  # Step 4's batch, inside the window of steps 3-4.
+      raise RuntimeError("the input stopped")
+    return next_batch(*args)
+
+  monkeypatch.setattr(train, "_next_batch", failing)
+  with pytest.raises(RuntimeError, match="the input stopped"):
+    train.train_and_evaluate(_config(total_steps=6, log_every_steps=2, profile_steps="3,2"),
+                             str(tmp_path))
+  traces = glob.glob(os.path.join(tmp_path, "profile", "process_0", "plugins", "profile", "*",
+                                  "*.xplane.pb"))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
 def test_slow_input_raises_data_wait(baseline, tmp_path, monkeypatch):
   delay = 0.5
   monkeypatch.setenv(goodput.SLOW_INPUT_ENV, str(delay))
