@@ -416,11 +416,10 @@ def describe_duration(config: Mapping[str, Any], num_train_examples: int | None 
   return text
 
 
-# Keys that define the step count and the learning-rate schedule ('optim.schedule' is every
-# key of that section: its name, warmup, decay shape), and the seed: a checkpoint's data
-# position counts records of its seed's shuffle order.
-# The run length and the lr at each step (LayerDecay scales it per layer), and what the saved
-# data position counts records of: the seed's shuffle order of these datasets, mix and subset.
+# Keys that define the step count and the lr at each step ('optim.schedule' is every key of
+# that section: its name, warmup, decay shape; LayerDecay scales the lr per layer), and what a
+# checkpoint's data position counts records of: the seed's shuffle order of these datasets,
+# mix and subset.
 SCHEDULE_KEYS = ('total_steps', 'num_epochs', 'num_examples', 'batch_size', 'optim.lr',
                  'optim.schedule', 'optim.layer_decay', 'optim.layer_decay_lr_scale', 'seed',
                  'data.name', 'data.mix', 'data.train_split', 'data.subset_frac',
