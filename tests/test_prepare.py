@@ -235,6 +235,18 @@ def test_list_files_tar_offsets(raw):
     assert beam_images.read_file(source.path, offset, size) == raw["files"][f"{BIRD}/{name}"]
 
 
+def test_a_class_folder_is_listed_at_any_depth_as_imagefolder_does(tmp_path):
+  """torchvision's ImageFolder walks a class's sub-folders; they were dropped unsaid."""
+  folder = tmp_path / "n01"
+  (folder / "batch2" / "deeper").mkdir(parents=True)
+  (folder / ".cache").mkdir()
+  for name in ("b.jpg", "batch2/a.jpg", "batch2/deeper/c.png", ".cache/d.jpg", ".e.jpg"):
+    (folder / name).write_bytes(name.encode())
+  files = beam_images.list_files(beam_images.ClassSource("n01", str(folder), "dir"))
+  assert files == [("b.jpg", -1, -1), ("batch2/a.jpg", -1, -1), ("batch2/deeper/c.png", -1, -1)]
+  assert beam_images.read_file(str(folder / files[2][0]), -1, -1) == b"batch2/deeper/c.png"
+
+
 def test_a_tar_member_name_held_twice_is_read_from_its_last_copy(tmp_path):
   # As `tar -x` leaves it; the earlier copy is skipped and reported, so that no two examples
   # share a key at the write.

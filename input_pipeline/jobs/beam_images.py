@@ -23,7 +23,7 @@ import os
 import re
 import tarfile
 import uuid
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from absl import logging
 import apache_beam as beam
@@ -64,7 +64,9 @@ class ClassSource:
 def list_files(source: ClassSource) -> list[tuple[str, int, int]]:
   """Image files of a class as (name, offset, size), sorted by name, each name once.
 
-  Folder: regular non-hidden files directly inside, offset = size = -1 (read whole).
+  Folder: regular non-hidden files inside, at any depth (torchvision's ImageFolder walks
+  sub-folders too; a name is its path under the class folder), offset = size = -1 (read
+  whole).
   Tar: regular members, name without a leading './', offset/size of the member's data; a name
   held more than once is its last copy (what extraction leaves, and tarfile.getmember's
   choice). Files with a non-image extension (decoding.is_non_image) are left out and logged.
@@ -78,8 +80,7 @@ def _list_files(source: ClassSource) -> tuple[list[tuple[str, int, int]], list[s
   path = epath.Path(source.path)
   replaced = []
   if source.kind == "dir":
-    files = [(p.name, -1, -1) for p in sorted(path.iterdir(), key=lambda p: p.name)
-             if not p.name.startswith(".") and p.is_file()]
+    files = sorted((name, -1, -1) for name in _folder_files(path))
   elif source.kind == "tar":
     members = {}
     with path.open("rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
@@ -102,6 +103,18 @@ def _list_files(source: ClassSource) -> tuple[list[tuple[str, int, int]], list[s
                     "read from its last copy, as extraction leaves it", source.path,
                     len(replaced), replaced[:5])
   return [f for f in files if not decoding.is_non_image(f[0])], replaced
+
+
+def _folder_files(folder: epath.Path, prefix: str = "") -> Iterator[str]:
+  """Names (paths under the first `folder`) of the regular non-hidden files at any depth;
+  hidden folders are not entered."""
+  for p in folder.iterdir():
+    if p.name.startswith("."):
+      continue
+    if p.is_dir():
+      yield from _folder_files(p, f"{prefix}{p.name}/")
+    elif p.is_file():
+      yield prefix + p.name
 
 
 def read_file(path: str | bytes, offset: int, size: int) -> bytes:
