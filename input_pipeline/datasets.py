@@ -356,7 +356,8 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
 
 def num_train_examples(data_cfg, dataset: Dataset) -> int:
   """The records one epoch of data.train_split counts: the split's size, or the size of its
-  per-class draw with data.subset_frac < 1 (few-shot training)."""
+  per-class draw with data.subset_frac < 1 (few-shot training). data.mix entries do not count:
+  at data.name's share w of the stream, an epoch shows each of its records w times."""
   if data_cfg.get("subset_frac", 1.0) != 1.0:
     return len(train_sources(data_cfg, dataset)[0][0])
   return dataset.info.num_examples[data_cfg.get("train_split", "train")]
