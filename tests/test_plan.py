@@ -160,7 +160,8 @@ def test_unknown_dataset_needs_num_classes():
   info = plan_lib.planning_dataset(config, ("label",), num_classes=7).info
   assert info.num_classes == 7 and info.features == {"label": 0}
   config.data.name = "imagenet21k"  # No loader serves it (imagenet21k_p does).
-  with pytest.raises(ValueError, match="'imagenet21k' is not a known dataset. Did you mean 'imagenet21k_p'"):
+  with pytest.raises(ValueError, match="'imagenet21k' is not a known dataset. Did you mean "
+                                       "'imagenet21k_p'"):
     plan_lib.planning_dataset(config, ("label",), num_classes=7)
 
 
