@@ -15,7 +15,7 @@ Demo (no arg; the embedded `demo` dataset, 32x32, vit_demo, a few minutes on a 2
   python -m bigpretrain.main --config=configs/cosub_in1k.py:stage=finetune,\
 init=/tmp/cosub_in1k_demo --workdir=/tmp/cosub_in1k_ft_demo
   BCE starts slowly on the demo: top-1 is 4.0% after the 400 steps (seed 0; chance is 1%),
-  where the CE recipe (configs/cosub_in21k.py) gets about 23%.
+  where the CE recipe (configs/cosub_in21k.py) gets about 9% (docs/recipes.md).
 
 Paper scale (ImageNet-1k prepared as ArrayRecord, e.g. `tfds build imagenet2012
 --file_format=array_record --data_dir=/data/tfds`):

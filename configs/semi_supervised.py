@@ -58,7 +58,7 @@ instead of 1%), K = 100 (the paper's K = 16k is 1.6% of its 1M images per class;
 that would be 4 images, so K keeps ~43% of the ~230 pool images per class instead). Teacher
 and student are both `vit_demo` (the paper's self-training variant, section 4.2 and Table 4): the
 registry's smallest CNN, resnet18, trains at ~19 images/s on 2 CPU cores at 32x32 (vit_demo
-at ~180), too slow for a demo of five stages.
+at several hundred), too slow for a demo of five stages.
 Demo lengths in steps of 128 images: teacher 300, student 150, fine-tuning 50 (baseline 200).
 The demo keeps the schedules' shapes, not the paper's optimizer settings: 13 halvings in
 120 teacher steps leave ~20 steps at a useful lr, and both SGD (lr 0.05) and AdamW (lr 2e-3)
