@@ -291,6 +291,7 @@ class Suite:
     self.flag_sets_s = 0.0  # The xla_flags children's wall seconds.
     self.figure_start = time.perf_counter()  # When the running figure started (main sets it).
     self.deadline = None  # --budget_s's end (time.perf_counter's), if given.
+    self.failed = {}  # Figure -> its error, as main() reports it.
 
   def past_deadline(self) -> bool:
     return self.deadline is not None and time.perf_counter() > self.deadline
@@ -695,12 +696,16 @@ class Suite:
     rows, failed = {}, {}
     this_process = [name for name, line in self.flag_lines.items() if line is _THIS_PROCESS]
     ran = lambda: any(l["figure"] == figure for l in self.lines)
-    if this_process and not ran() and not self.past_deadline():
-      run()
+    if this_process and not ran() and figure not in self.failed and not self.past_deadline():
+      try:  # The children's lines are reported whatever becomes of this arm.
+        run()
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        logging.exception("Figure %s failed.", figure)
+        self.failed[figure] = f"{type(e).__name__}: {e}"
     for name, line in self.flag_lines.items():
       if line is _THIS_PROCESS:
         line = (next(l for l in self.lines if l["figure"] == figure) if ran()
-                else {"error": "not run: --budget_s spent"})
+                else {"error": self.failed.get(figure, "not run: --budget_s spent")})
       if "error" in line:
         failed[name] = line["error"]
         continue
@@ -1041,7 +1046,7 @@ def main(argv):
          "batch_regnety_16gf": suite.batch_regnety_16gf,
          "combined_vit_b16": suite.combined_vit_b16, "gelu": suite.gelu,
          "combined_regnety_16gf": suite.combined_regnety_16gf, "xla_flags": suite.xla_flags}
-  failed, skipped = {}, []
+  failed, skipped = suite.failed, []
   # In the order given (default FIGURES': vit_b16_train first, its peak memory is the plan's
   # to compare). A figure that fails is reported and the others still run: one device
   # session should not lose every figure to one.

@@ -270,6 +270,29 @@ def test_past_the_budget_xla_flags_reports_its_children_and_runs_nothing(suite):
   assert line["arms"]["bigpretrain"]["images_per_sec"] == 100.0 and line["value"] is None
 
 
+def test_xla_flags_reports_its_children_when_this_processs_arm_fails(suite, monkeypatch):
+  """A child's measurement is paid for: it is reported when this process's arm fails, and a
+  figure that failed before in this process is not compiled again."""
+  child = {"figure": "vit_b16_train", "value": 100.0, "model": "vit_demo", "step_time_ms": 20.0,
+           "mfu": None, "batch_per_device": 2, **accelerator.settings(suite.vit_config())}
+  suite.flag_lines = {"xla_defaults": accelerator._THIS_PROCESS,  # pylint: disable=protected-access
+                      "bigpretrain": child}
+  calls = []
+
+  def failing():
+    calls.append(1)
+    raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  monkeypatch.setattr(suite, "vit_b16", failing)
+  suite.xla_flags()
+  line = suite.lines[-1]
+  assert line["failed"] == {"xla_defaults": "RuntimeError: RESOURCE_EXHAUSTED: out of memory"}
+  assert line["arms"]["bigpretrain"]["images_per_sec"] == 100.0
+  assert suite.failed == {"vit_b16_train": line["failed"]["xla_defaults"]}
+  suite.xla_flags()  # As after main() saw the figure fail: not run again.
+  assert len(calls) == 1 and suite.lines[-1]["failed"] == line["failed"]
+
+
 class _Runner:
   """common.Runner's stand-in: out of memory above `fits` images per device (twice that
   under a remat policy), else a step of 1 ms per image."""
