@@ -67,7 +67,7 @@ def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
                              lambda module, batch: module(batch["image"], train=False))
   batch_size = -(-_BATCH // mesh.size) * mesh.size  # Whole rows per device.
   names = meta["class_names"] or [str(c) for c in range(meta["num_classes"])]
-  tree = base.class_tree(names)
+  tree = base.class_tree(names, required=False)
   sigmoid = meta["objective"].get("name") == "multi_label"
   info = datasets.DatasetInfo(meta["dataset"], meta["num_classes"], names, {}, None, ())
   objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]), info)

@@ -244,6 +244,19 @@ def test_multi_label_without_field_still_needs_the_tree():
     multi_label.MultiLabel(ConfigDict(dict(name="multi_label")), info)
 
 
+def test_a_tree_that_only_adds_metrics_is_dropped_with_a_warning(capsys):
+  """wnid-shaped names outside WordNet 3.0: softmax trains without semantic metrics, semantic
+  softmax, which needs the tree, refuses."""
+  from ml_collections import ConfigDict
+  info = datasets.DatasetInfo(name="odd", num_classes=2, class_names=["n02084071", "n00000001"],
+                              num_examples={}, image_size=8, splits=("train",))
+  plain = objectives.get_objective(ConfigDict(dict(name="softmax")), info)
+  assert plain.tree is None
+  assert "WARNING: no semantic metrics: wnid 'n00000001'" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="'n00000001' is not a WordNet 3.0 synset"):
+    objectives.get_objective(ConfigDict(dict(name="semantic_softmax")), info)
+
+
 def _fake_builder(features):
   import types
   import tensorflow_datasets as tfds

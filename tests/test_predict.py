@@ -17,11 +17,11 @@ def test_semantic_view_by_hand():
   assert tree.parent.tolist() == [-1, 0, 0]
   logits = np.array([0.0, 2.0, 0.0])  # Level 1 softmax over (1, 2): e^2 / (e^2 + 1) = 0.881.
   levels = view.semantic_view(logits, tree, sigmoid=False, threshold=0.5)
-  assert [v["level"] for v in levels] == [0, 1]
-  assert levels[0]["wnid"] == "n02084071" and levels[0]["prob"] == 1.0
-  assert levels[1]["wnid"] == "n02087122" and levels[1]["name"] == "hunting dog"
-  np.testing.assert_allclose(levels[1]["prob"], np.exp(2) / (np.exp(2) + 1), rtol=1e-6)
-  assert [v["level"] for v in view.semantic_view(logits, tree, False, 0.9)] == [0]
+  # Level 0 holds one class (dog, probability 1 whatever the image): not shown.
+  assert [v["level"] for v in levels] == [1]
+  assert levels[0]["wnid"] == "n02087122" and levels[0]["name"] == "hunting dog"
+  np.testing.assert_allclose(levels[0]["prob"], np.exp(2) / (np.exp(2) + 1), rtol=1e-6)
+  assert view.semantic_view(logits, tree, False, 0.9) == []
   sig = view.semantic_view(np.array([-1.0, 0.5, 0.0]), tree, sigmoid=True, threshold=0.5)
   assert [v["wnid"] for v in sig] == ["n02087122"]  # sigmoid(-1) < 0.5 at level 0.
 

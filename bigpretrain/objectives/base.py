@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bigpretrain import registry
+from bigpretrain.runtime import console
 from bigpretrain.semantic import metrics as semantic_metrics
 from bigpretrain.semantic import tree as semantic_tree
 from bigpretrain.semantic import wordnet
@@ -134,12 +135,20 @@ def id_list_metrics(logits, y, mask, topk) -> tuple[dict, jax.Array]:
   return out, labelled
 
 
-def class_tree(class_names):
-  """The WordNet tree over the classes, or None when the class names are not wnids."""
+def class_tree(class_names, required: bool = True):
+  """The WordNet tree over the classes, or None when the class names are not wnids. A list of
+  wnids the tree cannot be built over (one outside WordNet 3.0, a repeated one) raises, or,
+  when the tree only adds metrics (not `required`), is warned about and gives None."""
   names = list(class_names or ())
   if not names or not all(wordnet.is_wnid(n) for n in names):
     return None
-  return semantic_tree.SemanticTree.from_wnids(names)
+  try:
+    return semantic_tree.SemanticTree.from_wnids(names)
+  except ValueError as e:
+    if required:
+      raise
+    console.warn(f"no semantic metrics: {e}")
+    return None
 
 
 def semantic_eval_metrics(logits, labels, mask, tree) -> dict:

@@ -36,7 +36,8 @@ class Cosub(base.Objective):
     base.check_keys(cfg, {"kind", "num_submodels", "label_weight", "label_smoothing",
                           "bce_binarize"})
     self.num_classes = info.num_classes
-    self.tree = base.class_tree(info.class_names)  # Semantic eval metrics on WordNet-labelled data.
+    # Semantic eval metrics on WordNet-labelled data.
+    self.tree = base.class_tree(info.class_names, required=False)
     self.kind = cfg.get("kind", "bce")
     self.num_submodels = cfg.get("num_submodels", 2)
     self.label_weight = float(cfg.get("label_weight", 0.5))

@@ -83,7 +83,7 @@ class MultiLabel(base.Objective):
       self.reads = (self.field,)
       self.tree = None
     else:
-      self.tree = base.class_tree(info.class_names)
+      self.tree = base.class_tree(info.class_names, required=False)
       if self.tree is None:
         raise ValueError(
             f"Dataset {info.name!r} has no WordNet wnids as class names: multi_label needs "

@@ -19,7 +19,8 @@ class Softmax(base.Objective):
     base.check_keys(cfg, {"label_smoothing"})
     self.label_smoothing = base.label_smoothing(cfg, 0.0)
     self.num_classes = info.num_classes
-    self.tree = base.class_tree(info.class_names)  # For semantic metrics, comparable across objectives.
+    # For semantic metrics, comparable across objectives.
+    self.tree = base.class_tree(info.class_names, required=False)
 
   def dense_targets(self, batch):
     return jax.nn.one_hot(batch["label"], self.num_classes, dtype=jnp.float32)

@@ -69,11 +69,16 @@ def path_probs(level_probs: jax.Array, tree: SemanticTree) -> jax.Array:
   """Semantic softmax: P(the walk passes through c), from the level softmaxes q.
 
   A level's softmax spreads its mass over all of that level's classes, not over one parent's
-  children: q_k(c) reads as P(the label's level-k class is c). The walk at parent P therefore
-  steps to its child c with q_k(c) / q_{k-1}(P), the share of P's mass that c's holds, and
-  stops at P with the rest; where P's children hold more than P (the two levels disagree),
-  the steps are scaled to sum to 1. (A product of q along the chain would count the parent's
-  mass twice: q_k(c) already includes it.)"""
+  children, and is trained on the images whose label reaches the level (paper, section 3.3):
+  q_k(c) is P(the label's level-k class is c | it has one). How many labels stop above level
+  k is not in the outputs; this rule takes a parent's mass to go down as far as its own
+  children's q allow: the walk at P steps to child c with q_k(c) / q_{k-1}(P) and stops at P
+  with the rest, the steps scaled to sum to 1 where P's children hold more than P. (A product
+  of q along the chain would count the parent's mass twice: q_k(c) already includes it.) It
+  is the project's rule: the paper gives no single answer (its view, view.py, takes each
+  level's top class). A labelling consistent with every parent at once would need one depth
+  factor per level, the smallest q_{k-1}(P) / (P's children's q_k) over the level's parents:
+  set by a model's least consistent parent, it could stop the walks of every image early."""
   out = level_probs
   for classes in tree.level_classes[1:]:  # Parents sit one level up and are already done.
     parents = jnp.asarray(tree.parent[classes])

@@ -13,9 +13,12 @@ def synset_name(wnid: str) -> str:
 def semantic_view(logits: np.ndarray, tree, sigmoid: bool, threshold: float) -> list[dict]:
   """Per level: the top class and its probability, kept where it exceeds `threshold`; a
   per-level softmax (semantic objectives) or the per-class sigmoid (`sigmoid`,
-  multi-label)."""
+  multi-label). A level of one class is left out under a softmax (its probability is always
+  1: ImageNet-21K-P's 12th level), as the semantic accuracy leaves it out (metrics.py)."""
   out = []
   for level, classes in enumerate(tree.level_classes):
+    if len(classes) == 1 and not sigmoid:
+      continue
     level_logits = logits[classes]
     if sigmoid:
       probs = 1 / (1 + np.exp(-level_logits))
