@@ -35,6 +35,9 @@ class Evaluator:
     if not isinstance(self.every_steps, int) or self.every_steps < 0:
       raise ValueError(f"config.evals.{name}.every_steps={every!r} must be an int >= 0, or -1 "
                        "(= config.eval_every_steps).")
+    self.dataset = self.split = None  # Set below unless NOT_READ says they are not read.
+    if "dataset" in self.NOT_READ:
+      return
     self.split = cfg.get("split", "") or config.data.eval_split
     dataset_name = cfg.get("dataset", "") or config.data.name
     data_dir = cfg.get("data_dir", "") or config.data.dir

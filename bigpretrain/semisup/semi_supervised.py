@@ -57,6 +57,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain.evaluators import base as evaluators_base
 from bigpretrain.runtime import console
 from bigpretrain.runtime import process_zero
 from bigpretrain.semisup import dedup
@@ -415,7 +416,8 @@ def run(config, workdir: str) -> dict:
     student_cfg = stage_config(config.student, config.seed, student_data)
     if foreign_pool:  # D-hat has no eval split of its own (selection_source.py).
       for evaluator in student_cfg.evals.values():
-        evaluator.dataset = evaluator.get("dataset") or config.data.name
+        if "dataset" not in evaluators_base.EVALUATORS.get(evaluator.type).NOT_READ:
+          evaluator.dataset = evaluator.get("dataset") or config.data.name
     student = train_stage(f"round {r} student", student_cfg, rdir / "student", {
         "selection": identity(rdir / "selection" / selection_formats.SELECTION_FILE)})
     ft_cfg = stage_config(config.finetune, config.seed, labelled)
