@@ -82,9 +82,12 @@ def base_config() -> ml_collections.ConfigDict:
   # name's later rules apply where its earlier ones' axes are taken; None = replicated;
   # bigpretrain/sharding.py). A tuple so overrides keep the type.
   # FSDP shards transformer weights on 'embed' and convolution kernels on their input
-  # channels ('conv_in'), tensor parallelism the other axis of each.
+  # channels ('conv_in'), or on their output channels where the input's do not divide it
+  # (RegNetY's squeeze-excitation widths, a quarter of the block's); tensor parallelism the
+  # other axis of each.
   c.sharding_rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('heads', 'tensor'),
-                      ('classes', 'tensor'), ('conv_in', 'fsdp'), ('conv_out', 'tensor'))
+                      ('classes', 'tensor'), ('conv_in', 'fsdp'), ('conv_out', 'fsdp'),
+                      ('conv_out', 'tensor'))
   # model.remat: '' or 'none' (off), or the jax.checkpoint_policies policy every residual
   # block is rematerialised with (bigpretrain.models.base.REMAT_POLICIES): 'nothing_saveable'
   # recomputes each block in the backward pass, keeping only its input; 'dots_saveable' keeps

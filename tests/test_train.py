@@ -5,10 +5,12 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import ml_collections
 import numpy as np
 import pytest
 
+from bigpretrain import config_lib
 from bigpretrain import evaluators
 from bigpretrain import optim
 from bigpretrain.runtime import metric_writers
@@ -97,6 +99,23 @@ def test_sharding_rules_are_read_as_flax_reads_them():
                    shape[names.index(r[0])] % mesh.shape[r[1]] == 0)
       got = sharding.logical_to_mesh(names, shape, rules, mesh)
       assert tuple(got) == _flax_spec(names, fits), (rules, names)
+
+
+def test_default_rules_shard_a_kernel_on_fsdp_by_whichever_channels_divide():
+  """RegNetY-128GF's squeeze-excitation kernel: 726 input channels do not divide fsdp=8, its
+  2904 outputs do (it was replicated on every device); a ViT's MLP kernel is unchanged."""
+  rules = config_lib.base_config().sharding_rules
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+  names = (None, None, "conv_in", "conv_out")
+  assert sharding.logical_to_mesh(names, (1, 1, 726, 2904), rules, mesh) == (
+      P(None, None, None, "fsdp"))
+  assert sharding.logical_to_mesh(names, (3, 3, 2904, 2904), rules, mesh) == (
+      P(None, None, "fsdp", None))
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  assert sharding.logical_to_mesh(names, (3, 3, 264, 528), rules, mesh) == (
+      P(None, None, "fsdp", "tensor"))
+  assert sharding.logical_to_mesh(("embed", "mlp"), (768, 3072), rules, mesh) == (
+      P("fsdp", "tensor"))
 
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
