@@ -583,8 +583,10 @@ def remat_policy(name: str) -> Callable | None:
 
   'nothing_saveable' keeps only the block's input and recomputes the whole block in the
   backward pass; 'dots_saveable' also keeps every matmul / conv output;
-  'dots_with_no_batch_dims_saveable' keeps those without batch dimensions (the weight
-  matmuls, not attention's); 'everything_saveable' keeps all (no memory saved).
+  'dots_with_no_batch_dims_saveable' keeps the matmuls without batch dimensions (the weight
+  matmuls, not attention's) and no conv output: on a convnet it is 'nothing_saveable' (but for
+  the 1x1 convolutions pointwise_conv_impl='gemm' makes matmuls); 'everything_saveable' keeps
+  all (no memory saved).
   """
   if name in REMAT_OFF:
     return None
