@@ -640,6 +640,12 @@ def _signed(value, sign):
   return -value if sign else value
 
 
+def _pil_posterize(image, bits):
+  """PIL's posterize; 0 bits (timm's increasing form at magnitude 10) keeps none: black, as
+  Pillow computed it before 13, which refuses bits < 1."""
+  return ImageOps.posterize(image, bits) if bits >= 1 else Image.new(image.mode, image.size)
+
+
 # name -> op(PIL image, f, negative sign?) as PIL computes it.
 _PIL_RAND_OPS = {
     "auto_contrast": lambda image, f, sign: ImageOps.autocontrast(image),
@@ -647,7 +653,7 @@ _PIL_RAND_OPS = {
     "invert": lambda image, f, sign: ImageOps.invert(image),
     "rotate": lambda image, f, sign: image.rotate(_signed(30 * f, sign), resample=_BILINEAR,
                                                   fillcolor=augment.FILL),
-    "posterize": lambda image, f, sign: ImageOps.posterize(image, int(4 * f)),
+    "posterize": lambda image, f, sign: _pil_posterize(image, int(4 * f)),
     "solarize": lambda image, f, sign: ImageOps.solarize(image, int(256 * f)),
     "solarize_add": lambda image, f, sign: image.point(
         [min(255, v + int(110 * f)) if v < 128 else v for v in range(256)] * 3),
@@ -706,7 +712,7 @@ def _pil_enhance_increasing(enhancer):
 
 
 _PIL_INCREASING_OPS = {
-    "posterize": lambda image, f, sign: ImageOps.posterize(image, 4 - int(4 * f)),
+    "posterize": lambda image, f, sign: _pil_posterize(image, 4 - int(4 * f)),
     "solarize": lambda image, f, sign: ImageOps.solarize(image, 256 - int(256 * f)),
     "color": _pil_enhance_increasing(ImageEnhance.Color),
     "contrast": _pil_enhance_increasing(ImageEnhance.Contrast),
