@@ -540,6 +540,9 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   exp = build(config)
   mesh, dataset, total_steps = exp.mesh, exp.dataset, exp.total_steps
   is_main = jax.process_index() == 0
+  if config.total_steps >= 0 and config.num_epochs > 0:  # A recipe sets one of the two.
+    console.warn(f"config.num_epochs={config.num_epochs} is not used: config.total_steps="
+                 f"{config.total_steps} sets the run length (total_steps=-1 trains by epochs).")
   evaluators = evaluators_lib.build(config, exp)
   meta = ckpt_lib.run_meta(config, exp.model_def.config(), dataset.info.class_names,
                            dataset.info.num_classes)

@@ -226,7 +226,7 @@ def _finetune(arg, demo: bool) -> ml_collections.ConfigDict:
                                             "init=none")
   config.data.name, config.data.dir = arg.dataset, arg.data_dir
   if arg.steps > 0:
-    config.total_steps = arg.steps
+    config.total_steps, config.num_epochs = arg.steps, -1.0
   if arg.multi_label:
     if arg.recipe == "cosub":
       raise ValueError("multi_label with recipe=cosub: cosub trains submodels with its own "

@@ -154,9 +154,12 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
     evaluators.build(config, exp)
 
 
-def test_train_and_evaluate_writes_metrics(tmp_path):
-  config = helpers.tiny_config(total_steps=4, eval_every_steps=2)
+def test_train_and_evaluate_writes_metrics(tmp_path, capsys):
+  # num_epochs beside total_steps: total_steps sets the length, and the run says so.
+  config = helpers.tiny_config(total_steps=4, eval_every_steps=2, num_epochs=90.0)
   results = train.train_and_evaluate(config, str(tmp_path))
+  assert ("WARNING: config.num_epochs=90.0 is not used: config.total_steps=4 sets the run "
+          "length") in capsys.readouterr().out
   rows = metric_writers.read_metrics(str(tmp_path))
   train_rows = [r for r in rows if "train/loss" in r]
   eval_rows = [r for r in rows if "eval/top1" in r]
