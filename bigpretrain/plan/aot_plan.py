@@ -79,7 +79,7 @@ def known_class_names(data_name: str) -> list[str] | None:
     return demo.load_wnids()
   if data_name in demo_coarse.FINE:  # The demo's classes one level up.
     return demo_coarse.coarse_map(demo.load_wnids(),
-                                  leaves_only=demo_coarse.FINE[data_name] == "demo")[1]
+                                  leaves_only=demo_coarse.leaves_only(data_name))[1]
   files = {datasets.IMAGENET21K_P: "imagenet21k_p_wnids.txt",
            "tfds:imagenet2012": "imagenet1k_wnids.txt"}
   if data_name in files:
@@ -174,9 +174,7 @@ def trace_step(config, num_classes: int | None = None, devices=None,
       state = exp.abstract_state()
       traced = exp.train_step().trace(state, abstract_batch(exp), exp.frozen)
     else:
-      classes = exp.dataset.info.num_classes
-      if not 1 <= top_p <= classes:  # As infer refuses it.
-        raise ValueError(f"--top_p={top_p} must be in [1, {classes}] (the model's classes).")
+      pool_predictions.check_top_p(top_p, exp.dataset.info.num_classes)
       state, shardings = pretrained.abstract_variables(exp.model_def, exp.mesh,
                                                        train.rules_of(config))
       forward = pool_predictions.make_step(exp.model_def, shardings, exp.mesh,

@@ -62,6 +62,12 @@ def shard_ranges(num_records: int, shard_size: int) -> list[tuple[int, int]]:
   return [(a, min(a + shard_size, num_records)) for a in range(0, num_records, shard_size)]
 
 
+def check_top_p(top_p: int, num_classes: int) -> None:
+  """ValueError unless 1 <= top_p <= the model's classes (before a step is made)."""
+  if not 1 <= top_p <= num_classes:
+    raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the model's classes).")
+
+
 def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
   """make_forward with the top_p softmax scores (or logits) per row: {'classes', 'scores'}."""
 
@@ -152,8 +158,7 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
                      "pool must be labelled in the teacher's class list.")
   if same and meta["class_names"] and info.class_names:
     selection_formats.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
-  if not 1 <= top_p <= num_classes:
-    raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the teacher's classes).")
+  check_top_p(top_p, num_classes)
 
   root = epath.Path(out)
   is_main = jax.process_index() == 0

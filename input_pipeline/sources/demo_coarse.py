@@ -90,10 +90,15 @@ class CoarseDemo(datasets.Dataset):
 FINE = {"demo_coarse": "demo", "demo_plain_coarse": "demo_plain"}
 
 
+def leaves_only(name: str) -> bool:
+  """Whether coarse dataset `name`'s images picture leaves only (coarse_map's leaves_only)."""
+  return FINE[name] == "demo"
+
+
 @functools.cache
 def _load(name: str, data_dir: str) -> CoarseDemo:
   return CoarseDemo(name, datasets.get_dataset({"name": FINE[name], "dir": data_dir}),
-                    leaves_only=FINE[name] == "demo")
+                    leaves_only=leaves_only(name))
 
 
 @datasets.SOURCES.register("demo_plain_coarse")
