@@ -3,8 +3,8 @@
 Items: 'params' ({'params', 'extra'}: the raw weights training resumes from), 'ema' (the
 same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 'opt_state',
 'skipped_records', 'health': the divergence record}), 'data' (the grain iterator, one file
-per process), 'data_position' (JSON: the process count, data.num_workers and the
-stream_position.Position the train stream started from) and 'meta' (JSON: the model config, class names, dataset and input
+per process), 'data_position' (JSON: the process count, data.num_workers, the sizes of the
+train sources and the stream_position.Position the train stream started from) and 'meta' (JSON: the model config, class names, dataset and input
 settings, so that a checkpoint path alone rebuilds the model; see `run_meta`). Arrays are
 restored onto the current mesh's shardings, whatever mesh saved them; the train stream
 resumes from grain's own state on the same topology and from the global stream position on
@@ -306,7 +306,7 @@ class Checkpointer:
     if isinstance(data_iter, stream_position.TrainStream):
       items["data_position"] = ocp.args.JsonSave({
           "process_count": jax.process_count(), "num_workers": data_iter.num_workers,
-          **data_iter.position.to_json()})
+          "records": data_iter.records, **data_iter.position.to_json()})
       data_iter = data_iter.iterator
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iter))
@@ -410,11 +410,16 @@ class Checkpointer:
       grain_iter = data_iter
       if isinstance(data_iter, stream_position.TrainStream):
         try:
-          position, same_topology = self._data_plan(step, data_iter)
+          position, same_topology, records = self._data_plan(step, data_iter)
         except Exception as e:  # pylint: disable=broad-except
           self._unreadable(step, e, older)
           continue
-        data_iter.restart(position)  # Outside the try: a refusal here is the caller's error.
+        # Outside the try: a refusal here is the caller's error.
+        warning = data_iter.check_records(records, f"checkpoint step {step} in "
+                                          f"{self.directory}")
+        if warning:
+          console.warn(warning)
+        data_iter.restart(position)
         grain_iter = data_iter.iterator if same_topology else None
       weights = {"params": state["params"], "extra": state["extra"]}
       saved_health = self._saved_health(step, state)
@@ -527,9 +532,9 @@ class Checkpointer:
       self._refuse(step, differences)
 
   def _data_plan(self, step: int, stream: stream_position.TrainStream
-                 ) -> tuple[stream_position.Position, bool]:
+                 ) -> tuple[stream_position.Position, bool, dict | None]:
     """(the Position to restart `stream` from, whether grain's saved state restores onto
-    it). grain's state is per process and per worker and cannot be re-split: with another
+    it, the sizes of the sources it counts records of (None: not saved)). grain's state is per process and per worker and cannot be re-split: with another
     process count or data.num_workers the stream continues from the global position."""
     data = os.path.join(self.directory, str(step), "data")
     if not os.path.isdir(data):
@@ -546,13 +551,14 @@ class Checkpointer:
           data_position=ocp.args.JsonRestore()))["data_position"]
       previous = stream_position.Position.from_json(saved)
       saved_workers = int(saved["num_workers"])
+      records = saved.get("records")
     else:  # Written before positions were saved: the stream started at the beginning.
-      previous = stream_position.Position()
+      previous, records = stream_position.Position(), None
       saved_workers = stream_position.num_workers_of(
           stream_position.read_states(data, saved_processes)[0])
     now = (jax.process_count(), stream.num_workers)
     if (saved_processes, saved_workers) == now:
-      return previous, True
+      return previous, True, records
     position = stream_position.continue_from(
         stream_position.read_states(data, saved_processes), previous)
     message = (f"Data stream: checkpoint step {step} was written by {saved_processes} "
@@ -561,7 +567,7 @@ class Checkpointer:
                f"from global record position {position.start} (skipping "
                f"{len(position.consumed)} records already read after it).")
     console.warn(message)
-    return position, False
+    return position, False, records
 
   def _unreadable(self, step: int, e: Exception, older: int) -> None:
     """Reports checkpoint `step` unreadable and moves it aside (passes over it when

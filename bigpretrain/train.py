@@ -553,8 +553,10 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   state = exp.init_state()
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
-  train_iter = stream_position.TrainStream(lambda pos: make_train_iterator(exp, pos),
-                                           num_workers)
+  train_iter = stream_position.TrainStream(
+      lambda pos: make_train_iterator(exp, pos), num_workers,
+      records=datasets.train_split_sizes(config.data, dataset),
+      allow_other_records=config.allow_schedule_change)
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "

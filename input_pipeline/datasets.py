@@ -363,6 +363,18 @@ def num_train_examples(data_cfg, dataset: Dataset) -> int:
   return dataset.info.num_examples[data_cfg.get("train_split", "train")]
 
 
+def train_split_sizes(data_cfg, dataset: Dataset) -> dict[str, int]:
+  """Records of data.train_split in data.name and in each data.mix dataset, as their infos
+  state them (a dataset that does not state it is left out): what the train stream's order
+  depends on besides the seed and the config, saved with its position (stream_position)."""
+  split = data_cfg.get("train_split", "train")
+  named = [(dataset.info.name, dataset)] + [
+      (name, get_dataset({"name": name, "dir": _data_dir(data_cfg)}))
+      for name, _ in parse_mix(data_cfg.get("mix", ""))]
+  return {name: int(d.info.num_examples[split]) for name, d in named
+          if isinstance(d.info.num_examples.get(split), (int, np.integer))}
+
+
 def train_sources(data_cfg, dataset: Dataset) -> tuple[list[Source], list[float]]:
   """The train split of `dataset` (its per-class draw when data.subset_frac < 1; see
   subset.py) and of every data.mix entry, with their weights.

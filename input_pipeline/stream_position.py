@@ -114,16 +114,46 @@ def continue_from(states: Sequence[Mapping[str, Any]], previous: Position = Posi
   return Position(start, tuple(int(c) for c in consumed))
 
 
+class StreamChanged(ValueError):
+  """A checkpoint's stream position counts records of train data of other sizes."""
+
+
 class TrainStream:
   """This host's train iterator with the Position its stream starts from; `restart` rebuilds
-  it from another Position (a checkpoint's). `make(position)` builds the iterator."""
+  it from another Position (a checkpoint's). `make(position)` builds the iterator.
+
+  `records` (name -> records of its train split) is what a Position counts records of: the
+  shuffle order of each source depends on its size, so a position saved over a split of
+  another size points at other records. `check_records` refuses such a checkpoint unless
+  `allow_other_records` (config.allow_schedule_change)."""
 
   def __init__(self, make: Callable[[Position], grain.DatasetIterator], num_workers: int,
-               position: Position = Position()):
+               position: Position = Position(), records: Mapping[str, int] | None = None,
+               allow_other_records: bool = False):
     self._make = make
     self.num_workers = num_workers
     self.position = position
+    self.records = dict(records or {})
+    self.allow_other_records = allow_other_records
     self.iterator = make(position)
+
+  def check_records(self, saved: Mapping[str, int] | None, where: str) -> str | None:
+    """Raises StreamChanged when a source's size differs from `saved`, the sizes the stream
+    at `where` (a checkpoint) was saved with; with allow_other_records, returns the warning
+    to give instead. Sources only one side knows are not compared (checkpoints from before
+    sizes were kept)."""
+    changed = [f"{name}: {saved[name]} records in the checkpoint's stream, {n} now"
+               for name, n in self.records.items() if name in (saved or {}) and saved[name] != n]
+    if not changed:
+      return None
+    text = (f"the train data changed since {where} was saved ({'; '.join(changed)}). Its "
+            "stream position counts records in the shuffle order of the old sizes, so "
+            "resuming would repeat some records and skip others")
+    if not self.allow_other_records:
+      raise StreamChanged(f"{text}. Nothing was changed. Restore the data the run started "
+                          "with, use another --workdir, or set "
+                          "--config.allow_schedule_change=True to continue anyway.")
+    return f"{text}; continuing (config.allow_schedule_change)."
 
   def restart(self, position: Position, rebuild: bool = False) -> None:
     """Continues from `position`; the iterator is rebuilt when the position changes or with

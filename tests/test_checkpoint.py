@@ -81,3 +81,44 @@ def test_init_from_refuses_other_shape_changes_naming_them(tmp_path):
   out, fresh, _, _ = checkpoint.init_from(str(tmp_path), target, skip=r"^params/blocks/")
   assert sorted(fresh) == ["params/blocks/0/kernel", "params/head/kernel"]
   np.testing.assert_array_equal(out["params"]["blocks"]["0"]["kernel"], np.zeros((4, 6)))
+
+
+def _stream(records, allow=False):
+  """A TrainStream over 0, 1, 2, ... (grain), whose sources have `records` records."""
+  import grain  # pylint: disable=import-outside-toplevel
+  from input_pipeline import stream_position  # pylint: disable=import-outside-toplevel
+
+  def make(position):
+    return iter(grain.MapDataset.range(10**6).to_iter_dataset().map(
+        lambda i: position.global_index(i)))
+  return stream_position.TrainStream(make, num_workers=0, records=records,
+                                     allow_other_records=allow)
+
+
+def test_a_train_split_of_another_size_is_refused_on_resume(tmp_path, capsys):
+  """The saved position indexes the shuffle order of the old split size: resuming over a
+  re-prepared split of another size is refused, nothing moved; allowed, it warns and goes on."""
+  from input_pipeline import stream_position  # pylint: disable=import-outside-toplevel
+  state = _state(head_classes=3, body_value=1.0)
+  stream = _stream({"demo": 100, "tfds:extra": 40})
+  assert [next(stream) for _ in range(3)] == [0, 1, 2]
+  saver = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  saver.save(4, state, stream)
+  saver.close()
+  files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+  with pytest.raises(stream_position.StreamChanged,
+                     match=r"\(demo: 100 records in the checkpoint's stream, 120 now\)"):
+    checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(
+        state, _stream({"demo": 120, "tfds:extra": 40}))
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
+
+  for records in ({"demo": 100, "tfds:extra": 40}, {"demo": 100}):  # The same; or fewer known.
+    again = _stream(records)
+    _, step = checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(state, again)
+    assert step == 4 and next(again) == 3
+
+  allowed = _stream({"demo": 120, "tfds:extra": 40}, allow=True)
+  _, step = checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(state, allowed)
+  assert step == 4 and next(allowed) == 3
+  assert "WARNING: the train data changed since checkpoint step 4" in capsys.readouterr().out
