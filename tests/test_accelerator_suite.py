@@ -113,7 +113,8 @@ def _check_levers(by):
   for figure in ("batch_vit_b16", "batch_regnety_16gf"):
     batch = by[figure]  # 2 per device, doubled once; both fit: no remat.
     assert list(batch["arms"]) == ["2", "4"], batch["arms"]
-    assert batch["did_not_fit"] == {} and batch["best"] in batch["arms"]
+    assert batch["did_not_fit"] == {} and batch["not_tried"] == []
+    assert batch["best"] in batch["arms"]
   for figure, trained in (("combined_vit_b16", "vit_b16_train"),
                           ("combined_regnety_16gf", "regnety_16gf_train")):
     combined = by[figure]  # Each lever at its figure's winning arm, all at once.
@@ -338,6 +339,15 @@ def test_batch_tries_remat_only_at_a_size_that_does_not_fit(suite, monkeypatch, 
   line = suite.lines[-1]
   assert list(line["arms"]) == arms and list(line["did_not_fit"]) == ["4"][:4 // fits - 1]
   assert line["value"] == 1.0  # 1 ms per image at each size.
+
+
+def test_past_the_budget_batch_tries_no_further_size(suite, monkeypatch):
+  monkeypatch.setattr(_Runner, "fits", 2)
+  suite.deadline = time.perf_counter() - 1  # Spent: the papers' size is still measured.
+  suite.batch("batch_vit_b16", "vit_b16_train", suite.vit_config())
+  line = suite.lines[-1]
+  assert list(line["arms"]) == ["2"] and line["not_tried"] == ["4"]
+  assert line["did_not_fit"] == {} and line["value"] == 1.0
 
 
 def test_combined_halves_a_batch_its_levers_do_not_fit_down_to_the_papers(
