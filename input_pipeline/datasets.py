@@ -111,8 +111,9 @@ def _field_size(name: str, feature, max_lengths: Mapping[str, int]) -> int | Non
 
 
 # Seconds before each new read of a record whose read failed for a storage or network
-# reason (runtime.transient); after the last, it counts as unreadable.
-READ_RETRY_WAITS_S = (0.5, 2.0)
+# reason (runtime.transient): a blip of up to about 40 s is ridden out; after the last, the
+# run stops (decoding.StorageUnavailableError) rather than skip records an outage hides.
+READ_RETRY_WAITS_S = (0.5, 2.0, 8.0, 30.0)
 
 
 class RecordSource(Source):
@@ -135,8 +136,15 @@ class RecordSource(Source):
         record = self._source[index]
         break
       except Exception as e:  # pylint: disable=broad-except
-        if wait_s is None or not transient.is_transient(e):
+        if not transient.is_transient(e):
           raise self._read_error(index, e) from e
+        if wait_s is None:
+          raise decoding.StorageUnavailableError(
+              f"record {index} of split {self.split!r} could not be read in "
+              f"{len(READ_RETRY_WAITS_S) + 1} tries over {sum(READ_RETRY_WAITS_S):g} s "
+              f"({type(e).__name__}: {e}). The storage failed, not the record, so the run "
+              "stops rather than skip records; re-run the same command once the storage is "
+              "back to resume from the last checkpoint.") from e
         time.sleep(wait_s)  # A storage blip: the record is read again, not skipped.
     return _clean(record)
 

@@ -28,6 +28,11 @@ class UnreadableShardError(ValueError):
   record, and the run stops naming the file."""
 
 
+class StorageUnavailableError(ValueError):
+  """A record's reads kept failing for the storage or network (runtime.transient), retried
+  over a while: the data may be intact, so the run stops rather than skip records."""
+
+
 def is_non_image(name: str) -> bool:
   """True for a file name whose extension no image format PIL reads uses (notes.txt,
   labels.json, a README.md): such files are ignored, not counted as corrupt images. Names

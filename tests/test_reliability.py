@@ -31,6 +31,7 @@ from bigpretrain.runtime import process_zero
 from bigpretrain.runtime import workdir_lock
 from input_pipeline import datasets
 from input_pipeline import decoding
+from input_pipeline import pipeline
 from tests import helpers
 
 
@@ -666,8 +667,13 @@ def test_a_record_read_that_fails_for_the_storage_is_read_again(monkeypatch):
 
   timeout = OSError(errno.ETIMEDOUT, "Connection timed out")
   assert datasets.RecordSource(Flaky([timeout, timeout]), "train")[0] == {"label": 4}
-  with pytest.raises(decoding.CorruptRecordError, match="timed out"):  # Never came back.
-    _ = datasets.RecordSource(Flaky([timeout] * 3), "train")[0]
+  # Never came back: an outage, not a corrupt record. It stops the run (not skipped, so no
+  # record is lost to it), and pipeline._ReadGuard passes it on.
+  with pytest.raises(decoding.StorageUnavailableError,
+                     match=r"record 0 of split 'train' could not be read in 3 tries .*timed out"):
+    _ = pipeline._ReadGuard(  # pylint: disable=protected-access
+        datasets.RecordSource(Flaky([timeout] * 3), "train"))[0]
+  assert not issubclass(decoding.StorageUnavailableError, decoding.CorruptRecordError)
   flaky = Flaky([ValueError("DATA_LOSS: checksum mismatch"), timeout])
   with pytest.raises(decoding.CorruptRecordError, match="checksum"):  # Bad bytes: no retry.
     _ = datasets.RecordSource(flaky, "train")[0]
