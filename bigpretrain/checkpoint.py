@@ -4,8 +4,9 @@ Items: 'params' ({'params', 'extra'}: the raw weights training resumes from), 'e
 same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 'opt_state',
 'skipped_records', 'health': the divergence record}), 'data' (the grain iterator, one file
 per process), 'data_position' (JSON: the process count, data.num_workers, the sizes of the
-train sources and the stream_position.Position the train stream started from) and 'meta' (JSON: the model config, class names, dataset and input
-settings, so that a checkpoint path alone rebuilds the model; see `run_meta`). Arrays are
+train sources and the stream_position.Position the train stream started from) and 'meta'
+(JSON: the model config, class names, dataset and input settings, so that a checkpoint path
+alone rebuilds the model; see `run_meta`). Arrays are
 restored onto the current mesh's shardings, whatever mesh saved them; the train stream
 resumes from grain's own state on the same topology and from the global stream position on
 another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
@@ -534,8 +535,9 @@ class Checkpointer:
   def _data_plan(self, step: int, stream: stream_position.TrainStream
                  ) -> tuple[stream_position.Position, bool, dict | None]:
     """(the Position to restart `stream` from, whether grain's saved state restores onto
-    it, the sizes of the sources it counts records of (None: not saved)). grain's state is per process and per worker and cannot be re-split: with another
-    process count or data.num_workers the stream continues from the global position."""
+    it, the sizes of the sources it counts records of (None: not saved)). grain's state is
+    per process and per worker and cannot be re-split: with another process count or
+    data.num_workers the stream continues from the global position."""
     data = os.path.join(self.directory, str(step), "data")
     if not os.path.isdir(data):
       console.warn(f"checkpoint step {step} in {self.directory} holds no data stream state "
