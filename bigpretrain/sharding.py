@@ -4,9 +4,11 @@ Parameters carry logical axis names (`nnx.with_partitioning`); `config.sharding_
 logical names to mesh axes with flax.linen's (and MaxText's) semantics: rules in order of
 priority, a name's later rules tried where its earlier ones' axes are taken. A dimension
 whose size does not divide its mesh axis stays replicated rather than failing, so small
-heads and odd widths still work.
+heads and odd widths still work; param_report says which arrays, and what they cost each
+device (the trainer warns of them, the plan prints them).
 """
 from collections.abc import Mapping, Sequence
+import dataclasses
 import math
 
 from absl import logging
@@ -80,8 +82,15 @@ def logical_to_mesh(logical: Sequence[str | None], shape: Sequence[int],
   whose axis does not divide the dimension is passed over (the dimension stays free for a
   later rule, the axis for another dimension), so odd widths stay replicated, not failing.
   """
+  return _logical_to_mesh(logical, shape, rules, mesh)[0]
+
+
+def _logical_to_mesh(logical, shape, rules, mesh) -> tuple[P, dict[str, tuple[int, ...]]]:
+  """logical_to_mesh's spec, and the mesh axes a rule named for the array but that it does
+  not get because the dimensions those rules named do not divide the axis: {axis: those
+  dimensions' sizes}. The one place the decision is made, so that reports of it agree."""
   logical = tuple(logical)
-  spec, used = [_FREE if name is not None else None for name in logical], set()
+  spec, used, indivisible = [_FREE if name is not None else None for name in logical], set(), {}
   for name, axis in rules:
     if name not in logical or spec[logical.index(name)] is not _FREE:
       continue
@@ -91,17 +100,126 @@ def logical_to_mesh(logical: Sequence[str | None], shape: Sequence[int],
     elif axis not in used and shape[pos] % mesh.shape[axis] == 0:
       used.add(axis)
       spec[pos] = axis if mesh.shape[axis] > 1 else None
-  return P(*(None if a is _FREE else a for a in spec))
+    elif axis not in used:
+      indivisible[axis] = indivisible.get(axis, ()) + (shape[pos],)
+  spec = P(*(None if a is _FREE else a for a in spec))
+  return spec, {a: dims for a, dims in indivisible.items() if a not in used}
+
+
+def _logical_names(var: nnx.Variable) -> tuple[str | None, ...]:
+  """A variable's logical axis names, one per dimension (None where it names none)."""
+  names = var.get_metadata().get("out_sharding") or ()
+  return tuple(names) + (None,) * (var.value.ndim - len(names))
 
 
 def state_shardings(abstract_state: nnx.State, rules, mesh: Mesh):
   """Pure-dict pytree of NamedShardings for an (abstract) nnx.State with logical metadata."""
   def one(var):
-    names = var.get_metadata().get("out_sharding") or ()
-    names = tuple(names) + (None,) * (var.value.ndim - len(names))
-    return NamedSharding(mesh, logical_to_mesh(names, var.value.shape, rules, mesh))
+    return NamedSharding(mesh, logical_to_mesh(_logical_names(var), var.value.shape, rules,
+                                               mesh))
   shardings = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.to_pure_dict(shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicated:
+  """A parameter that the rules put on mesh axes of size > 1 but that stays whole on them,
+  because none of the dimensions the rules named for an axis divides its size."""
+  name: str  # Its path in the params, '/'-separated.
+  shape: tuple[int, ...]
+  bytes: int  # The whole array's.
+  device_bytes: int  # What each device holds of it.
+  axes: dict[str, int]  # {mesh axis: size} it stays replicated on.
+  dims: dict[str, tuple[int, ...]]  # {mesh axis: the sizes of the dimensions named for it}.
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamReport:
+  """How far the rules shard the parameters on a mesh: what each device holds against the
+  ideal (every array split over all the mesh axes the rules name), and the arrays left
+  replicated on an axis because their dimensions do not divide it (largest first). Rules
+  pass such arrays over without failing, so that odd widths still run, but on a large mesh
+  they can hold most of each device's parameter memory."""
+  device_bytes: int  # The parameter bytes each device holds.
+  ideal_bytes: int  # The total bytes over the product of the rules' mesh axes' sizes.
+  total_bytes: int
+  shard_axes: dict[str, int]  # {mesh axis the rules name: size}.
+  replicated: tuple[Replicated, ...]
+
+  @property
+  def replicated_device_bytes(self) -> int:
+    return sum(r.device_bytes for r in self.replicated)
+
+  def fitting_sizes(self) -> dict[str, int]:
+    """{axis: the largest size dividing the axis's current size at which every replicated
+    array's dimensions named for it would divide it} (1: none does; pad those dimensions)."""
+    out = {}
+    for axis in sorted({a for r in self.replicated for a in r.axes}):
+      size, dims = self.shard_axes[axis], [r.dims[axis] for r in self.replicated
+                                           if axis in r.axes]
+      out[axis] = max(d for d in range(1, size + 1) if size % d == 0 and all(
+          any(n % d == 0 for n in named) for named in dims))
+    return out
+
+  def describe(self, top: int = 3) -> str:
+    """One line: the replicated arrays if any, and the per-device bytes against the ideal."""
+    axes = " x ".join(f"{a}={n}" for a, n in self.shard_axes.items()) or "no axis"
+    held = (f"{_size(self.device_bytes)} of parameters per device, "
+            f"{self.device_bytes / max(self.ideal_bytes, 1):.1f}x the ideal "
+            f"{_size(self.ideal_bytes)} (all split over {axes})")
+    if not self.replicated:
+      return held
+    n = len(self.replicated)
+    largest = ", ".join(
+        f"{r.name} {r.shape} {_size(r.device_bytes)} on "
+        + "+".join(f"{a}={k}" for a, k in r.axes.items()) for r in self.replicated[:top])
+    return (f"{n} parameter array{'s' if n > 1 else ''} stay replicated on a mesh axis that "
+            f"no dimension the rules name for it divides, {_size(self.replicated_device_bytes)} "
+            f"per device (largest: {largest}): {held}")
+
+  def advice(self) -> str:
+    """What to do about the replicated arrays: the axis sizes that would divide them, or
+    padding where no smaller size does."""
+    out = []
+    for axis, size in self.fitting_sizes().items():
+      if size > 1:
+        out.append(f"{axis}={size} divides them all (its other factor "
+                   f"{self.shard_axes[axis] // size} can go to 'data')")
+      else:
+        out.append(f"no {axis} size above 1 dividing {self.shard_axes[axis]} divides them all: "
+                   f"pad those dimensions to a multiple of {self.shard_axes[axis]}")
+    return ("Choose mesh axis sizes (config.mesh) that divide the model's channel and class "
+            "counts, or pad those dimensions: " + "; ".join(out) + ".")
+
+
+def _size(n: float) -> str:
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+def param_report(abstract_params: nnx.State, rules, mesh: Mesh) -> ParamReport:
+  """The ParamReport of (abstract) params with logical metadata under `rules` on `mesh`,
+  from the same decision state_shardings makes."""
+  shard_axes = {a: mesh.shape[a] for a in MESH_AXES
+                if any(r[1] == a for r in rules) and mesh.shape[a] > 1}
+  device = total = 0
+  replicated = []
+  for path, var in nnx.to_flat_state(abstract_params):
+    shape, itemsize = tuple(var.value.shape), np.dtype(var.value.dtype).itemsize
+    spec, indivisible = _logical_to_mesh(_logical_names(var), shape, rules, mesh)
+    nbytes = math.prod(shape) * itemsize
+    held = math.prod(NamedSharding(mesh, spec).shard_shape(shape)) * itemsize
+    device, total = device + held, total + nbytes
+    axes = {a: mesh.shape[a] for a in indivisible if mesh.shape[a] > 1}
+    if axes:
+      replicated.append(Replicated(
+          name="/".join(str(k) for k in path), shape=shape, bytes=nbytes, device_bytes=held,
+          axes=axes, dims={a: indivisible[a] for a in axes}))
+  replicated.sort(key=lambda r: -r.device_bytes)
+  return ParamReport(device_bytes=device, ideal_bytes=total // math.prod(shard_axes.values()),
+                     total_bytes=total, shard_axes=shard_axes, replicated=tuple(replicated))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -365,6 +365,16 @@ class Experiment(ModelSetup):
                    donate_argnums=(0,))
 
 
+def warn_replicated_params(exp: ModelSetup) -> None:
+  """Warns (once, before the state is created) of parameters the sharding rules leave whole
+  on a mesh axis that none of their dimensions divides (sharding.param_report): the rules
+  pass such dimensions over so that odd widths run, but on a large mesh the arrays can hold
+  most of each device's parameter memory."""
+  report = sharding.param_report(exp.model_def.abstract_params, rules_of(exp.config), exp.mesh)
+  if report.replicated:
+    console.warn(f"{report.describe()}. {report.advice()}")
+
+
 def build_model(config, devices=None, dataset=None) -> ModelSetup:
   """Validates the config, then builds the mesh, the dataset and the model definition.
   `dataset` replaces config.data's (e.g. bigpretrain.plan.aot_plan's stand-in, with only its info)."""
@@ -550,6 +560,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                                        keep=config.keep_ckpts, meta=meta)
   cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))
   checkpointer.refuse_another_configuration()  # Before the state is built and compiled.
+  warn_replicated_params(exp)
   state = exp.init_state()
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)

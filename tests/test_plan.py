@@ -77,6 +77,15 @@ def test_plan_matches_the_compiled_step_of_the_allocated_state():
                if s.device == dev)
 
   assert p["params_bytes"] == on_device(state["params"])
+  # Every dimension the rules name divides fsdp=4: nothing replicated for want of it.
+  assert p["replicated_params"] == [] and "replicated_params_advice" not in p
+  assert p["params_ideal_bytes"] == sum(x.nbytes for x in jax.tree.leaves(state["params"])) // 4
+  assert "stay replicated" not in plan_lib.describe(p)
+  odd = {**p, "replicated_params": [{"name": "head/kernel", "shape": [128, 100], "bytes": 51200,
+                                     "device_bytes": 51200, "axes": {"tensor": 8}}],
+         "replicated_params_advice": "Choose mesh axis sizes."}
+  assert "1 parameter array(s),    0.000 GB per device, stay" in plan_lib.describe(odd)
+  assert "head/kernel (128, 100) 0.05 MB on tensor=8" in plan_lib.describe(odd)
   assert p["opt_state_bytes"] == on_device(state["opt_state"])
   assert p["num_params"] == sum(x.size for x in jax.tree.leaves(state["params"]))
   assert p["argument_bytes"] >= p["params_bytes"] + p["opt_state_bytes"]

@@ -1,7 +1,9 @@
 """The trainer in-process: sharding equivalence, eval counting, and clear errors."""
 import itertools
+import math
 import re
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -116,6 +118,95 @@ def test_default_rules_shard_a_kernel_on_fsdp_by_whichever_channels_divide():
       P(None, None, "fsdp", "tensor"))
   assert sharding.logical_to_mesh(("embed", "mlp"), (768, 3072), rules, mesh) == (
       P("fsdp", "tensor"))
+
+
+class _Kernels(nnx.Module):
+  """Parameters with logical names and nothing else: what param_report reads."""
+
+  def __init__(self, shapes: dict):
+    for name, (shape, names, dtype) in shapes.items():
+      setattr(self, name, nnx.Param(jnp.zeros(shape, dtype), out_sharding=names))
+
+
+def _abstract(shapes: dict):
+  return nnx.state(nnx.eval_shape(lambda: _Kernels(shapes)), nnx.Param)
+
+
+_CONV = (None, None, "conv_in", "conv_out")
+
+
+def test_param_report_names_the_kernels_no_dimension_of_which_divides_fsdp():
+  rules = config_lib.base_config().sharding_rules
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  abstract = _abstract({
+      # 6 and 10 channels: neither divides fsdp=4; the outputs go on tensor=2 instead.
+      "odd": ((3, 3, 6, 10), _CONV, jnp.float32),
+      # 6 inputs do not divide fsdp, 8 outputs do: the fallback shards it, nothing to report.
+      "fallback": ((3, 3, 6, 8), _CONV, jnp.float32),
+      "conv": ((3, 3, 8, 16), _CONV, jnp.bfloat16),  # fsdp x tensor.
+      "head": ((16, 7), ("embed", "classes"), jnp.float32),  # 7 classes: not on tensor.
+      "bias": ((7,), (None,), jnp.float32),  # No rule wants it sharded.
+  })
+  report = sharding.param_report(abstract, rules, mesh)
+  assert [(r.name, r.shape, r.axes) for r in report.replicated] == [
+      ("odd", (3, 3, 6, 10), {"fsdp": 4}), ("head", (16, 7), {"tensor": 2})]
+  odd, head = report.replicated
+  assert (odd.bytes, odd.device_bytes) == (3 * 3 * 6 * 10 * 4, 3 * 3 * 6 * 5 * 4)
+  assert (head.bytes, head.device_bytes) == (16 * 7 * 4, 4 * 7 * 4)  # embed on fsdp.
+  assert report.replicated_device_bytes == 1080 + 112
+  held = 1080 + 3 * 3 * 6 * 2 * 4 + 3 * 3 * 2 * 8 * 2 + 112 + 7 * 4
+  total = 2160 + 3 * 3 * 6 * 8 * 4 + 3 * 3 * 8 * 16 * 2 + 448 + 28
+  assert (report.device_bytes, report.total_bytes, report.ideal_bytes) == (
+      held, total, total // 8)
+  # The same decision as the shardings the trainer places the params with.
+  shardings = sharding.state_shardings(abstract, rules, mesh)
+  assert report.device_bytes == sum(
+      math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+      for s, a in zip(jax.tree.leaves(shardings), jax.tree.leaves(nnx.to_pure_dict(abstract))))
+  assert shardings["odd"].spec == P(None, None, None, "tensor")
+  # fsdp=2 divides both 6 and 10; 7 classes on tensor only by padding.
+  assert report.fitting_sizes() == {"fsdp": 2, "tensor": 1}
+  advice = report.advice()
+  assert "fsdp=2 divides them all" in advice and "multiple of 2" in advice
+  assert "2 parameter arrays" in report.describe()
+  assert "odd (3, 3, 6, 10) 1.08 kB on fsdp=4" in report.describe()
+
+
+def test_param_report_is_empty_where_every_dimension_divides():
+  rules = config_lib.base_config().sharding_rules
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  report = sharding.param_report(_abstract({
+      "conv": ((3, 3, 8, 16), _CONV, jnp.float32),
+      "head": ((16, 8), ("embed", "classes"), jnp.float32)}), rules, mesh)
+  assert report.replicated == ()
+  assert report.device_bytes == report.ideal_bytes == (3 * 3 * 8 * 16 + 16 * 8) * 4 // 8
+  assert "replicated" not in report.describe()
+
+
+class _StopBeforeState(Exception):
+  pass
+
+
+def test_the_trainer_warns_once_of_replicated_params(tmp_path, caplog, monkeypatch):
+  """The demo's 100 classes do not divide tensor=8: the head stays whole on every device.
+  Said before the state is created (which is where too little memory would fail); fsdp=8
+  divides every array, and nothing is said."""
+  def stop(exp):
+    del exp
+    raise _StopBeforeState()
+
+  monkeypatch.setattr(train.Experiment, "init_state", stop)
+  for mesh, warned in (((1, 1, 8), 1), ((1, 8, 1), 0)):
+    caplog.clear()
+    config = helpers.tiny_config(**{"mesh.data": mesh[0], "mesh.fsdp": mesh[1],
+                                    "mesh.tensor": mesh[2]})
+    with caplog.at_level("WARNING"), pytest.raises(_StopBeforeState):
+      train.train_and_evaluate(config, str(tmp_path / str(mesh[2])))
+    said = [r.getMessage() for r in caplog.records if "stay replicated" in r.getMessage()]
+    assert len(said) == warned, (mesh, said)
+    if warned:
+      assert "head/kernel (128, 100)" in said[0] and "tensor=8" in said[0], said
+      assert "tensor=4 divides them all" in said[0], said  # 100 = 4 x 25.
 
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):

@@ -11,6 +11,8 @@ only. Devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU 
 (libtpu) or a GPU cluster (the CUDA PJRT plugin) from bigpretrain.plan.accelerators. The class
 lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
 others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
+the parameter bytes if every array split over all the rules' mesh axes, and the arrays the
+rules leave whole on an axis none of their dimensions divides (sharding.param_report),
 the compiler's memory analysis (arguments, outputs, aliased, temporaries, generated code),
 FLOPs per step (matrix products and convolutions counted on the step's jaxpr, the same on
 every compiler: bigpretrain/plan/flops.py; step_flops gives them without compiling) and, where the
@@ -318,6 +320,8 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
   flops_per_device = _flops_per_device(exp, state, traced, step)
   mem = compiled.memory_analysis()
   hlo = compiled.as_text()
+  report = sharding.param_report(exp.model_def.abstract_params, train.rules_of(exp.config),
+                                 exp.mesh)
   out = {
       "config": config.objective.name, "model": config.model.name, "step": step,
       "compiler": accelerators.compiler_name(device), "device_kind": device.device_kind,
@@ -330,6 +334,12 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "num_classes": exp.dataset.info.num_classes,
       "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"])),
       "params_bytes": shard_bytes(state["params"]),
+      # What params_bytes would be if the rules split every array over all their mesh axes,
+      # and the arrays they leave whole on an axis none of their dimensions divides.
+      "params_ideal_bytes": report.ideal_bytes,
+      "replicated_params": [{"name": r.name, "shape": r.shape, "bytes": r.bytes,
+                             "device_bytes": r.device_bytes, "axes": r.axes}
+                            for r in report.replicated],
       "opt_state_bytes": shard_bytes(state["opt_state"]) if "opt_state" in state else 0,
       "state_bytes": shard_bytes(state),
       "argument_bytes": int(mem.argument_size_in_bytes),
@@ -342,6 +352,8 @@ def plan(config, num_classes: int | None = None, accelerator: str | None = None,
       "collectives": hlo_collectives.collectives(hlo),
       "compile_seconds": round(compile_s, 1),
   }
+  if report.replicated:
+    out["replicated_params_advice"] = report.advice()
   if exp.frozen is not None:  # A distillation teacher: an input of every step.
     out["frozen_bytes"] = shard_bytes(exp.frozen)
     if teacher_model is not None:
@@ -389,6 +401,20 @@ def _gb(x: int) -> str:
   return f"{x / 1e9:8.3f} GB"
 
 
+def _replicated_lines(p: dict, top: int = 3) -> list[str]:
+  """The plan's parameters left replicated on a mesh axis: how many, their bytes per device,
+  the largest, and what to do."""
+  rep = sorted(p["replicated_params"], key=lambda r: -r["device_bytes"])
+  lines = [f"    {len(rep)} parameter array(s), {_gb(sum(r['device_bytes'] for r in rep))} per "
+           "device, stay replicated on a mesh axis that no dimension the rules name for it "
+           "divides; the largest:"]
+  for r in rep[:top]:
+    axes = "+".join(f"{a}={n}" for a, n in r["axes"].items())
+    lines.append(f"      {r['name']} {tuple(r['shape'])} {r['device_bytes'] / 1e6:.2f} MB "
+                 f"on {axes}")
+  return lines + [f"    {p['replicated_params_advice']}"]
+
+
 def describe(p: dict) -> str:
   """The plan as a few readable lines."""
   teacher = f" (teacher {p['teacher_model']})" if "teacher_model" in p else ""
@@ -398,11 +424,15 @@ def describe(p: dict) -> str:
            f"{p['compute_dtype']}, {p['num_params'] / 1e6:.1f}M params, remat "
            f"{p.get('remat', 'none')}",
            f"compiler: {p['compiler']}", "per device:"]
-  for key in ("params_bytes", "opt_state_bytes", "state_bytes", "frozen_bytes",
-              "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+  for key in ("params_bytes", "params_ideal_bytes", "opt_state_bytes", "state_bytes",
+              "frozen_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
               "generated_code_bytes", "total_bytes"):
     if key in p:
-      lines.append(f"  {key:22s}{_gb(p[key])}")
+      ratio = (f"  (params_bytes {p['params_bytes'] / max(p[key], 1):.1f}x)"
+               if key == "params_ideal_bytes" else "")
+      lines.append(f"  {key:22s}{_gb(p[key])}{ratio}")
+    if key == "params_ideal_bytes" and p.get("replicated_params"):
+      lines.extend(_replicated_lines(p))
   lines.append(f"  {'flops_per_device':22s}{p['flops_per_device'] / 1e12:8.3f} TFLOP per step")
   if "optimal_seconds" in p:
     lines.append(f"  {'optimal_seconds':22s}{p['optimal_seconds'] * 1e3:8.3f} ms per step "
