@@ -1,8 +1,9 @@
 """The base config every recipe starts from, recipe-argument parsing, and validation.
 
 `base_config()` holds every key the trainer reads. Recipes (configs/*.py) override values and
-add model/data/objective kwargs; `validate()` then catches typos and bad values before any
-compilation, naming the offending key, and locks the config.
+add model/objective kwargs and the data settings (input_pipeline.pipeline.data_defaults());
+`validate()` then catches typos and bad values before any compilation, naming the offending
+key, and locks the config.
 """
 from collections.abc import Iterable, Mapping
 import difflib
@@ -29,9 +30,12 @@ from input_pipeline import pipeline
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 # Sections whose keys are fixed: a key not in base_config() is a typo.
 _CLOSED_SECTIONS = ('mesh', 'optim', 'mixup', 'ema', 'divergence')
+# config.data: base_config()'s keys are required; any other key must be one of the pipeline's
+# (data_defaults()) or one the named data sources declare (_check_data_keys), else a typo.
+_DATA_SECTION = 'data'
 # Sections recipes extend with their own kwargs; only their base keys are required.
 # (config.evals entries are checked by the evaluators they name.)
-_OPEN_SECTIONS = ('model', 'data', 'objective', 'evals')
+_OPEN_SECTIONS = ('model', 'objective', 'evals')
 # Base keys of open sections that may be left out (their default applies).
 _OPTIONAL_KEYS = ('model.remat', 'model.attention_impl', 'model.head_dtype',
                   'model.grouped_conv_impl', 'model.pointwise_conv_impl')
@@ -228,7 +232,7 @@ def _is_number(x: Any) -> bool:
 
 def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
                 extra_keys: Iterable[str]) -> None:
-  """Missing required keys and unknown top-level / closed-section keys."""
+  """Missing required keys and unknown top-level / closed-section / data keys."""
   extra = set(extra_keys)
   for key in sorted(config):
     if key not in base and key not in extra:
@@ -237,7 +241,7 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
   for key in sorted(base):
     if key not in config or config[key] is None:
       raise ValueError(f'config.{key} is missing (required).')
-  for section in _CLOSED_SECTIONS + _OPEN_SECTIONS:
+  for section in _CLOSED_SECTIONS + (_DATA_SECTION,) + _OPEN_SECTIONS:
     if not hasattr(config[section], 'keys'):
       raise ValueError(f'config.{section}={config[section]!r} must be a ConfigDict section.')
     if section in ('optim', 'evals'):
@@ -252,6 +256,36 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
         if key not in base[section]:
           raise ValueError(f'config.{section}.{key} is not a known key'
                            f'{_suggest(key, base[section])}; valid: {sorted(base[section])}')
+  _check_data_keys(config[_DATA_SECTION])
+
+
+def _check_data_keys(data: Mapping[str, Any]) -> None:
+  """Refuses a config.data key that nothing reads: neither a key of base_config().data or
+  pipeline.data_defaults() (what the pipeline, trainer and evaluators read) nor one declared
+  (datasets.data_keys) by the loader of data.name or of a data.mix entry, e.g. the hashtag
+  sources' resample_alpha. Such a key would be ignored silently (a misspelt num_workers
+  would train with 0 workers), so it is named with its close match instead."""
+  known = set(base_config().data) | set(pipeline.data_defaults())
+  unknown = sorted(k for k in data if k not in known)
+  if not unknown:
+    return
+  name = str(data.get('name', ''))
+  mix = [n for n, _ in datasets.parse_mix(data.get('mix', ''))]
+  for source in [name] + mix:
+    if source not in datasets.SOURCES:  # The name's error first: its source may declare the key.
+      if source == name:
+        raise ValueError(datasets.SOURCES.unknown_message(name))
+      raise ValueError(f'config.data.mix entry {source!r} is not a known dataset'
+                       f'{_suggest(source, datasets.SOURCES.keys())}; known: '
+                       f'{", ".join(datasets.SOURCES.names())}.')
+    known.update(datasets.declared_data_keys(source))
+  for key in unknown:
+    if key not in known:
+      named = f'data.name={name!r}' + (f' and data.mix {mix}' if mix else '')
+      raise ValueError(
+          f'config.data.{key} is not a known key{_suggest(key, known)}; valid with {named}: '
+          f'{sorted(known)}. (A key that a data source declares, datasets.data_keys, is valid '
+          'only where data.name or data.mix names that source.)')
 
 
 def _check_values(config: Mapping[str, Any]) -> None:

@@ -33,7 +33,8 @@ class Source:
     (seed, j) (e.g. hashtag head/tail resampling), or None. Default None (no method): the
     pipeline shuffles the source and slices the stream over hosts.
   - configure(data_cfg): the source read with its own data.* options (e.g.
-    data.resample_alpha); default the source itself.
+    data.resample_alpha, which its loader declares with datasets.data_keys so that
+    config_lib.validate accepts it); default the source itself.
   A source may also define __getitems__(indices), a batched read.
   """
   split: str | None = None

@@ -3,7 +3,9 @@
 `config.data.name` is looked up in SOURCES, a registry of names and name prefixes; a new kind
 of dataset registers its loader `loader(name, data_dir) -> Dataset` where it is defined
 (`@datasets.SOURCES.register("myprefix:")`, in a module listed in config.plugins); Dataset
-and Source (dataset_base.py) say what a loader's dataset and its split sources provide. The
+and Source (dataset_base.py) say what a loader's dataset and its split sources provide. A
+loader whose sources read config.data keys of their own declares them (`data_keys`): other
+data keys than pipeline.data_defaults()'s are refused by config_lib.validate as typos. The
 built-in sources of the sources/ package register themselves the same way; the package is
 imported on the registry's first lookup. Built in:
   'demo'                 the embedded demo (input_pipeline/sources/demo.py), generated on first use
@@ -65,6 +67,40 @@ from input_pipeline import subset
 SOURCES = registry.Registry("dataset", "config.data.name", prefixes=True,
                             builtins="input_pipeline.sources")
 register_source = SOURCES.register
+
+
+def data_keys(*keys: str):
+  """Declares the config.data keys a loader's dataset or sources read beyond
+  pipeline.data_defaults()'s (e.g. the hashtag sources' data.resample_alpha, read by their
+  configure()), as the loader's `data_keys` attribute; a loader class may set that attribute
+  itself. config_lib.validate accepts such a key only in configs whose data.name or data.mix
+  entries name a loader that declares it: elsewhere it would be ignored, so it is refused
+  as a typo. Place it under the registration:
+
+    @datasets.SOURCES.register("myprefix:")
+    @datasets.data_keys("my_option")
+    def load(name, data_dir): ...
+  """
+  for key in keys:
+    if not isinstance(key, str) or not key:
+      raise ValueError(f"data_keys takes config.data key names (strings), got {key!r}.")
+
+  def declare(loader):
+    loader.data_keys = tuple(keys)
+    return loader
+
+  return declare
+
+
+def declared_data_keys(name: str) -> tuple[str, ...]:
+  """The extra config.data keys (see data_keys) that the loader of dataset `name` declares.
+  Raises ValueError (naming the close match) when no loader serves `name`."""
+  keys = getattr(SOURCES.get(str(name)), "data_keys", ())
+  if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+    raise ValueError(f"The loader of dataset {name!r} declares data_keys={keys!r}: it must "
+                     "be a tuple of config.data key names.")
+  return tuple(keys)
+
 
 # The contract every loader's dataset and source follow (dataset_base.py).
 Dataset = dataset_base.Dataset

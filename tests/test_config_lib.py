@@ -3,6 +3,7 @@ import ml_collections
 import pytest
 
 from bigpretrain import config_lib
+from input_pipeline import datasets
 
 
 def _valid(**overrides):
@@ -97,9 +98,81 @@ def test_unknown_keys_in_closed_sections():
 def test_open_sections_accept_recipe_kwargs():
   c = _valid()
   c.model.drop_path_rate = 0.1
-  c.data.image_size = 224
   c.objective.label_smoothing = 0.2
   config_lib.validate(c)
+
+
+def test_misspelt_data_key_is_refused_with_its_close_match():
+  c = _valid()
+  c.data.image_size, c.data.num_workers = 64, 2  # The pipeline's keys (data_defaults()).
+  config_lib.validate(c)
+  c = _valid()
+  c.data.num_worker = 8  # Would run with data.num_workers' default, 0, unsaid.
+  with pytest.raises(ValueError, match=r"config\.data\.num_worker is not a known key "
+                     r"\(did you mean 'num_workers'\?\)"):
+    config_lib.validate(c)
+  c = _valid()
+  c.data.shufle_buffer = 1000  # No data key is close: still refused, naming the key.
+  _raises(c, 'data.shufle_buffer is not a known key')
+
+
+# A data source taking its own config.data key (datasets.data_keys), as a plugin's would: by
+# the decorator on a loader function, or as a loader class's attribute.
+@datasets.SOURCES.register('cfgtest_fn:')
+@datasets.data_keys('crop_jitter')
+def _cfgtest_loader(name, data_dir):
+  raise NotImplementedError(name, data_dir)  # validate() opens no dataset.
+
+
+class _CfgTestDataset(datasets.Dataset):
+  data_keys = ('crop_jitter',)
+
+
+datasets.SOURCES.register('cfgtest_cls:', _CfgTestDataset)
+
+
+def _with_crop_jitter(name, mix):
+  c = _valid()
+  c.data.name, c.data.mix, c.data.crop_jitter = name, mix, 0.1
+  return c
+
+
+@pytest.mark.parametrize('name, mix, other_name, other_mix', [
+    ('cfgtest_fn:x', '', 'tfds:x', ''),
+    ('cfgtest_cls:x', '', 'demo', ''),
+    ('demo', 'cfgtest_fn:x=0.2', 'demo', 'folder:y=0.2'),
+])
+def test_a_source_declared_data_key_is_valid_only_where_that_source_is_named(
+    name, mix, other_name, other_mix):
+  config_lib.validate(_with_crop_jitter(name, mix))
+  with pytest.raises(ValueError, match=rf'config\.data\.crop_jitter is not a known key; '
+                     rf'valid with data\.name={other_name!r}'):
+    config_lib.validate(_with_crop_jitter(other_name, other_mix))
+
+
+def test_declared_data_keys_of_the_builtin_hashtag_sources_and_their_misspellings():
+  c = _valid()
+  c.data.name, c.data.crop_jiter = 'cfgtest_fn:x', 0.1  # The declared key, misspelt.
+  with pytest.raises(ValueError, match=r"config\.data\.crop_jiter .*did you mean 'crop_jitter'"):
+    config_lib.validate(c)
+  # The built-in hashtag sources declare data.resample_alpha (SWAG's head share).
+  c = _valid()
+  c.data.name, c.data.resample_alpha = 'hashtags:demo', 0.5
+  config_lib.validate(c)
+  c.data.name = 'demo'
+  _raises(c, 'data.resample_alpha is not a known key')
+
+
+def test_an_unknown_source_is_named_before_the_keys_it_might_declare():
+  c = _valid()
+  c.data.name, c.data.crop_jitter = 'cfgtest_fm:x', 0.1
+  with pytest.raises(ValueError, match=r"config\.data\.name='cfgtest_fm:x' is not a known "
+                     r"dataset\. Did you mean 'cfgtest_fn:'"):
+    config_lib.validate(c)
+  c.data.name, c.data.mix = 'demo', 'cfgtest_fm:x=0.2'
+  with pytest.raises(ValueError, match=r"config\.data\.mix entry 'cfgtest_fm:x' is not a "
+                     r"known dataset \(did you mean 'cfgtest_fn:'\?\)"):
+    config_lib.validate(c)
 
 
 def test_missing_required_keys():

@@ -82,5 +82,6 @@ def demo_builder(data_dir: str):
 
 
 @datasets.SOURCES.register("hashtags:demo")
+@datasets.data_keys(hashtag_source.ALPHA_KEY)
 def load(name: str, data_dir: str) -> hashtag_source.HashtagDataset:
   return hashtag_source.HashtagDataset(name, demo_builder(data_dir), image_size=demo.IMAGE_SIZE)

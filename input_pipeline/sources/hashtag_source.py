@@ -219,6 +219,7 @@ def find(full_name: str, root: pathlib.Path):
 
 
 @datasets.SOURCES.register("hashtags:", usage="hashtags:NAME")
+@datasets.data_keys(ALPHA_KEY)
 def load(name: str, data_dir: str) -> HashtagDataset:
   """'hashtags:NAME': a hashtag dataset prepared in data_dir ('hashtags:demo':
   hashtag_demo.py)."""
