@@ -6,7 +6,8 @@ same structure, only when config.ema is on: the EMA weights), 'train' ({'step', 
 per process), 'data_position' (JSON: the process count, data.num_workers, the sizes of the
 train sources and the stream_position.Position the train stream started from) and 'meta'
 (JSON: the model config, class names, dataset and input settings, so that a checkpoint path
-alone rebuilds the model; see `run_meta`). Arrays are
+alone rebuilds the model, and the class tree of an objective trained on one; see
+`run_meta`). Arrays are
 restored onto the current mesh's shardings, whatever mesh saved them; the train stream
 resumes from grain's own state on the same topology and from the global stream position on
 another (see _data_plan). A checkpoint written for another configuration (its 'meta' names
@@ -139,10 +140,14 @@ def _plain(section) -> dict:
   return section.to_dict() if hasattr(section, "to_dict") else dict(section)
 
 
-def run_meta(config, model_config: dict, class_names, num_classes: int) -> dict:
+def run_meta(config, model_config: dict, class_names, num_classes: int,
+             objective_meta: dict | None = None) -> dict:
   """The 'meta' item of a run's checkpoints: what consumers of the weights need.
-  `model_config` is ModelDef.config() (config.model with the options resolved)."""
+  `model_config` is ModelDef.config() (config.model with the options resolved);
+  `objective_meta` is the objective's own entries (objectives.base.Objective.meta: e.g.
+  'class_tree', the tree a semantic softmax's heads are trained for)."""
   return {
+      **(objective_meta or {}),
       "version": META_VERSION,
       "model": dict(model_config),
       "compute_dtype": config.compute_dtype,
@@ -277,6 +282,8 @@ class Checkpointer:
     unreadable one without moving it, and nothing is written or deleted there."""
     self.directory = os.path.abspath(directory)
     self.meta = meta
+    # The saved 'meta' of the checkpoint restore() restored (None: none yet, or it has none).
+    self.restored_meta = None
     self.read_only = read_only
     self.keep = keep
     self._pending = None  # The step of a save that may still be running.
@@ -402,7 +409,7 @@ class Checkpointer:
     for i, step in enumerate(candidates):
       older = len(candidates) - i - 1  # Checkpoints left to fall back to.
       try:  # A readable checkpoint of another configuration is the user's error: refuse.
-        self._check_meta(step)
+        saved_meta = self._check_meta(step)
       except CheckpointMismatch:
         raise
       except Exception as e:  # pylint: disable=broad-except
@@ -450,6 +457,7 @@ class Checkpointer:
       if "ema" in items:
         restored["ema"] = out["ema"]
       logging.info("Restored checkpoint %s/%d", self.directory, step)
+      self.restored_meta = saved_meta
       # Its state is confirmed by the next good loss; with the skip policy, the states of a
       # run of bad steps in progress are not good either.
       bad_run = int(restored.get("health", {}).get("bad_run", 0))
@@ -504,16 +512,18 @@ class Checkpointer:
         continue
       return
 
-  def _check_meta(self, step: int) -> None:
+  def _check_meta(self, step: int) -> dict | None:
     """Raises CheckpointMismatch if the checkpoint's 'meta' names another model, class list
-    or objective than this run's; any other error means the checkpoint is unreadable."""
+    or objective than this run's; any other error means the checkpoint is unreadable.
+    Returns the saved meta (None without one, or when this run has none to check)."""
     if self.meta is None or not _has_item(self.directory, step, "meta"):
-      return
+      return None
     saved = self.manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"]
     differences = meta_differences(saved, self.meta)
     if differences:
       self._refuse(step, differences)
+    return saved
 
   def _check_tree(self, step: int, items: dict) -> None:
     """Raises CheckpointMismatch if the tree or shapes of a saved item ('params': weights,

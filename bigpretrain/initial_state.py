@@ -11,9 +11,12 @@ A checkpoint written for another configuration, or past the run's total_steps, s
 (checkpoint.CheckpointMismatch) at (1) or (2).
 
 The EMA of the weights (config.ema) restarts from the starting weights unless the restored
-checkpoint carried its own EMA.
+checkpoint carried its own EMA. A resumed run trains on the class tree its checkpoint stores
+(objectives.base.Objective.restore_meta), and stores it again.
 """
 import os
+
+from absl import logging
 
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
@@ -72,6 +75,9 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     state = {"health": state["health"], **restored_state}
     console.say(f"Resuming from step {start} in "
                 f"{with_resume.directory if source == 'resume' else workdir}")
+    _restore_objective(exp, (with_resume if source == "resume" else checkpointer), start)
+    if checkpointer.meta is not None:  # Its next checkpoints store the tree trained on.
+      checkpointer.meta.update(exp.objective.meta())
   elif config.model_init:
     source = "model_init"
     loaded, fresh, resized, dropped = ckpt_lib.init_from(
@@ -97,6 +103,20 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
                    f"starts from the weights of step {start}.")
     state = exp.restart_ema(state)
   return state, start
+
+
+def _restore_objective(exp, restored_from: ckpt_lib.Checkpointer, step: int) -> None:
+  """The objective takes back what the restored checkpoint's meta stores (its class tree),
+  and says when the tree built now differs from it."""
+  saved = restored_from.restored_meta
+  if saved is not None and "class_tree" in exp.objective.meta() and "class_tree" not in saved:
+    logging.info("Checkpoint step %d stores no class tree (written before trees were "
+                 "stored): training on the tree built now.", step)
+  change = exp.objective.restore_meta(saved or {})
+  if change:
+    console.warn(f"checkpoint step {step} was trained on another class tree than the one "
+                 f"built now from its class list (checkpoint's -> now: {change}); training on "
+                 "with the checkpoint's tree, which its level heads were trained for.")
 
 
 def _warn_other_normalize(config) -> None:

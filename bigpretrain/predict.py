@@ -67,10 +67,13 @@ def predict(workdir: str, paths, threshold: float = 0.5) -> list[dict]:
                              lambda module, batch: module(batch["image"], train=False))
   batch_size = -(-_BATCH // mesh.size) * mesh.size  # Whole rows per device.
   names = meta["class_names"] or [str(c) for c in range(meta["num_classes"])]
-  tree = base.class_tree(names, required=False)
   sigmoid = meta["objective"].get("name") == "multi_label"
   info = datasets.DatasetInfo(meta["dataset"], meta["num_classes"], names, {}, None, ())
   objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]), info)
+  objective.restore_meta(meta)  # The class tree the model was trained on, when stored.
+  tree = objective.tree
+  if tree is None:  # E.g. multi_label on id lists: the per-level view of wnid classes.
+    tree = base.class_tree(names, required=False)
 
   results, good, images = [], [], []
   for path in paths:

@@ -555,7 +555,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                  f"{config.total_steps} sets the run length (total_steps=-1 trains by epochs).")
   evaluators = evaluators_lib.build(config, exp)
   meta = ckpt_lib.run_meta(config, exp.model_def.config(), dataset.info.class_names,
-                           dataset.info.num_classes)
+                           dataset.info.num_classes, exp.objective.meta())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
   cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))

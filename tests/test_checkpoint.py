@@ -1,4 +1,5 @@
-"""Checkpoint helpers: initialising a model from a checkpoint of a different model."""
+"""Checkpoint helpers: initialising a model from a checkpoint of a different model; what a
+run's meta holds."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -122,3 +123,22 @@ def test_a_train_split_of_another_size_is_refused_on_resume(tmp_path, capsys):
   _, step = checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(state, allowed)
   assert step == 4 and next(allowed) == 3
   assert "WARNING: the train data changed since checkpoint step 4" in capsys.readouterr().out
+
+
+def test_a_semantic_runs_meta_holds_its_class_tree_a_softmax_runs_does_not(demo_run):
+  # The tree is rebuilt from the class list by a rule that may change: the checkpoint keeps
+  # the one the level heads were trained for.
+  from bigpretrain import objectives
+  from bigpretrain.semantic import tree as tree_lib
+  from input_pipeline import datasets
+  from tests import helpers
+  meta = checkpoint.read_meta(demo_run)  # A semantic_softmax run.
+  built = tree_lib.SemanticTree.from_wnids(meta["class_names"])
+  assert meta["class_tree"] == {"parent": built.parent.tolist()}
+  assert built.num_levels > 1
+  config = helpers.tiny_config("single_label")  # Softmax: the tree only adds eval metrics.
+  info = datasets.get_dataset(config.data).info
+  softmax = objectives.get_objective(config.objective, info)
+  assert softmax.tree is not None and softmax.meta() == {}
+  assert "class_tree" not in checkpoint.run_meta(config, {}, info.class_names,
+                                                 info.num_classes, softmax.meta())

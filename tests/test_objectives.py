@@ -108,6 +108,31 @@ def test_semantic_kd_teacher_logits_in_the_step_are_the_saved_teachers(demo_run)
   assert np.abs(want).max() > 0.1  # A trained head, not zeros that would match anything.
 
 
+def test_semantic_kd_takes_the_class_tree_its_teacher_stores(demo_run, monkeypatch, capsys):
+  # A teacher trained under an earlier tree rule keeps its levels' meaning: simulated by a
+  # rule that now makes every class a root.
+  from bigpretrain import checkpoint
+  from bigpretrain.objectives import base
+  from bigpretrain.semantic import tree as tree_lib
+  from configs import semantic_kd
+  stored = checkpoint.read_meta(demo_run)["class_tree"]["parent"]
+  monkeypatch.setattr(base, "class_tree", lambda names, required=True: (
+      tree_lib.SemanticTree.from_parents([-1] * len(names), list(names))))
+  config = semantic_kd.get_config(f"teacher={demo_run}")
+  for key, value in helpers.tiny_config(total_steps=3).items():
+    if key != "objective":
+      config[key] = value
+  exp = train.build(config)
+  assert exp.objective.tree.parent.tolist() == stored and exp.objective.tree.num_levels > 1
+  assert exp.objective.meta() == {"class_tree": {"parent": stored}}  # The student stores it.
+  assert (f"the teacher in {demo_run} was trained on another class tree than the one built "
+          "now (teacher's -> now: level sizes ") in capsys.readouterr().out
+  # A student checkpoint of another tree than its teacher's cannot be distilled on.
+  flat = {"class_tree": {"parent": [-1] * len(stored)}}
+  with pytest.raises(checkpoint.CheckpointMismatch, match="student's -> teacher's: level sizes"):
+    exp.objective.restore_meta(flat)
+
+
 def test_semantic_kd_without_teacher_is_a_clear_error(tmp_path):
   from configs import semantic_kd
   config = semantic_kd.get_config()

@@ -18,6 +18,7 @@ import types
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
@@ -26,6 +27,8 @@ from bigpretrain import checkpoint
 from bigpretrain import config_lib
 from bigpretrain import divergence
 from bigpretrain import initial_state
+from bigpretrain import objectives
+from bigpretrain.objectives import base as objectives_base
 from bigpretrain.runtime import metric_writers
 from bigpretrain.runtime import process_zero
 from bigpretrain.runtime import workdir_lock
@@ -308,10 +311,11 @@ def test_another_runs_checkpoints_are_read_only(tmp_path, capsys):
   assert _tree(directory) == before and not (tmp_path / "other_corrupt").exists()
 
 
-def _experiment(total_steps: int, **overrides):
+def _experiment(total_steps: int, objective=None, **overrides):
   """What initial_state.restore_or_init reads of a train.Experiment."""
   config = helpers.set_overrides(config_lib.base_config(), overrides)
-  return types.SimpleNamespace(config=config, total_steps=total_steps, shardings={})
+  return types.SimpleNamespace(config=config, total_steps=total_steps, shardings={},
+                               objective=objective or objectives_base.Objective())
 
 
 def _fresh_state() -> dict:
@@ -365,6 +369,55 @@ def test_config_resume_takes_a_runs_workdir_as_model_init_does(tmp_path, capsys)
     initial_state.restore_or_init(_experiment(4, resume=str(tmp_path / "nope")),
                                   _fresh_state(), None, here, str(tmp_path / "run"))
   here.close()
+
+
+# Dog and cat under animal, hound under dog: a tree of 3 levels.
+_WNIDS = ["n00015388", "n02084071", "n02121620", "n02087551"]
+
+
+def test_a_resume_trains_on_the_class_tree_its_checkpoint_stores(tmp_path, capsys):
+  # The rule that builds the tree may change between versions: a resumed semantic run keeps
+  # the tree its level heads were trained for (here: all classes roots), says so, and stores
+  # it again.
+  cfg = ml_collections.ConfigDict({"name": "semantic_softmax"})
+  info = types.SimpleNamespace(name="wnids", class_names=_WNIDS)
+  built = objectives.get_objective(cfg, info).tree
+  assert built.num_levels == 3
+  stored = [-1] * len(_WNIDS)
+  meta = {"class_names": _WNIDS, "objective": {"name": "semantic_softmax"}}
+  saver = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False,
+                                  meta={**meta, "class_tree": {"parent": stored}})
+  saver.save(2, _state(head_classes=3))
+  saver.close()
+  objective = objectives.get_objective(cfg, info)
+  reader = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False,
+                                   meta={**meta, **objective.meta()})
+  _, start = initial_state.restore_or_init(_experiment(4, objective), _fresh_state(), None,
+                                           reader, str(tmp_path))
+  reader.close()
+  assert start == 2
+  assert objective.tree.parent.tolist() == stored and objective.tree.num_levels == 1
+  assert objective.targets.shape == (len(_WNIDS), 1)  # The loss's targets follow it.
+  assert reader.meta["class_tree"] == {"parent": stored}  # What the next checkpoints store.
+  out = capsys.readouterr().out
+  assert ("checkpoint step 2 was trained on another class tree than the one built now from "
+          "its class list (checkpoint's -> now: level sizes [4] -> [1, 2, 1]; 3 classes with "
+          "another parent, e.g. n02084071 under (root) -> n00015388") in out
+  assert "training on with the checkpoint's tree" in out
+
+  # A checkpoint written before trees were stored trains on the tree built now, unwarned.
+  old = tmp_path / "old"
+  saver = checkpoint.Checkpointer(str(old / "checkpoints"), async_save=False, meta=meta)
+  saver.save(2, _state(head_classes=3))
+  saver.close()
+  objective = objectives.get_objective(cfg, info)
+  reader = checkpoint.Checkpointer(str(old / "checkpoints"), async_save=False,
+                                   meta={**meta, **objective.meta()})
+  initial_state.restore_or_init(_experiment(4, objective), _fresh_state(), None, reader,
+                                str(old))
+  reader.close()
+  assert objective.tree == built and reader.meta["class_tree"]["parent"] == built.parent.tolist()
+  assert "class tree" not in capsys.readouterr().out
 
 
 def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):

@@ -147,6 +147,7 @@ class Evaluation:
         info.class_names == model_names or not model_names)
     if same and class_map is None and not real:
       objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]), info)
+      objective.restore_meta(meta)  # The class tree the model was trained on, when stored.
       missing = objectives.missing_fields(objective, info)
       if missing:
         raise ValueError(f"Dataset {name!r} lacks the fields {missing} that objective "
@@ -164,6 +165,7 @@ class Evaluation:
                                       None, ())
     objective = objectives.get_objective(ml_collections.ConfigDict(meta["objective"]),
                                          model_info)
+    objective.restore_meta(meta)
     fields = {"label": 0}
     if real:  # A set of distinct classes has at most num_classes entries.
       fields[mapped.REAL_LABEL] = info.num_classes

@@ -115,10 +115,12 @@ def make_mapped_step(model_def, objective, shardings, mesh, normalize: str, topk
   """Like classification.make_eval_step, for a dataset whose classes are `columns` of the
   model's: top-k of the mapped scores (the module docstring) and, with `real`, ReaL top-1."""
   columns = np.asarray(columns)
-  tree = getattr(objective, "tree", None)
-  nested = nested_pairs(tree, columns) if tree is not None else ((), ())
 
   def eval_step(module, batch):
+    # The objective's tree when traced: a resumed run's is its checkpoint's, restored after
+    # the evaluators are built.
+    tree = getattr(objective, "tree", None)
+    nested = nested_pairs(tree, columns) if tree is not None else ((), ())
     logits = module(batch["image"], train=False)
     scores = mapped_scores(objective, logits, columns, nested)
     mask = objective_base.eval_mask(batch, logits.shape[0])

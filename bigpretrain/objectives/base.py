@@ -24,6 +24,12 @@ class Objective:
   """
   reads: tuple[str, ...] = ("label",)
   soft_targets: bool = False
+  # The WordNet tree over the classes (class_tree), or None. With trains_on_tree the loss's
+  # targets or heads follow it (semantic softmax's levels, multi-label's ancestors), so the
+  # run's checkpoints store it (`meta`) and a resumed run takes it back (`restore_meta`);
+  # otherwise it only adds eval metrics.
+  tree = None
+  trains_on_tree: bool = False
 
   def loss(self, model, batch, rng, frozen):
     """-> (scalar loss, {metric name: scalar}); traced inside the jitted train step. `model`
@@ -58,6 +64,28 @@ class Objective:
     """Metrics derived from the totals summed over a whole split (e.g. mAP from histograms)."""
     del totals
     return {}
+
+  def meta(self) -> dict:
+    """Entries of the run's checkpoint 'meta' beside checkpoint.run_meta's: what the weights
+    mean that the config does not fix. An objective trained on the class tree stores it
+    ('class_tree': {'parent': [...]}, over meta's class_names): its heads were trained for
+    that tree, and the rule that builds a tree from a class list may change between versions."""
+    if not self.trains_on_tree or self.tree is None:
+      return {}
+    return {"class_tree": {"parent": self.tree.parent.tolist()}}
+
+  def restore_meta(self, saved: dict) -> str:
+    """Takes back the class tree that `meta` stored in `saved`, the meta of the checkpoint this
+    objective's weights come from (a resumed run). Returns how this objective's tree (the one
+    built now) differed, '' when it did not or nothing was stored (a checkpoint written before
+    trees were stored keeps the tree built now)."""
+    stored = stored_tree(saved, self.tree) if self.trains_on_tree else None
+    if stored is None:
+      return ""
+    change = semantic_tree.describe_change(stored, self.tree)
+    # Train on with the stored tree, not refuse: the heads were trained for its class groups.
+    self.tree = stored
+    return change
 
   def load_frozen(self, mesh, rules, compute_dtype, data_cfg):
     """(tree, shardings) of fixed step inputs (a distillation teacher), or (None, None).
@@ -149,6 +177,15 @@ def class_tree(class_names, required: bool = True):
       raise
     console.warn(f"no semantic metrics: {e}")
     return None
+
+
+def stored_tree(meta: dict, like):
+  """The class tree stored in checkpoint meta `meta` (see Objective.meta), over the classes of
+  tree `like`; None when it stores none or `like` is None."""
+  stored = (meta or {}).get("class_tree")
+  if stored is None or like is None:
+    return None
+  return semantic_tree.SemanticTree.from_parents(stored["parent"], like.wnids)
 
 
 def semantic_eval_metrics(logits, labels, mask, tree) -> dict:

@@ -74,6 +74,7 @@ class MultiLabel(base.Objective):
   and under Adam with coupled L2 the loss scale sets the weight decay's effective strength.
   """
   soft_targets = True
+  trains_on_tree = True  # Without a tree (field set) nothing is stored.
   KEYS = {"loss", "gamma_neg", "gamma_pos", "clip", "map_bins", "loss_scale", "field"}
 
   def __init__(self, cfg, info):
@@ -100,7 +101,12 @@ class MultiLabel(base.Objective):
     if not self.loss_scale > 0:
       raise ValueError(f"config.objective.loss_scale={self.loss_scale!r}: must be > 0.")
     self.num_classes = info.num_classes
-    self.targets = None if self.tree is None else jnp.asarray(self.tree.target_table)
+
+  @property
+  def targets(self):
+    """[C, L] class -> the class and its ancestors, of the tree in use (restore_meta may
+    replace it); None without a tree."""
+    return None if self.tree is None else jnp.asarray(self.tree.target_table)
 
   def multi_hot(self, labels):
     """[B] labels -> [B, C] with the label and each of its ancestors set to 1."""

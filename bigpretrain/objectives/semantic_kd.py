@@ -11,6 +11,10 @@ project's own choices, not the paper's:
   k (the paper defers P_k to its appendix F, "similar to" Xie et al.'s noisy student);
 - the MSE is summed over a level's n_k classes and averaged over the batch;
 - kd_weight 1: the semantic loss and the KD loss added with equal weight.
+
+Student and teacher share one class tree (the KD compares their level softmaxes level by
+level): the tree the teacher's checkpoint stores when it has one (its level heads were trained
+for it, under whatever rule built it then), else the tree built now.
 """
 import math
 
@@ -22,6 +26,8 @@ from bigpretrain import models
 from bigpretrain.models import pretrained
 from bigpretrain.objectives import base
 from bigpretrain.objectives import semantic_softmax
+from bigpretrain.runtime import console
+from bigpretrain.semantic import tree as tree_lib
 
 
 @base.OBJECTIVES.register("semantic_kd")
@@ -41,6 +47,7 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
                        "teacher checkpoint (a bigpretrain workdir or its checkpoints/ folder).")
     self.class_names = list(info.class_names)
     self.teacher_def = None
+    self.teacher_tree = None  # The tree the teacher's checkpoint stores, once read.
 
   def load_frozen(self, mesh, rules, compute_dtype, data_cfg):
     """The teacher's params and state, sharded by the student's logical rules. The teacher
@@ -63,6 +70,7 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
     return pretrained.abstract_variables(self.teacher_def, mesh, rules)
 
   def _check_teacher(self, meta, data_cfg) -> None:
+    """Refuses a teacher of other classes or inputs; takes the tree the teacher stores."""
     if meta["class_names"] != self.class_names:
       raise ValueError(
           f"The teacher in {self.teacher_dir} was trained on {meta['num_classes']} "
@@ -81,6 +89,28 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
           f"config.data.image_size={data_cfg.image_size}: the teacher sees the student's "
           f"images (a ViT's grid is fixed, a convnet's accuracy falls at another size). Set "
           f"--config.data.image_size={size}, or distil from a teacher trained at this size.")
+    self.teacher_tree = base.stored_tree(meta, self.tree)
+    change = ("" if self.teacher_tree is None
+              else tree_lib.describe_change(self.teacher_tree, self.tree))
+    if change:
+      console.warn(f"the teacher in {self.teacher_dir} was trained on another class tree than "
+                   f"the one built now (teacher's -> now: {change}); the student trains on "
+                   "the teacher's, so that the teacher's levels keep their meaning.")
+    if self.teacher_tree is not None:
+      self.tree = self.teacher_tree
+
+  def restore_meta(self, saved: dict) -> str:
+    """As the base class; a student checkpoint whose tree is not the teacher's is refused:
+    their level softmaxes could not be compared level by level."""
+    change = super().restore_meta(saved)
+    if self.teacher_tree is not None and self.tree != self.teacher_tree:
+      raise checkpoint.CheckpointMismatch(
+          f"the student's checkpoint was trained on another class tree than the teacher in "
+          f"{self.teacher_dir} stores (student's -> teacher's: "
+          f"{tree_lib.describe_change(self.tree, self.teacher_tree)}): semantic KD compares "
+          "their levels class group by class group. Resume with the teacher it was distilled "
+          "from, or start a new run (--workdir).")
+    return change
 
   def teacher_logits(self, frozen, images):
     teacher = self.teacher_def.merge(frozen["params"], frozen["extra"])

@@ -17,6 +17,7 @@ from bigpretrain.semantic import tree as tree_lib
 class SemanticSoftmax(base.Objective):
   """Loss: sum_k W_k L_k over levels; eval: semantic top-1 (pooled), per level, and top-k of
   the hierarchical answer (semantic.metrics.semantic_softmax_answer)."""
+  trains_on_tree = True
 
   def __init__(self, cfg, info, allowed=("label_smoothing", "max_weight")):
     base.check_keys(cfg, set(allowed))
@@ -27,7 +28,11 @@ class SemanticSoftmax(base.Objective):
     self.label_smoothing = base.label_smoothing(cfg, 0.2)
     self.max_weight = float(cfg.get("max_weight", tree_lib.MAX_LEVEL_WEIGHT))
     self.tree.level_weights(self.max_weight)  # A bad max_weight fails here, not in the step.
-    self.targets = jnp.asarray(self.tree.target_table)  # [C, L] class -> per-level target.
+
+  @property
+  def targets(self):
+    """[C, L] class -> per-level target, of the tree in use (restore_meta may replace it)."""
+    return jnp.asarray(self.tree.target_table)
 
   def loss(self, model, batch, rng, frozen=None):
     del frozen

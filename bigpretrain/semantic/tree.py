@@ -287,3 +287,25 @@ class SemanticTree:
   def __repr__(self):
     return (f"SemanticTree(num_classes={self.num_classes}, num_levels={self.num_levels}, "
             f"level_sizes={self.level_sizes.tolist()})")
+
+
+def describe_change(before: SemanticTree, after: SemanticTree, shown: int = 3) -> str:
+  """How two trees over the same classes differ, in one line: the level sizes (when they
+  differ) and the first `shown` classes whose parent changed; '' when they are the same tree.
+  For the messages that say a stored tree and the one built now differ."""
+  moved = np.flatnonzero(before.parent != after.parent)
+  if not moved.size:
+    return ""
+
+  def name(c):
+    return before.wnids[c] if before.wnids else f"class {c}"
+
+  def parent(tree, c):
+    return "(root)" if tree.parent[c] < 0 else name(int(tree.parent[c]))
+  parts = []
+  if before.level_sizes.tolist() != after.level_sizes.tolist():
+    parts.append(f"level sizes {before.level_sizes.tolist()} -> {after.level_sizes.tolist()}")
+  examples = ", ".join(f"{name(c)} under {parent(before, c)} -> {parent(after, c)}"
+                       for c in moved[:shown])
+  parts.append(f"{moved.size} classes with another parent, e.g. {examples}")
+  return "; ".join(parts)
