@@ -12,9 +12,11 @@ A checkpoint written for another configuration, or past the run's total_steps, s
 
 The EMA of the weights (config.ema) restarts from the starting weights unless the restored
 checkpoint carried its own EMA. A resumed run trains on the class tree its checkpoint stores
-(objectives.base.Objective.restore_meta), and stores it again.
+(objectives.base.Objective.restore_meta), and stores it again; so does a run initialised from
+a checkpoint of the same classes whose head it keeps.
 """
 import os
+import re
 
 from absl import logging
 
@@ -75,9 +77,11 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
     state = {"health": state["health"], **restored_state}
     console.say(f"Resuming from step {start} in "
                 f"{with_resume.directory if source == 'resume' else workdir}")
-    _restore_objective(exp, (with_resume if source == "resume" else checkpointer), start)
-    if checkpointer.meta is not None:  # Its next checkpoints store the tree trained on.
-      checkpointer.meta.update(exp.objective.meta())
+    saved = (with_resume if source == "resume" else checkpointer).restored_meta
+    if saved is not None and "class_tree" in exp.objective.meta() and "class_tree" not in saved:
+      logging.info("Checkpoint step %d stores no class tree (written before trees were "
+                   "stored): training on the tree built now.", start)
+    _restore_objective(exp, saved, f"checkpoint step {start}")
   elif config.model_init:
     source = "model_init"
     loaded, fresh, resized, dropped = ckpt_lib.init_from(
@@ -94,8 +98,15 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
       hook = model_init.HOOKS.get(config.model_init_head)
       state = {**state, "params": hook(config.model_init, state["params"],
                                        exp.dataset.info.class_names)}
+    elif not any(re.search(ckpt_lib.HEAD_PATTERN, path) for path in fresh):
+      # The head goes on from the checkpoint's (same classes): so does the tree it learnt.
+      meta = ckpt_lib.read_meta(config.model_init, required=False)
+      if meta and meta.get("class_names") == list(exp.dataset.info.class_names):
+        _restore_objective(exp, meta, config.model_init)
   else:
     source = "scratch"  # init_state already set the EMA to the initial weights.
+  if checkpointer.meta is not None:  # Its checkpoints store the tree it trains on.
+    checkpointer.meta.update(exp.objective.meta())
 
   if "ema" in exp.shardings and (source == "model_init" or "ema" not in state):
     if restored is not None:
@@ -105,18 +116,14 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   return state, start
 
 
-def _restore_objective(exp, restored_from: ckpt_lib.Checkpointer, step: int) -> None:
-  """The objective takes back what the restored checkpoint's meta stores (its class tree),
-  and says when the tree built now differs from it."""
-  saved = restored_from.restored_meta
-  if saved is not None and "class_tree" in exp.objective.meta() and "class_tree" not in saved:
-    logging.info("Checkpoint step %d stores no class tree (written before trees were "
-                 "stored): training on the tree built now.", step)
+def _restore_objective(exp, saved: dict | None, where: str) -> None:
+  """The objective takes back what the meta `saved` of the checkpoint its weights come from
+  (`where`) stores (its class tree), and says when the tree built now differs from it."""
   change = exp.objective.restore_meta(saved or {})
   if change:
-    console.warn(f"checkpoint step {step} was trained on another class tree than the one "
-                 f"built now from its class list (checkpoint's -> now: {change}); training on "
-                 "with the checkpoint's tree, which its level heads were trained for.")
+    console.warn(f"{where} was trained on another class tree than the one built now from its "
+                 f"class list (checkpoint's -> now: {change}); training on with the "
+                 "checkpoint's tree, which its level heads were trained for.")
 
 
 def _warn_other_normalize(config) -> None:

@@ -384,7 +384,8 @@ def test_a_resume_trains_on_the_class_tree_its_checkpoint_stores(tmp_path, capsy
   built = objectives.get_objective(cfg, info).tree
   assert built.num_levels == 3
   stored = [-1] * len(_WNIDS)
-  meta = {"class_names": _WNIDS, "objective": {"name": "semantic_softmax"}}
+  meta = {"class_names": _WNIDS, "objective": {"name": "semantic_softmax"},
+          "version": checkpoint.META_VERSION}
   saver = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False,
                                   meta={**meta, "class_tree": {"parent": stored}})
   saver.save(2, _state(head_classes=3))
@@ -418,6 +419,22 @@ def test_a_resume_trains_on_the_class_tree_its_checkpoint_stores(tmp_path, capsy
   reader.close()
   assert objective.tree == built and reader.meta["class_tree"]["parent"] == built.parent.tolist()
   assert "class tree" not in capsys.readouterr().out
+
+  # Initialised from the first checkpoint (model_init): the tree goes with the head it keeps,
+  # and stays the one built now when the head starts fresh.
+  for skip, tree in (("", stored), ("^params/head/", built.parent.tolist())):
+    objective = objectives.get_objective(cfg, info)
+    exp = _experiment(4, objective, model_init=str(tmp_path), model_init_skip=skip)
+    exp.model_def = types.SimpleNamespace(param_adapter=lambda *args: None)
+    exp.dataset = types.SimpleNamespace(info=info)
+    writer = checkpoint.Checkpointer(str(tmp_path / f"init{len(skip)}"), async_save=False,
+                                     meta={**meta, **objective.meta()})
+    _, start = initial_state.restore_or_init(exp, _fresh_state(), None, writer,
+                                             str(tmp_path / f"init{len(skip)}"))
+    writer.close()
+    assert start == 0 and objective.tree.parent.tolist() == tree, skip
+    assert writer.meta["class_tree"] == {"parent": tree}
+    assert ("was trained on another class tree" in capsys.readouterr().out) == (not skip)
 
 
 def test_the_divergence_record_is_resumed_when_it_fits(tmp_path):
