@@ -222,6 +222,16 @@ def _suggest(key: str, known: Iterable[str]) -> str:
   return f" (did you mean '{close[0]}'?)" if close else ''
 
 
+def check_known_keys(section: Mapping[str, Any], known: Iterable[str], where: str) -> None:
+  """Raises ValueError naming the first key of `section` (config `where`, e.g. 'config.dedup')
+  that is not in `known`, with its close match: a misspelt key would be ignored."""
+  known = set(known)
+  for key in sorted(section):
+    if key not in known:
+      raise ValueError(f'{where}.{key} is not a known key{_suggest(key, known)}; valid: '
+                       f'{sorted(known)}')
+
+
 def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 

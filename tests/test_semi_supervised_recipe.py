@@ -191,3 +191,26 @@ def test_a_pool_from_another_dataset_excludes_pool_train_rest():
   c.data.pool_train_rest = True
   with pytest.raises(ValueError, match="pool_train_rest is set and the pool is another"):
     semi_supervised.check_pool(c, info)
+
+
+@pytest.mark.parametrize("args", ["", "scale=paper", "semi_weak",
+                                  "scale=paper,semi_weak,pool=hashtags:ig"])
+def test_a_misspelt_key_of_the_runners_sections_is_refused(args):
+  """The runner's own sections are read by key: a typo in a config file would be ignored
+  (the command line refuses it), so it is named with its close match; the recipe passes."""
+  c = recipe.get_config(args)
+  semi_supervised.check_keys(c)
+  c.dedup.againts = "tfds:imagenet2012:validation"
+  with pytest.raises(ValueError, match=r"config\.dedup\.againts is not a known key \(did you "
+                     r"mean 'against'\?\)"):
+    semi_supervised.check_keys(c)
+  del c.dedup["againts"]
+  c.data.pool_split = ("train",)
+  with pytest.raises(ValueError, match=r"config\.data\.pool_split is not a known key \(did "
+                     r"you mean 'pool_splits'\?\)"):
+    semi_supervised.check_keys(c)
+  del c.data["pool_split"]
+  c.round = 2
+  with pytest.raises(ValueError, match=r"config\.round is not a known key \(did you mean "
+                     r"'rounds'\?\)"):
+    semi_supervised.check_keys(c)

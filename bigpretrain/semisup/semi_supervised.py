@@ -73,6 +73,20 @@ POOL_EXCLUDED_FILE = "excluded.json"  # The pool stage's record of what it left 
 RESULTS_FILE = "results.json"
 METRIC = "eval/top1"
 _DATA_KEYS = ("name", "dir", "subset_frac", "subset_seed")
+# The keys of the runner's own sections (configs/semi_supervised.py); the stage sections
+# (teacher_pretrain, teacher, student, finetune, baseline) are trainer configs, validated as
+# such when their stage runs.
+_KEYS = {
+    "config": ("seed", "rounds", "run_baseline", "teacher_workdir", "teacher_pretrained",
+               "data", "infer", "dedup", "selection", "teacher_pretrain", "teacher", "student",
+               "finetune", "baseline"),
+    "config.data": _DATA_KEYS + ("pool", "pool_splits", "pool_train_rest"),
+    "config.infer": ("top_p", "batch_size", "shard_size", "logits", "num_workers", "fsdp"),
+    "config.dedup": ("against", "model", "top_n", "max_distance", "batch_size",
+                     "ivf_threshold", "nlist", "nprobe", "seed", "fsdp", "num_workers"),
+    "config.selection": ("k", "variant", "class_sizes", "zipf_total", "zipf_exponent", "seed",
+                         "beam_runner", "beam_options"),
+}
 
 
 class Interrupted(Exception):
@@ -349,9 +363,19 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   return info
 
 
+def check_keys(config) -> None:
+  """Refuses a key of the runner's own sections that it does not read (a typo in a config
+  file, which the command line would have refused), naming its close match."""
+  for where, known in _KEYS.items():
+    section = config if where == "config" else config.get(where.split(".")[1])
+    if section is not None:
+      config_lib.check_known_keys(section, known, where)
+
+
 def run(config, workdir: str) -> dict:
   """Runs (or completes) every stage of `config` in `workdir`; returns results.json's content.
   Raises Interrupted when a training stage was stopped by SIGTERM."""
+  check_keys(config)
   root = epath.Path(workdir)
   if is_main():
     root.mkdir(parents=True, exist_ok=True)
