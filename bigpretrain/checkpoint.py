@@ -552,7 +552,7 @@ class Checkpointer:
     if not os.path.isdir(data):
       console.warn(f"checkpoint step {step} in {self.directory} holds no data stream state "
                    "(written without the train stream); the stream starts from its beginning.")
-      return stream_position.Position(), False
+      return stream_position.Position(), False, None
     counts = {int(m.group(1)) for m in (re.fullmatch(r"process_\d+-of-(\d+)\.json", f)
                                         for f in os.listdir(data)) if m}
     if len(counts) != 1:

@@ -579,6 +579,8 @@ def _scalar_dtypes(source, fields: Mapping[str, int]) -> dict[str, np.dtype]:
     return {}
   try:
     return {k: v.dtype for k, v in record_fields(source[0], scalars, 0).items()}
+  except decoding.StorageUnavailableError:
+    raise  # Not the record's fault: the run stops (datasets.READ_RETRY_WAITS_S).
   except (decoding.CorruptRecordError, KeyError, ValueError):  # Its rows say so when read.
     return {}
 

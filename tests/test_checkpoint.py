@@ -1,5 +1,7 @@
 """Checkpoint helpers: initialising a model from a checkpoint of a different model; what a
 run's meta holds."""
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,6 +120,14 @@ def test_a_train_split_of_another_size_is_refused_on_resume(tmp_path, capsys):
     again = _stream(records)
     _, step = checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(state, again)
     assert step == 4 and next(again) == 3
+
+  bare = tmp_path / "bare"  # Saved without the stream: it restores, the stream from its start.
+  saver = checkpoint.Checkpointer(str(bare), async_save=False)
+  saver.save(2, state)
+  saver.close()
+  fresh = _stream({"demo": 120})
+  _, step = checkpoint.Checkpointer(str(bare), async_save=False).restore(state, fresh)
+  assert step == 2 and next(fresh) == 0 and os.listdir(bare) == ["2"]
 
   allowed = _stream({"demo": 120, "tfds:extra": 40}, allow=True)
   _, step = checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(state, allowed)

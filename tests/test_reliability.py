@@ -744,6 +744,9 @@ def test_a_record_read_that_fails_for_the_storage_is_read_again(monkeypatch):
     _ = pipeline._ReadGuard(  # pylint: disable=protected-access
         datasets.RecordSource(Flaky([timeout] * 3), "train"))[0]
   assert not issubclass(decoding.StorageUnavailableError, decoding.CorruptRecordError)
+  with pytest.raises(decoding.StorageUnavailableError):  # Nor does the eval dtype probe.
+    pipeline._scalar_dtypes(  # pylint: disable=protected-access
+        datasets.RecordSource(Flaky([timeout] * 3), "validation"), {"label": 0})
   flaky = Flaky([ValueError("DATA_LOSS: checksum mismatch"), timeout])
   with pytest.raises(decoding.CorruptRecordError, match="checksum"):  # Bad bytes: no retry.
     _ = datasets.RecordSource(flaky, "train")[0]
