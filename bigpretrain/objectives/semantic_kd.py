@@ -105,11 +105,12 @@ class SemanticKD(semantic_softmax.SemanticSoftmax):
     change = super().restore_meta(saved)
     if self.teacher_tree is not None and self.tree != self.teacher_tree:
       raise checkpoint.CheckpointMismatch(
-          f"the student's checkpoint was trained on another class tree than the teacher in "
+          f"the student's weights were trained on another class tree than the teacher in "
           f"{self.teacher_dir} stores (student's -> teacher's: "
           f"{tree_lib.describe_change(self.tree, self.teacher_tree)}): semantic KD compares "
           "their levels class group by class group. Resume with the teacher it was distilled "
-          "from, or start a new run (--workdir).")
+          "from, start a new run (--workdir), or, initialising from such weights "
+          "(model_init), start the head fresh (--config.model_init_skip='^params/head/').")
     return change
 
   def teacher_logits(self, frozen, images):
