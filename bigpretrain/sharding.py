@@ -5,10 +5,15 @@ logical names to mesh axes with flax.linen's (and MaxText's) semantics: rules in
 priority, a name's later rules tried where its earlier ones' axes are taken. A dimension
 whose size does not divide its mesh axis stays replicated rather than failing, so small
 heads and odd widths still work; param_report says which arrays, and what they cost each
-device (the trainer warns of them, the plan prints them).
+device (the trainer warns of them, the plan prints them). Model code may pin a dimension of
+an activation or of a reshaped weight by its logical name too (`constrain`), under the rules
+a step is traced with (`with_rules`, `use_rules`; MaxText's logical constraints alike).
 """
 from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import math
 
 from absl import logging
@@ -110,6 +115,54 @@ def _logical_names(var: nnx.Variable) -> tuple[str | None, ...]:
   """A variable's logical axis names, one per dimension (None where it names none)."""
   names = var.get_metadata().get("out_sharding") or ()
   return tuple(names) + (None,) * (var.value.ndim - len(names))
+
+
+_RULES = contextvars.ContextVar("logical_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules):
+  """The logical `rules` in force for `constrain` calls in what is traced inside."""
+  token = _RULES.set(tuple(tuple(r) for r in rules))
+  try:
+    yield
+  finally:
+    _RULES.reset(token)
+
+
+def with_rules(fn, rules):
+  """`fn` run (and so traced) with the logical `rules` in force (use_rules)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with use_rules(rules):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+def constrained_axis(logical: Sequence[str | None], shape: Sequence[int],
+                     name: str) -> str | None:
+  """The mesh axis `constrain` would pin the dimension named `name` of an array of `shape` to:
+  the one the rules in force (with_rules) give it, if of size > 1 and Auto (explicit axes
+  carry the sharding in the type); None without rules or outside a mesh."""
+  rules, mesh = _RULES.get(), jax.sharding.get_abstract_mesh()
+  if rules is None or mesh.empty:
+    return None
+  axis = logical_to_mesh(logical, shape, rules, mesh)[list(logical).index(name)]
+  if axis is None or dict(zip(mesh.axis_names, mesh.axis_types))[axis] != (
+      jax.sharding.AxisType.Auto):
+    return None
+  return axis
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None], name: str) -> jax.Array:
+  """`x` with the dimension that logical name `name` labels pinned to constrained_axis, the
+  other dimensions left to the compiler (a no-op where that axis is None)."""
+  axis = constrained_axis(logical, x.shape, name)
+  if axis is None:
+    return x
+  spec = [P.UNCONSTRAINED] * x.ndim
+  spec[list(logical).index(name)] = axis
+  return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def state_shardings(abstract_state: nnx.State, rules, mesh: Mesh):

@@ -359,6 +359,7 @@ class Experiment(ModelSetup):
                          self.config.seed, self.config.mixup, self.config.data.normalize,
                          self.config.ema.momentum, self.config.divergence,
                          mixup_layout(self.config, self.mesh))
+    fn = sharding.with_rules(fn, rules_of(self.config))
     return jax.jit(fn, in_shardings=(self.shardings, sharding.batch_sharding(self.mesh),
                                      self.frozen_shardings),
                    out_shardings=(self.shardings, sharding.replicated(self.mesh)),
@@ -603,8 +604,9 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
     if not _process_0_says(bool(_logged_evals(workdir, start)) if is_main else False):
       with timer.excluded():  # Not the first train row's step time.
         out.run_evals(start, state)
-  # The mesh context lets model code see the data-parallel layout (efficient stochastic depth).
-  with jax.set_mesh(mesh):
+  # The mesh context lets model code see the data-parallel layout (efficient stochastic depth);
+  # the rules, its logical constraints (the evaluators' steps are traced in the loop).
+  with jax.set_mesh(mesh), sharding.use_rules(rules_of(config)):
     for step in range(start + 1, total_steps + 1):
       with timer.excluded():
         profiler.before_step(step)

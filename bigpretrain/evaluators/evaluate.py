@@ -113,7 +113,7 @@ class Evaluation:
     run_config = run_config or {}
     self.run_data = dict(run_config.get("data", {}))
     mesh_cfg = run_config.get("mesh", dict(data=-1, fsdp=1, tensor=1))
-    rules = tuple(tuple(r) for r in run_config.get("sharding_rules", ()))
+    self.rules = rules = tuple(tuple(r) for r in run_config.get("sharding_rules", ()))
     self.mesh = sharding.make_mesh(mesh_cfg)
     self.batch_size = batch_size or run_config.get("batch_size", 0) or 8 * self.mesh.size
     sharding.check_batch_size(self.batch_size, self.mesh)
@@ -195,7 +195,7 @@ class Evaluation:
     if drop:  # Bad indices fail before any data is read.
       submodel.check(self.loaded.module(), drop)
     out = {}
-    with jax.set_mesh(self.mesh):
+    with jax.set_mesh(self.mesh), sharding.use_rules(self.rules):
       for ts in test_sets:
         totals, skipped, _ = classification.evaluate(
             self._step(ts, drop), self.loaded.variables, ts.dataset, ts.data_cfg, self.mesh,

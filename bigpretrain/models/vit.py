@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 import numpy as np
 
+from bigpretrain import sharding
 from bigpretrain.models import base
 from bigpretrain.models import layers
 
@@ -100,7 +101,21 @@ class Attention(nnx.Module):
     """`tokens`: how many leading tokens of `x` are real (the rest padding, masked as keys;
     default all)."""
     b, n, d = x.shape
-    qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, d // self.num_heads)
+    h, linear, names = self.num_heads, self.qkv, ("embed", None, "heads", None)
+    if sharding.constrained_axis(names, (d, 3, h, d // h), "heads") is None:
+      qkv = linear(x).reshape(b, n, 3, h, d // h)
+    else:
+      # Heads split over a mesh axis: the kernel's [q | k | v] columns, sharded in contiguous
+      # chunks, cut across q, k and v, so the product's output would be all-gathered over
+      # that axis. The kernel is split by heads first instead (a far smaller array to move).
+      kernel = linear.kernel[...].reshape(d, 3, h, d // h)
+      bias = None if linear.bias is None else linear.bias[...].reshape(3, h, d // h)
+      x, kernel, bias = linear.promote_dtype((x, kernel, bias), dtype=linear.dtype)
+      kernel = sharding.constrain(kernel, names, "heads")
+      qkv = linear.dot_general(x, kernel, (((2,), (0,)), ((), ())),
+                               precision=linear.precision)
+      if bias is not None:
+        qkv += bias
     out = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.attention_impl,
                     self.pad_to(), tokens)
     return self.proj(out.reshape(b, n, d))
