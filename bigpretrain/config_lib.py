@@ -262,10 +262,7 @@ def _check_keys(config: Mapping[str, Any], base: Mapping[str, Any],
       if key not in config[section] or config[section][key] is None:
         raise ValueError(f'config.{section}.{key} is missing (required).')
     if section in _CLOSED_SECTIONS:
-      for key in sorted(config[section]):
-        if key not in base[section]:
-          raise ValueError(f'config.{section}.{key} is not a known key'
-                           f'{_suggest(key, base[section])}; valid: {sorted(base[section])}')
+      check_known_keys(config[section], base[section], f'config.{section}')
   _check_data_keys(config[_DATA_SECTION])
 
 
