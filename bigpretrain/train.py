@@ -598,15 +598,16 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
                      writer=writer, checkpointer=checkpointer, train_iter=train_iter,
                      perf=perf, profiler=profiler, bar=bar,
                      pending=_Pending(divergence.Monitor(config, checkpointer)))
-  if 0 < start < total_steps and any(_every(start, ev.every_steps, total_steps)
-                                     for ev in evaluators):
-    # Preempted at an evaluation step (the save comes first): that evaluation is still owed.
-    if not _process_0_says(bool(_logged_evals(workdir, start)) if is_main else False):
-      with timer.excluded():  # Not the first train row's step time.
-        out.run_evals(start, state)
   # The mesh context lets model code see the data-parallel layout (efficient stochastic depth);
-  # the rules, its logical constraints (the evaluators' steps are traced in the loop).
+  # the rules, its logical constraints: every step traced from here on (train and evaluators,
+  # the evaluation owed at a resume and the final one included) is traced with both.
   with jax.set_mesh(mesh), sharding.use_rules(rules_of(config)):
+    if 0 < start < total_steps and any(_every(start, ev.every_steps, total_steps)
+                                       for ev in evaluators):
+      # Preempted at an evaluation step (the save comes first): that evaluation is still owed.
+      if not _process_0_says(bool(_logged_evals(workdir, start)) if is_main else False):
+        with timer.excluded():  # Not the first train row's step time.
+          out.run_evals(start, state)
     for step in range(start + 1, total_steps + 1):
       with timer.excluded():
         profiler.before_step(step)
@@ -628,16 +629,16 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
       bar.update(1)
       if out.log_evaluate_save(step, state, step_metrics, preemption):
         return {}
-  bar.close()
-  checkpointer.wait()
-  checkpointer.close()
-  results = out.results
-  if not results and start >= total_steps:  # A finished run, run again.
-    results = _logged_evals(workdir, total_steps) if is_main else {}
-    if _process_0_says(bool(results)):
-      console.say(f"The run had finished; its final eval is in {workdir}/metrics.jsonl.")
-    else:  # Stopped between its last save and its final eval.
-      results = out.run_evals(total_steps, state, force=True)
+    bar.close()
+    checkpointer.wait()
+    checkpointer.close()
+    results = out.results
+    if not results and start >= total_steps:  # A finished run, run again.
+      results = _logged_evals(workdir, total_steps) if is_main else {}
+      if _process_0_says(bool(results)):
+        console.say(f"The run had finished; its final eval is in {workdir}/metrics.jsonl.")
+      else:  # Stopped between its last save and its final eval.
+        results = out.run_evals(total_steps, state, force=True)
   writer.close()
   summary = " ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())
                      if not k.endswith("num_examples"))

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
+from bigpretrain import sharding
 from bigpretrain.runtime import goodput
 from bigpretrain.runtime import metric_writers
 from tests import helpers
@@ -177,7 +179,19 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
   # Stopped after its last save, before its final eval: the eval runs, once.
   metrics.write_text("".join(l + "\n" for l in logged.splitlines()
                              if json.loads(l) != final[0]))
-  got = train.train_and_evaluate(config, str(workdir))
+  final_calls = []
+
+  def recording_final(self, step, *args, **kwargs):
+    final_calls.append((step, sharding._RULES.get() is not None,  # pylint: disable=protected-access
+                        not jax.sharding.get_abstract_mesh().empty))
+    return run_evals(self, step, *args, **kwargs)
+
+  run_evals = train._StepOutputs.run_evals  # pylint: disable=protected-access
+  with pytest.MonkeyPatch.context() as patch:  # Under the run's mesh and rules, as in the loop.
+    patch.setattr(train._StepOutputs, "run_evals",  # pylint: disable=protected-access
+                  recording_final)
+    got = train.train_and_evaluate(config, str(workdir))
+  assert final_calls == [(2, True, True)], final_calls
   assert got.keys() == want.keys()
   for k, v in want.items():
     assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
@@ -191,7 +205,6 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
   longer = helpers.tiny_config(total_steps=3, eval_every_steps=2, allow_schedule_change=True)
   # The owed evaluation runs inside the timer's excluded span, not in the next train row's
   # step time (the first row after such a resume showed a step 20x slower).
-  run_evals = train._StepOutputs.run_evals  # pylint: disable=protected-access
   excluded = goodput.IntervalTimer.excluded
   inside, calls = [], []
 
@@ -205,7 +218,11 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
       inside.pop()
 
   def recording_evals(self, step, *args, **kwargs):
-    calls.append((step, bool(inside)))
+    # Also under the run's mesh and logical rules, as the evaluations in the loop are (model
+    # code's sharding.constrain takes its sharded path only there).
+    in_context = (sharding._RULES.get() is not None  # pylint: disable=protected-access
+                  and not jax.sharding.get_abstract_mesh().empty)
+    calls.append((step, bool(inside), in_context))
     return run_evals(self, step, *args, **kwargs)
 
   with pytest.MonkeyPatch.context() as patch:
@@ -213,7 +230,8 @@ def test_a_finished_run_run_again_reports_its_final_eval_without_a_second_row(de
     patch.setattr(train._StepOutputs, "run_evals",  # pylint: disable=protected-access
                   recording_evals)
     train.train_and_evaluate(longer, str(workdir))
-  assert calls[0] == (2, True), calls
+  assert calls[0] == (2, True, True), calls
+  assert all(c[2] for c in calls), calls
   rows = [json.loads(l) for l in metrics.read_text().splitlines()]
   assert [r["step"] for r in rows if "train/loss" not in r] == [2, 3]
   assert max(r["step"] for r in rows if "train/loss" in r) == 3
