@@ -498,18 +498,27 @@ class Checkpointer:
         "use another --workdir, or start a new run from its weights with "
         "--config.model_init=<this workdir>.")
 
-  def refuse_another_configuration(self) -> None:
-    """Raises CheckpointMismatch if the newest checkpoint with a readable 'meta' was written
-    for another configuration: the check restore() makes first, early enough that a refusal
-    costs no state to build. Unreadable checkpoints are passed over here; restore() sets them
-    aside and says so."""
-    for step in sorted(self.manager.all_steps(), reverse=True):
+  def refuse_another_configuration(self, check_records=None, step: int | None = None) -> None:
+    """Raises CheckpointMismatch if the newest checkpoint with a readable 'meta' (or that of
+    `step`) was written for another configuration, and what `check_records(saved sizes,
+    where)` raises (stream_position.check_records: the train data changed) for its stream:
+    the checks restore() makes first, early enough that a refusal costs no state to build.
+    Unreadable checkpoints are passed over here; restore() sets them aside and says so."""
+    steps = self.manager.all_steps()
+    for step in sorted(steps if step is None else set(steps) & {step}, reverse=True):
       try:
         self._check_meta(step)
       except CheckpointMismatch:
         raise
       except Exception:  # pylint: disable=broad-except
         continue
+      if check_records is not None and _has_item(self.directory, step, "data_position"):
+        try:
+          saved = self.manager.restore(step, args=ocp.args.Composite(
+              data_position=ocp.args.JsonRestore()))["data_position"].get("records")
+        except Exception:  # pylint: disable=broad-except
+          return  # Unreadable: restore() falls back from it.
+        check_records(saved, f"checkpoint step {step} in {self.directory}")
       return
 
   def _check_meta(self, step: int) -> dict | None:

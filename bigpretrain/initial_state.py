@@ -15,6 +15,7 @@ checkpoint carried its own EMA. A resumed run trains on the class tree its check
 (objectives.base.Objective.restore_meta), and stores it again; so does a run initialised from
 a checkpoint of the same classes whose head it keeps.
 """
+import functools
 import os
 import re
 
@@ -24,6 +25,7 @@ from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain.runtime import console
 from bigpretrain import model_init
+from input_pipeline import stream_position
 
 
 def _refuse_past_end(step: int, total_steps: int, directory: str, source: str) -> None:
@@ -38,6 +40,30 @@ def _refuse_past_end(step: int, total_steps: int, directory: str, source: str) -
         f"{source}.")
 
 
+def _refuse_another_schedule(config, total_steps: int, checkpointer: ckpt_lib.Checkpointer,
+                             workdir: str) -> int | None:
+  """Refuses resuming the workdir's checkpoints with another schedule, or past the run's
+  end; returns the newest checkpoint step (None: none)."""
+  latest = checkpointer.latest_step()
+  if latest is not None:  # Resuming: the schedule must be the same.
+    if config.resume_step < 0:  # Said first: allowing the schedule change would not resume it.
+      _refuse_past_end(latest, total_steps, checkpointer.directory, "--workdir")
+    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
+  return latest
+
+
+def refuse_early(config, total_steps: int, checkpointer: ckpt_lib.Checkpointer, workdir: str,
+                 records: dict) -> None:
+  """The refusals restore_or_init makes for the workdir's checkpoints (another
+  configuration, schedule or train data sizes `records`; past the run's end), made before
+  the state is built and compiled, so that a refused resume costs neither."""
+  checkpointer.refuse_another_configuration(
+      functools.partial(stream_position.check_records, records,
+                        allow_other_records=config.allow_schedule_change),
+      step=None if config.resume_step < 0 else config.resume_step)
+  _refuse_another_schedule(config, total_steps, checkpointer, workdir)
+
+
 def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointer,
                     workdir: str) -> tuple[dict, int]:
   """(the state to train from, its step). `exp`: the train.Experiment; `state`: its fresh
@@ -45,12 +71,8 @@ def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointe
   checkpoint's data stream stood (at the beginning otherwise)."""
   config = exp.config
   step = config.resume_step if config.resume_step >= 0 else None
-  latest = checkpointer.latest_step()
-  if latest is not None:  # Resuming: the schedule must be the same.
-    if step is None:  # Said first: allowing the schedule change would not resume it.
-      _refuse_past_end(latest, exp.total_steps, checkpointer.directory, "--workdir")
-    config_lib.check_schedule_unchanged(config, os.path.join(workdir, "config.json"))
-  elif step is not None and not config.resume:
+  latest = _refuse_another_schedule(config, exp.total_steps, checkpointer, workdir)
+  if latest is None and step is not None and not config.resume:
     raise ValueError(f"config.resume_step={step}: {checkpointer.directory} holds no "
                      "checkpoint (and config.resume is unset).")
   source, restored = "workdir", None

@@ -560,14 +560,14 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=config.keep_ckpts, meta=meta)
   cleanup.push(lambda error, *_: _settle_saves(checkpointer, error))
-  checkpointer.refuse_another_configuration()  # Before the state is built and compiled.
+  records = datasets.train_split_sizes(config.data, dataset)
+  initial_state.refuse_early(config, total_steps, checkpointer, workdir, records)
   warn_replicated_params(exp)
   state = exp.init_state()
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
   train_iter = stream_position.TrainStream(
-      lambda pos: make_train_iterator(exp, pos), num_workers,
-      records=datasets.train_split_sizes(config.data, dataset),
+      lambda pos: make_train_iterator(exp, pos), num_workers, records=records,
       allow_other_records=config.allow_schedule_change)
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:

@@ -118,6 +118,26 @@ class StreamChanged(ValueError):
   """A checkpoint's stream position counts records of train data of other sizes."""
 
 
+def check_records(records: Mapping[str, int], saved: Mapping[str, int] | None, where: str,
+                  allow_other_records: bool) -> str | None:
+  """Raises StreamChanged when a source's size in `records` (name -> records of its train
+  split) differs from `saved`, the sizes the stream at `where` (a checkpoint) was saved with;
+  with allow_other_records, returns the warning to give instead. Sources only one side knows
+  are not compared (checkpoints from before sizes were kept)."""
+  changed = [f"{name}: {saved[name]} records in the checkpoint's stream, {n} now"
+             for name, n in records.items() if name in (saved or {}) and saved[name] != n]
+  if not changed:
+    return None
+  text = (f"the train data changed since {where} was saved ({'; '.join(changed)}). Its "
+          "stream position counts records in the shuffle order of the old sizes, so "
+          "resuming would repeat some records and skip others")
+  if not allow_other_records:
+    raise StreamChanged(f"{text}. Nothing was changed. Restore the data the run started "
+                        "with, use another --workdir, or set "
+                        "--config.allow_schedule_change=True to continue anyway.")
+  return f"{text}; continuing (config.allow_schedule_change)."
+
+
 class TrainStream:
   """This host's train iterator with the Position its stream starts from; `restart` rebuilds
   it from another Position (a checkpoint's). `make(position)` builds the iterator.
@@ -138,22 +158,8 @@ class TrainStream:
     self.iterator = make(position)
 
   def check_records(self, saved: Mapping[str, int] | None, where: str) -> str | None:
-    """Raises StreamChanged when a source's size differs from `saved`, the sizes the stream
-    at `where` (a checkpoint) was saved with; with allow_other_records, returns the warning
-    to give instead. Sources only one side knows are not compared (checkpoints from before
-    sizes were kept)."""
-    changed = [f"{name}: {saved[name]} records in the checkpoint's stream, {n} now"
-               for name, n in self.records.items() if name in (saved or {}) and saved[name] != n]
-    if not changed:
-      return None
-    text = (f"the train data changed since {where} was saved ({'; '.join(changed)}). Its "
-            "stream position counts records in the shuffle order of the old sizes, so "
-            "resuming would repeat some records and skip others")
-    if not self.allow_other_records:
-      raise StreamChanged(f"{text}. Nothing was changed. Restore the data the run started "
-                          "with, use another --workdir, or set "
-                          "--config.allow_schedule_change=True to continue anyway.")
-    return f"{text}; continuing (config.allow_schedule_change)."
+    """check_records(self.records, saved, where, self.allow_other_records)."""
+    return check_records(self.records, saved, where, self.allow_other_records)
 
   def restart(self, position: Position, rebuild: bool = False) -> None:
     """Continues from `position`; the iterator is rebuilt when the position changes or with

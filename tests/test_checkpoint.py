@@ -1,5 +1,6 @@
 """Checkpoint helpers: initialising a model from a checkpoint of a different model; what a
 run's meta holds."""
+import functools
 import os
 
 import jax.numpy as jnp
@@ -115,6 +116,17 @@ def test_a_train_split_of_another_size_is_refused_on_resume(tmp_path, capsys):
     checkpoint.Checkpointer(str(tmp_path), async_save=False).restore(
         state, _stream({"demo": 120, "tfds:extra": 40}))
   assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
+  # The same check before a state exists (the trainer's, before it builds one).
+  reader = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  check = functools.partial(stream_position.check_records, {"demo": 120, "tfds:extra": 40})
+  with pytest.raises(stream_position.StreamChanged, match="since checkpoint step 4 in"):
+    reader.refuse_another_configuration(functools.partial(check, allow_other_records=False))
+  reader.refuse_another_configuration(functools.partial(check, allow_other_records=True))
+  reader.refuse_another_configuration(functools.partial(
+      stream_position.check_records, {"demo": 100}, allow_other_records=False))
+  reader.refuse_another_configuration(functools.partial(check, allow_other_records=False),
+                                      step=3)  # No such checkpoint: restore() says so.
+  reader.close()
 
   for records in ({"demo": 100, "tfds:extra": 40}, {"demo": 100}):  # The same; or fewer known.
     again = _stream(records)

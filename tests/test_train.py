@@ -2,6 +2,7 @@
 import itertools
 import math
 import re
+import shutil
 
 from flax import nnx
 import flax.linen as nn
@@ -18,7 +19,9 @@ from bigpretrain import optim
 from bigpretrain.runtime import metric_writers
 from bigpretrain import sharding
 from bigpretrain import train
+from input_pipeline import datasets
 from input_pipeline import pipeline
+from input_pipeline import stream_position
 from input_pipeline import subset
 from tests import helpers
 
@@ -207,6 +210,29 @@ def test_the_trainer_warns_once_of_replicated_params(tmp_path, caplog, monkeypat
     if warned:
       assert "head/kernel (128, 100)" in said[0] and "tensor=8" in said[0], said
       assert "tensor=4 divides them all" in said[0], said  # 100 = 4 x 25.
+
+
+def test_a_resume_over_changed_train_data_is_refused_before_the_state_is_built(
+    demo_run, tmp_path, monkeypatch):
+  """The trained demo run's checkpoints count records of its 'demo' split: the same run over
+  a split of another size stops before init_state (which compiles and fills the devices at
+  scale), with the sizes named; allowed, it gets as far as building the state."""
+  def stop(exp):
+    del exp
+    raise _StopBeforeState()
+
+  workdir = tmp_path / "run"
+  shutil.copytree(demo_run, workdir, ignore=shutil.ignore_patterns("*.lock", "log.*"))
+  sizes = datasets.train_split_sizes
+  monkeypatch.setattr(datasets, "train_split_sizes",
+                      lambda *a: {k: v + 1 for k, v in sizes(*a).items()})
+  monkeypatch.setattr(train.Experiment, "init_state", stop)
+  config = helpers.tiny_config(total_steps=2)  # What demo_run trained.
+  with pytest.raises(stream_position.StreamChanged, match=r"\(demo: \d+ records in the "):
+    train.train_and_evaluate(config, str(workdir))
+  config.allow_schedule_change = True
+  with pytest.raises(_StopBeforeState):
+    train.train_and_evaluate(config, str(workdir))
 
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
