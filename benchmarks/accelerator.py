@@ -615,12 +615,15 @@ class Suite:
         gc.collect()
 
     per_device = self.per_device
+    sizes = [per_device * 2 ** k  # The dry run's demo models: one doubling.
+             for k in range(1, 1 + BATCH_DOUBLINGS.get(config.model.name, 1))]
     if attempt(per_device, runner=self.runners.pop(trained, None)):
-      for _ in range(1 if self.dry_run else BATCH_DOUBLINGS[config.model.name]):
-        if not attempt(per_device * 2):
-          per_device *= 2
+      for i, size in enumerate(sizes):
+        per_device = size
+        if not attempt(size):
+          if not_tried:  # Past --budget_s: none of the larger sizes either.
+            not_tried.extend(str(s) for s in sizes[i + 1:])
           break
-        per_device *= 2
     if str(per_device) in failed:
       for remat in BATCH_REMATS:
         if attempt(per_device, remat):

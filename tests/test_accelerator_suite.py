@@ -342,11 +342,13 @@ def test_batch_tries_remat_only_at_a_size_that_does_not_fit(suite, monkeypatch, 
 
 
 def test_past_the_budget_batch_tries_no_further_size(suite, monkeypatch):
+  """Every size the doublings would have tried is listed as not tried, none as not fitting."""
   monkeypatch.setattr(_Runner, "fits", 2)
+  monkeypatch.setitem(accelerator.BATCH_DOUBLINGS, "vit_demo", 3)
   suite.deadline = time.perf_counter() - 1  # Spent: the papers' size is still measured.
   suite.batch("batch_vit_b16", "vit_b16_train", suite.vit_config())
   line = suite.lines[-1]
-  assert list(line["arms"]) == ["2"] and line["not_tried"] == ["4"]
+  assert list(line["arms"]) == ["2"] and line["not_tried"] == ["4", "8", "16"]
   assert line["did_not_fit"] == {} and line["value"] == 1.0
 
 
