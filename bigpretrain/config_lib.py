@@ -289,10 +289,13 @@ def _check_data_keys(data: Mapping[str, Any]) -> None:
   for key in unknown:
     if key not in known:
       named = f'data.name={name!r}' + (f' and data.mix {mix}' if mix else '')
-      raise ValueError(
-          f'config.data.{key} is not a known key{_suggest(key, known)}; valid with {named}: '
-          f'{sorted(known)}. (A key that a data source declares, datasets.data_keys, is valid '
-          'only where data.name or data.mix names that source.)')
+      elsewhere = datasets.sources_declaring(key)
+      note = (f'Declared by the data sources {", ".join(map(repr, elsewhere))}: valid only '
+              'where data.name or data.mix names one of them.' if elsewhere else
+              'A key that a data source declares, datasets.data_keys, is valid only where '
+              'data.name or data.mix names that source.')
+      raise ValueError(f'config.data.{key} is not a known key{_suggest(key, known)}; valid '
+                       f'with {named}: {sorted(known)}. ({note})')
 
 
 def _check_values(config: Mapping[str, Any]) -> None:

@@ -107,6 +107,12 @@ class Registry:
     self._load_builtins()
     return sorted({*self._items, *self._lazy})
 
+  def loaded(self) -> dict[str, Any]:
+    """The names as written in messages -> objects, of the entries already imported (the
+    built-ins and plugins; a lazily imported one only once used)."""
+    self._load_builtins()
+    return {self._usage[k]: self._items[k] for k in sorted(self._items)}
+
   def unknown_message(self, name) -> str:
     close = difflib.get_close_matches(str(name), self.keys(), n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -102,6 +102,13 @@ def declared_data_keys(name: str) -> tuple[str, ...]:
   return tuple(keys)
 
 
+def sources_declaring(key: str) -> list[str]:
+  """The dataset names (as written in messages) of the imported loaders that declare the
+  config.data key `key` (data_keys)."""
+  return [name for name, loader in SOURCES.loaded().items()
+          if key in getattr(loader, "data_keys", ())]
+
+
 # The contract every loader's dataset and source follow (dataset_base.py).
 Dataset = dataset_base.Dataset
 DatasetInfo = dataset_base.DatasetInfo

@@ -159,8 +159,11 @@ def test_declared_data_keys_of_the_builtin_hashtag_sources_and_their_misspelling
   c = _valid()
   c.data.name, c.data.resample_alpha = 'hashtags:demo', 0.5
   config_lib.validate(c)
-  c.data.name = 'demo'
-  _raises(c, 'data.resample_alpha is not a known key')
+  c.data.name = 'demo'  # The refusal names the sources that read the key.
+  with pytest.raises(ValueError, match=r"data\.resample_alpha is not a known key.*\(Declared "
+                     r"by the data sources 'hashtags:NAME', 'hashtags:demo': valid only where "
+                     r"data\.name or data\.mix names one of them\.\)"):
+    config_lib.validate(c)
 
 
 def test_an_unknown_source_is_named_before_the_keys_it_might_declare():
