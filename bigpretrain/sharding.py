@@ -90,14 +90,22 @@ def logical_to_mesh(logical: Sequence[str | None], shape: Sequence[int],
   return _logical_to_mesh(logical, shape, rules, mesh)[0]
 
 
-def _logical_to_mesh(logical, shape, rules, mesh) -> tuple[P, dict[str, tuple[int, ...]]]:
-  """logical_to_mesh's spec, and the mesh axes a rule named for the array but that it does
-  not get because the dimensions those rules named do not divide the axis: {axis: those
-  dimensions' sizes}. The one place the decision is made, so that reports of it agree."""
+def _logical_to_mesh(logical, shape, rules, mesh
+                     ) -> tuple[P, set[str], dict[str, tuple[int, ...]]]:
+  """logical_to_mesh's spec; the mesh axes a rule names for the array that shard none of its
+  dimensions; and {axis: the sizes of the dimensions a rule named for it that do not divide
+  it}, whether the axis then went to another dimension or not (a dimension that did not take
+  its first axis may take the axis another dimension's rule wanted: the one left unused, or
+  `lost`, then follows from it). The one place the decision is made, so that reports of it
+  agree."""
   logical = tuple(logical)
   spec, used, indivisible = [_FREE if name is not None else None for name in logical], set(), {}
+  named = set()
   for name, axis in rules:
-    if name not in logical or spec[logical.index(name)] is not _FREE:
+    if name not in logical:
+      continue
+    named.add(axis)
+    if spec[logical.index(name)] is not _FREE:
       continue
     pos = logical.index(name)
     if axis is None:
@@ -108,7 +116,7 @@ def _logical_to_mesh(logical, shape, rules, mesh) -> tuple[P, dict[str, tuple[in
     elif axis not in used:
       indivisible[axis] = indivisible.get(axis, ()) + (shape[pos],)
   spec = P(*(None if a is _FREE else a for a in spec))
-  return spec, {a: dims for a, dims in indivisible.items() if a not in used}
+  return spec, named - used - {None}, indivisible
 
 
 def _logical_names(var: nnx.Variable) -> tuple[str | None, ...]:
@@ -176,14 +184,18 @@ def state_shardings(abstract_state: nnx.State, rules, mesh: Mesh):
 
 @dataclasses.dataclass(frozen=True)
 class Replicated:
-  """A parameter that the rules put on mesh axes of size > 1 but that stays whole on them,
-  because none of the dimensions the rules named for an axis divides its size."""
+  """A parameter that the rules put on mesh axes of size > 1 but that stays whole on some,
+  because a dimension the rules named for an axis does not divide its size: none of them
+  divides that axis, or one took another's axis in its place (6 input channels not on
+  fsdp=4, the outputs on fsdp then, and not on tensor)."""
   name: str  # Its path in the params, '/'-separated.
   shape: tuple[int, ...]
   bytes: int  # The whole array's.
   device_bytes: int  # What each device holds of it.
   axes: dict[str, int]  # {mesh axis: size} it stays replicated on.
-  dims: dict[str, tuple[int, ...]]  # {mesh axis: the sizes of the dimensions named for it}.
+  # {mesh axis: the sizes of the dimensions named for it that do not divide it}: what a
+  # smaller axis size (fitting_sizes) or padding would have to divide.
+  dims: dict[str, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +219,9 @@ class ParamReport:
     """{axis: the largest size dividing the axis's current size at which every replicated
     array's dimensions named for it would divide it} (1: none does; pad those dimensions)."""
     out = {}
-    for axis in sorted({a for r in self.replicated for a in r.axes}):
+    for axis in sorted({a for r in self.replicated for a in r.dims}):
       size, dims = self.shard_axes[axis], [r.dims[axis] for r in self.replicated
-                                           if axis in r.axes]
+                                           if axis in r.dims]
       out[axis] = max(d for d in range(1, size + 1) if size % d == 0 and all(
           any(n % d == 0 for n in named) for named in dims))
     return out
@@ -226,9 +238,9 @@ class ParamReport:
     largest = ", ".join(
         f"{r.name} {r.shape} {_size(r.device_bytes)} on "
         + "+".join(f"{a}={k}" for a, k in r.axes.items()) for r in self.replicated[:top])
-    return (f"{n} parameter array{'s' if n > 1 else ''} stay replicated on a mesh axis that "
-            f"no dimension the rules name for it divides, {_size(self.replicated_device_bytes)} "
-            f"per device (largest: {largest}): {held}")
+    return (f"{n} parameter array{'s' if n > 1 else ''} stay replicated on a mesh axis, a "
+            "dimension the rules name not dividing its axis, "
+            f"{_size(self.replicated_device_bytes)} per device (largest: {largest}): {held}")
 
   def advice(self) -> str:
     """What to do about the replicated arrays: the axis sizes that would divide them, or
@@ -261,15 +273,15 @@ def param_report(abstract_params: nnx.State, rules, mesh: Mesh) -> ParamReport:
   replicated = []
   for path, var in nnx.to_flat_state(abstract_params):
     shape, itemsize = tuple(var.value.shape), np.dtype(var.value.dtype).itemsize
-    spec, indivisible = _logical_to_mesh(_logical_names(var), shape, rules, mesh)
+    spec, lost, indivisible = _logical_to_mesh(_logical_names(var), shape, rules, mesh)
     nbytes = math.prod(shape) * itemsize
     held = math.prod(NamedSharding(mesh, spec).shard_shape(shape)) * itemsize
     device, total = device + held, total + nbytes
-    axes = {a: mesh.shape[a] for a in indivisible if mesh.shape[a] > 1}
-    if axes:
+    axes = {a: mesh.shape[a] for a in sorted(lost) if mesh.shape[a] > 1}
+    if axes and any(mesh.shape[a] > 1 for a in indivisible):  # Else no rule could shard more.
       replicated.append(Replicated(
           name="/".join(str(k) for k in path), shape=shape, bytes=nbytes, device_bytes=held,
-          axes=axes, dims={a: indivisible[a] for a in axes}))
+          axes=axes, dims={a: d for a, d in indivisible.items() if mesh.shape[a] > 1}))
   replicated.sort(key=lambda r: -r.device_bytes)
   return ParamReport(device_bytes=device, ideal_bytes=total // math.prod(shard_axes.values()),
                      total_bytes=total, shard_axes=shard_axes, replicated=tuple(replicated))

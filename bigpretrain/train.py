@@ -368,7 +368,7 @@ class Experiment(ModelSetup):
 
 def warn_replicated_params(exp: ModelSetup) -> None:
   """Warns (once, before the state is created) of parameters the sharding rules leave whole
-  on a mesh axis that none of their dimensions divides (sharding.param_report): the rules
+  on a mesh axis, a dimension they name not dividing it (sharding.param_report): the rules
   pass such dimensions over so that odd widths run, but on a large mesh the arrays can hold
   most of each device's parameter memory."""
   report = sharding.param_report(exp.model_def.abstract_params, rules_of(exp.config), exp.mesh)

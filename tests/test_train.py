@@ -144,19 +144,23 @@ def test_param_report_names_the_kernels_no_dimension_of_which_divides_fsdp():
   abstract = _abstract({
       # 6 and 10 channels: neither divides fsdp=4; the outputs go on tensor=2 instead.
       "odd": ((3, 3, 6, 10), _CONV, jnp.float32),
-      # 6 inputs do not divide fsdp, 8 outputs do: the fallback shards it, nothing to report.
+      # 6 inputs do not divide fsdp, 8 outputs do: the fallback shards them on fsdp, and so
+      # they are not on tensor, which they would have been.
       "fallback": ((3, 3, 6, 8), _CONV, jnp.float32),
       "conv": ((3, 3, 8, 16), _CONV, jnp.bfloat16),  # fsdp x tensor.
       "head": ((16, 7), ("embed", "classes"), jnp.float32),  # 7 classes: not on tensor.
       "bias": ((7,), (None,), jnp.float32),  # No rule wants it sharded.
   })
   report = sharding.param_report(abstract, rules, mesh)
-  assert [(r.name, r.shape, r.axes) for r in report.replicated] == [
-      ("odd", (3, 3, 6, 10), {"fsdp": 4}), ("head", (16, 7), {"tensor": 2})]
-  odd, head = report.replicated
+  assert [(r.name, r.shape, r.axes, r.dims) for r in report.replicated] == [
+      ("odd", (3, 3, 6, 10), {"fsdp": 4}, {"fsdp": (6, 10)}),
+      ("fallback", (3, 3, 6, 8), {"tensor": 2}, {"fsdp": (6,)}),
+      ("head", (16, 7), {"tensor": 2}, {"tensor": (7,)})]
+  odd, fallback, head = report.replicated
   assert (odd.bytes, odd.device_bytes) == (3 * 3 * 6 * 10 * 4, 3 * 3 * 6 * 5 * 4)
+  assert (fallback.bytes, fallback.device_bytes) == (3 * 3 * 6 * 8 * 4, 3 * 3 * 6 * 2 * 4)
   assert (head.bytes, head.device_bytes) == (16 * 7 * 4, 4 * 7 * 4)  # embed on fsdp.
-  assert report.replicated_device_bytes == 1080 + 112
+  assert report.replicated_device_bytes == 1080 + 432 + 112
   held = 1080 + 3 * 3 * 6 * 2 * 4 + 3 * 3 * 2 * 8 * 2 + 112 + 7 * 4
   total = 2160 + 3 * 3 * 6 * 8 * 4 + 3 * 3 * 8 * 16 * 2 + 448 + 28
   assert (report.device_bytes, report.total_bytes, report.ideal_bytes) == (
@@ -167,11 +171,15 @@ def test_param_report_names_the_kernels_no_dimension_of_which_divides_fsdp():
       math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
       for s, a in zip(jax.tree.leaves(shardings), jax.tree.leaves(nnx.to_pure_dict(abstract))))
   assert shardings["odd"].spec == P(None, None, None, "tensor")
-  # fsdp=2 divides both 6 and 10; 7 classes on tensor only by padding.
+  assert shardings["fallback"].spec == P(None, None, None, "fsdp")
+  # fsdp=2 divides 6 and 10 (and would put the fallback's inputs on fsdp, its outputs on
+  # tensor); 7 classes on tensor only by padding.
   assert report.fitting_sizes() == {"fsdp": 2, "tensor": 1}
+  assert sharding.logical_to_mesh(_CONV, (3, 3, 6, 8), rules, sharding.make_mesh(
+      {"data": 2, "fsdp": 2, "tensor": 2})) == P(None, None, "fsdp", "tensor")
   advice = report.advice()
   assert "fsdp=2 divides them all" in advice and "multiple of 2" in advice
-  assert "2 parameter arrays" in report.describe()
+  assert "3 parameter arrays" in report.describe()
   assert "odd (3, 3, 6, 10) 1.08 kB on fsdp=4" in report.describe()
 
 

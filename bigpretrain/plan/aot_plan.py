@@ -12,7 +12,7 @@ only. Devices: fake CPU devices (XLA:CPU), or the compile-only devices of a TPU 
 lists of the known datasets ship with the package (DatasetInfo is fabricated from them),
 others take num_classes. Per device: parameter and optimizer-state bytes (each leaf's shard),
 the parameter bytes if every array split over all the rules' mesh axes, and the arrays the
-rules leave whole on an axis none of their dimensions divides (sharding.param_report),
+rules leave whole on an axis, a dimension they name not dividing it (sharding.param_report),
 the compiler's memory analysis (arguments, outputs, aliased, temporaries, generated code),
 FLOPs per step (matrix products and convolutions counted on the step's jaxpr, the same on
 every compiler: bigpretrain/plan/flops.py; step_flops gives them without compiling) and, where the
@@ -406,8 +406,8 @@ def _replicated_lines(p: dict, top: int = 3) -> list[str]:
   the largest, and what to do."""
   rep = sorted(p["replicated_params"], key=lambda r: -r["device_bytes"])
   lines = [f"    {len(rep)} parameter array(s), {_gb(sum(r['device_bytes'] for r in rep))} per "
-           "device, stay replicated on a mesh axis that no dimension the rules name for it "
-           "divides; the largest:"]
+           "device, stay replicated on a mesh axis, a dimension the rules name not dividing "
+           "its axis; the largest:"]
   for r in rep[:top]:
     axes = "+".join(f"{a}={n}" for a, n in r["axes"].items())
     lines.append(f"      {r['name']} {tuple(r['shape'])} {r['device_bytes'] / 1e6:.2f} MB "
