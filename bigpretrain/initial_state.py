@@ -54,14 +54,22 @@ def _refuse_another_schedule(config, total_steps: int, checkpointer: ckpt_lib.Ch
 
 def refuse_early(config, total_steps: int, checkpointer: ckpt_lib.Checkpointer, workdir: str,
                  records: dict) -> None:
-  """The refusals restore_or_init makes for the workdir's checkpoints (another
-  configuration, schedule or train data sizes `records`; past the run's end), made before
-  the state is built and compiled, so that a refused resume costs neither."""
-  checkpointer.refuse_another_configuration(
-      functools.partial(stream_position.check_records, records,
-                        allow_other_records=config.allow_schedule_change),
-      step=None if config.resume_step < 0 else config.resume_step)
-  _refuse_another_schedule(config, total_steps, checkpointer, workdir)
+  """The refusals restore_or_init makes for the checkpoints it would resume from, the
+  workdir's or else config.resume's (a missing folder; another configuration, schedule or
+  train data sizes `records`; the workdir's past the run's end), made before the state is
+  built and compiled, so that a refused resume costs neither."""
+  check = functools.partial(stream_position.check_records, records,
+                            allow_other_records=config.allow_schedule_change)
+  step = None if config.resume_step < 0 else config.resume_step
+  checkpointer.refuse_another_configuration(check, step)
+  if _refuse_another_schedule(config, total_steps, checkpointer, workdir) is None and (
+      config.resume):
+    other = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(config.resume), async_save=False,
+                                  meta=checkpointer.meta, read_only=True)
+    try:
+      other.refuse_another_configuration(check, step)
+    finally:
+      other.close()
 
 
 def restore_or_init(exp, state: dict, stream, checkpointer: ckpt_lib.Checkpointer,

@@ -241,6 +241,13 @@ def test_a_resume_over_changed_train_data_is_refused_before_the_state_is_built(
   config.allow_schedule_change = True
   with pytest.raises(_StopBeforeState):
     train.train_and_evaluate(config, str(workdir))
+  # The same from another run's checkpoints (config.resume), and a folder that is not there.
+  config = helpers.tiny_config(total_steps=2, resume=str(workdir))
+  with pytest.raises(stream_position.StreamChanged, match=r"\(demo: \d+ records in the "):
+    train.train_and_evaluate(config, str(tmp_path / "fine_tune"))
+  config.resume = str(tmp_path / "nowhere")
+  with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
+    train.train_and_evaluate(config, str(tmp_path / "fine_tune"))
 
 
 def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
