@@ -94,10 +94,9 @@ def _logical_to_mesh(logical, shape, rules, mesh
                      ) -> tuple[P, set[str], dict[str, tuple[int, ...]]]:
   """logical_to_mesh's spec; the mesh axes a rule names for the array that shard none of its
   dimensions; and {axis: the sizes of the dimensions a rule named for it that do not divide
-  it}, whether the axis then went to another dimension or not (a dimension that did not take
-  its first axis may take the axis another dimension's rule wanted: the one left unused, or
-  `lost`, then follows from it). The one place the decision is made, so that reports of it
-  agree."""
+  it}, whether the axis then went to another dimension or not (a dimension that did not get
+  its own axis may take the one another dimension's rule wanted, which then goes unused).
+  The one place the decision is made, so that reports of it agree."""
   logical = tuple(logical)
   spec, used, indivisible = [_FREE if name is not None else None for name in logical], set(), {}
   named = set()
