@@ -962,9 +962,11 @@ def test_a_config_file_that_does_not_load_is_one_error_line(tmp_path):
   # ml_collections defers a missing file's error to the config's first use (inside the run)
   # and puts get_config's traceback in its flag error: both are one line, before any run.
   missing = tmp_path / "nonexistent.py"
-  r = helpers.run_main([f"--config={missing}", f"--workdir={tmp_path / 'run'}"], timeout=120)
-  assert (r.returncode, r.stderr.strip()) == (
-      2, f"ERROR: --config={missing}: [Errno 2] No such file or directory: '{missing}'")
+  for override in ([], ["--config.batch_size=8"]):  # Applied to the failed load, it raises.
+    r = helpers.run_main([f"--config={missing}", f"--workdir={tmp_path / 'run'}"] + override,
+                         timeout=120)
+    assert (r.returncode, r.stderr.strip()) == (
+        2, f"ERROR: --config={missing}: [Errno 2] No such file or directory: '{missing}'")
   recipe = helpers.ROOT / "configs" / "semantic_softmax.py"
   r = helpers.run_main([f"--config={recipe}:bogus=1", f"--workdir={tmp_path / 'run'}"],
                        timeout=120)
@@ -972,6 +974,31 @@ def test_a_config_file_that_does_not_load_is_one_error_line(tmp_path):
       f"ERROR: --config={recipe}:bogus=1: ValueError: config arg 'bogus' is unknown; valid "
       "keys: ['data_dir', 'dataset', 'epochs', 'init', 'model']"), r.stderr[-2000:]
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("source, override, message", [
+    ("def get_config(:\n  pass\n", False, r"cfg\.py:1: SyntaxError: invalid syntax"),
+    ("import nosuchmod\n", False,
+     r"cfg\.py:1: ModuleNotFoundError: No module named 'nosuchmod'"),
+    ("import nosuchmod\n", True,
+     r"cfg\.py:1: ModuleNotFoundError: No module named 'nosuchmod'"),
+    ("X = 1\n", False, r"--config=\S+cfg\.py: the file defines no get_config\(\)"),
+])
+def test_a_config_file_that_fails_to_load_is_one_line_with_or_without_overrides(
+    tmp_path, capsys, source, override, message):
+  """Its import error with the file's line, or a missing get_config: one ERROR line, exit 2."""
+  from bigpretrain import main  # pylint: disable=import-outside-toplevel,unused-import
+  from bigpretrain.tools import cli  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "cfg.py"
+  if source is not None:
+    path.write_text(source)
+  argv = ["main", f"--config={path}", f"--workdir={tmp_path / 'run'}"] + (
+      ["--config.batch_size=8"] if override else [])
+  with pytest.raises(SystemExit) as stop:
+    cli.parse_flags(argv)
+  err = capsys.readouterr().err.strip()
+  assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+  assert re.fullmatch(r"ERROR: \S*" + message + ".*", err), err
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1,7 +1,9 @@
 """What the commands share: an expected error is one `ERROR:` line and exit status 1."""
 import contextlib
+import os
 import re
 import sys
+import traceback
 
 from absl import app
 from absl import flags
@@ -30,8 +32,9 @@ def parse_flags(argv: list[str]) -> list[str]:
   and exit status 2: a bad --config.KEY override (ml_collections raises AttributeError/
   KeyError/TypeError through three chained tracebacks; the line names the key and suggests the
   closest one), a get_config that raises (its error, not the traceback ml_collections puts in
-  the flag error) and a file that does not load (ml_collections defers that error to the
-  config's first use, deep inside the run)."""
+  the flag error), a file that does not load (ml_collections defers that error to the
+  config's first use, deep inside the run, or raises it at the first override), a file whose
+  code fails to import (its line) and one without get_config."""
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
@@ -39,7 +42,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     if parsing:  # The last line of the traceback in the message: get_config's error.
       _usage_error(f"{parsing.group(1)}: {str(e).strip().splitlines()[-1]}")
     _usage_error(f"{e}\nPass --help for the flags.")
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
+  except OSError as e:  # An override applied to a file that did not load.
+    _config_not_loaded(e, argv)
+  except Exception as e:  # pylint: disable=broad-except
+    where = _in_config_file(e, argv)
+    if where:  # The file's own code failed to load (a syntax error, a missing import).
+      _usage_error(f"{where}: {type(e).__name__}: {e}")
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
+      given = next(a for a in argv if a.startswith("--config="))
+      _usage_error(f"{given}: the file defines no get_config() returning the config.")
+    if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+      raise
     text = str(e).replace("\\'", "'").replace("\\n", " ")
     hint = re.search(r'Did you mean "[^"]+" instead of "([^"]+)"\?', text)
     name = re.search(r"'([\w-]+)'", text)
@@ -52,10 +65,29 @@ def parse_flags(argv: list[str]) -> list[str]:
   if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
     try:
       flags.FLAGS["config"].value.keys()
-    except OSError as e:  # A file that did not load: the cause's last line says why.
-      cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
-      _usage_error(f"--config={flags.FLAGS['config'].serialize().split('=', 1)[-1]}: {cause}")
+    except OSError as e:
+      _config_not_loaded(e, argv)
   return rest
+
+
+def _config_not_loaded(e: OSError, argv: list[str]) -> None:
+  """A --config file that did not load: the cause's last line says why."""
+  cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+  given = next((a for a in argv if a.startswith("--config=")), "--config")
+  _usage_error(f"{given}: {cause}")
+
+
+def _in_config_file(e: BaseException, argv: list[str]) -> str:
+  """'PATH:LINE' where the --config file's own code raised `e` while loading ('' if not)."""
+  given = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  path = os.path.abspath(given.split(":", 1)[0]) if given else ""
+  if not path:
+    return ""
+  if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
+    return f"{given.split(':', 1)[0]}:{e.lineno}"
+  lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+           if os.path.abspath(f.filename) == path]
+  return f"{given.split(':', 1)[0]}:{lines[-1]}" if lines else ""
 
 
 def _usage_error(message: str) -> None:
