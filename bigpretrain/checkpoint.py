@@ -812,6 +812,15 @@ def init_from(directory: str, state: dict, skip: str = "",
         "this model's. Match the model to the checkpoint, or start these arrays fresh with "
         "config.model_init_skip (a regex over these paths).")
   dropped = sorted(set(loaded) - set(ours))
+  body = [n for n in ours if not re.search(HEAD_PATTERN, n)
+          and not (pattern and pattern.search(n))]
+  if body and not set(body) & set(loaded):  # Nothing but the head would load.
+    model = (read_meta(directory, step, required=False) or {}).get("model", {}).get("name")
+    raise ValueError(
+        f"model_init={directory}: none of this model's {len(body)} arrays outside the head "
+        f"is in the checkpoint" + (f" (written for model {model!r})" if model else "")
+        + f": the checkpoint has e.g. {', '.join(sorted(loaded)[:3])}; this model "
+        f"{', '.join(sorted(body)[:3])}. Set config.model to the checkpoint's model.")
   logging.info("Initialised from %s step %d; kept fresh: %s; resized: %s; not loaded: %s",
                directory, step, fresh, resized, dropped)
   return out, fresh, resized, dropped

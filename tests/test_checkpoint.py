@@ -51,6 +51,24 @@ def _save(path, params):
   saver.close()
 
 
+def test_init_from_refuses_a_checkpoint_of_another_model_that_only_shares_the_head(tmp_path):
+  """A RegNetY checkpoint given to a ViT: only the head's paths match. Loading it would start
+  the whole backbone fresh under the name of fine-tuning; it is refused, naming both sides."""
+  saver = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  saver.save(5, _state(head_classes=3, body_value=1.0))
+  saver.close()
+  other = {"params": {"head": {"kernel": jnp.zeros((4, 3))},
+                      "encoder": {"w": jnp.zeros((3,)), "b": jnp.zeros((3,))}}, "extra": {}}
+  with pytest.raises(ValueError, match=r"none of this model's 2 arrays outside the head is in "
+                     r"the checkpoint: the checkpoint has e\.g\. params/blocks/0/w, "
+                     r"params/head/kernel; this model params/encoder/b, params/encoder/w\."):
+    checkpoint.init_from(str(tmp_path), other)
+  # Its own arrays skipped on purpose: nothing is expected to load but the head.
+  out, fresh, _, _ = checkpoint.init_from(str(tmp_path), other, skip=r"^params/encoder/")
+  assert fresh == ["params/encoder/b", "params/encoder/w"]
+  assert float(out["params"]["head"]["kernel"][0, 0]) == 7.0
+
+
 def test_init_from_takes_the_models_adaptation_of_another_shape(tmp_path):
   """An array of another shape (a position embedding at a larger image size) takes what the
   model's hook makes of it; without the hook, it is refused, named."""
