@@ -449,3 +449,37 @@ def test_local_waits_for_the_saves_on_sigterm_and_stops_all_when_one_fails(tmp_p
   r = subprocess.run([str(LAUNCH / "local.sh"), "two", "--", *MAIN], capture_output=True,
                      text=True, timeout=30)
   assert r.returncode == 2 and "N=two must be a positive integer" in r.stderr
+
+
+@pytest.mark.parametrize("address, n, i, message", [
+    ("nohost", 2, 0, "must be host:port"),
+    ("host:port", 2, 0, "must be host:port"),
+    ("host:70000", 2, 0, "must be host:port"),
+    ("host:1234", 2, 2, r"process_id=2 must be in \[0, num_processes=2\)"),
+    ("host:1234", 0, 0, r"process_id=0 must be in \[0, num_processes=0\)"),
+])
+def test_a_bad_explicit_coordinator_is_refused_before_joining(monkeypatch, address, n, i,
+                                                               message):
+  monkeypatch.setattr(distributed.jax.distributed, "initialize",
+                      lambda **kw: pytest.fail(f"initialize called with {kw}"))
+  with pytest.raises(ValueError, match=message):
+    distributed.maybe_initialize(address, n, i)
+
+
+def test_joining_says_what_it_waits_for_before_it_blocks(monkeypatch, capsys):
+  """jax.distributed.initialize waits for every process, silently, then ends the process
+  when one never came: the wait is said first."""
+  joined = []
+
+  def initialize(**kwargs):
+    joined.append((kwargs, capsys.readouterr().out))
+
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", initialize)
+  monkeypatch.setattr(distributed, "select_platforms", lambda: "cpu")
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  distributed.maybe_initialize("10.0.0.1:1234", 2, 1)
+  (kwargs, said), = joined
+  assert kwargs == {"coordinator_address": "10.0.0.1:1234", "num_processes": 2,
+                    "process_id": 1, "initialization_timeout": distributed.INIT_TIMEOUT_S}
+  assert said.strip() == ("Joining the run's processes (explicit: process 1 of 2, coordinator "
+                          "10.0.0.1:1234); waiting up to 300 s for all of them to start.")

@@ -18,6 +18,7 @@ from absl import logging
 import jax
 
 from bigpretrain.plan import gpu_flags
+from bigpretrain.runtime import console
 
 
 def _env_int(name: str) -> int | None:
@@ -114,6 +115,19 @@ def select_platforms() -> str:
   return chosen
 
 
+INIT_TIMEOUT_S = 300  # jax.distributed.initialize's default.
+
+
+def check_explicit(coordinator_address: str, num_processes: int, process_id: int) -> None:
+  """ValueError unless the address is host:port and 0 <= process_id < num_processes."""
+  host, _, port = coordinator_address.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"coordinator address {coordinator_address!r} must be host:port (process "
+                     "0's host name or IP and a free port, e.g. 10.0.0.1:1234).")
+  if num_processes < 1 or not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
+
+
 def maybe_initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> str:
   """Initialises jax.distributed when running on several processes; returns what was found.
@@ -129,8 +143,16 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
       raise ValueError("--coordinator_address needs --num_processes and --process_id.")
   else:
     kind, kwargs = detect()
+  if kind == "explicit":
+    check_explicit(**kwargs)
   if kind != "single":
-    jax.distributed.initialize(**kwargs)
+    # initialize blocks until every process has joined, and ends this one (no Python error)
+    # when they have not within its timeout: said first, so a wait is not taken for a hang.
+    console.say(f"Joining the run's processes ({kind}"
+                + (f": process {kwargs['process_id']} of {kwargs['num_processes']}, "
+                   f"coordinator {kwargs['coordinator_address']}" if kwargs else "")
+                + f"); waiting up to {INIT_TIMEOUT_S} s for all of them to start.")
+    jax.distributed.initialize(**kwargs, initialization_timeout=INIT_TIMEOUT_S)
   logging.info("distributed: %s, process %d of %d, %d local / %d global devices", kind,
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
