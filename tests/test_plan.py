@@ -127,7 +127,7 @@ def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_ste
   assert kd["argument_bytes"] - plain["argument_bytes"] == kd["frozen_bytes"]
   assert kd["flops_per_device"] > plain["flops_per_device"]  # The teacher's forward pass.
   infer = plan_lib.plan(_config(batch_size=16), step="infer", top_p=5)
-  with pytest.raises(ValueError, match=r"--top_p=101 must be in \[1, 100\]"):
+  with pytest.raises(ValueError, match=r"--top_p=101 must be an integer in \[1, 100\]"):
     plan_lib.plan(_config(batch_size=16), step="infer", top_p=101)
   assert infer["step"] == "infer" and infer["opt_state_bytes"] == 0
   assert infer["params_bytes"] == infer["state_bytes"] == plain["params_bytes"]

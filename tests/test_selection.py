@@ -415,6 +415,12 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
                       expected_class_names=expected)
   with pytest.raises(ValueError, match="takes exactly one of --class_sizes"):
     selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked", k=3)
+  for k in (0, -1, 2.5):  # K = 0 selected nothing and reported success.
+    with pytest.raises(ValueError, match=rf"k={k}: K images per class must be an integer >= 1"):
+      selection_job.prepare(predictions["dir"], tmp_path / "out", k=k)
+  with pytest.raises(ValueError, match=r"zipf_total=0 must be an integer >= 1"):
+    selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
+                          zipf_total=0)
   with pytest.raises(ValueError, match="teacher does not have"):
     selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
                       class_sizes={"n00000000": 3})

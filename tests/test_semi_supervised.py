@@ -453,3 +453,17 @@ def test_semi_weak_teacher_from_hashtags_and_a_pool_whose_labels_are_never_read(
   # The student is evaluated on the labelled dataset's validation split.
   assert results["rounds"][0]["student"]["eval/num_examples"] == 200
   assert _steps(r1 / "finetune") == [1, 2]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"selection.k": 0}, r"config\.selection: k=0: K images per class must be an integer >= 1"),
+    ({"infer.top_p": 0}, r"config\.infer\.top_p=0 must be an integer in \[1, 100\]"),
+    ({"selection.variant": "unbalanced_ranked"},
+     r"config\.selection: unbalanced_ranked takes exactly one of --class_sizes"),
+])
+def test_inference_and_selection_settings_are_refused_before_the_teacher_trains(
+    tmp_path, monkeypatch, overrides, message):
+  monkeypatch.setattr(semi_supervised, "train_stage",
+                      lambda *a, **k: pytest.fail("a stage trained before the refusal"))
+  with pytest.raises(ValueError, match=message):
+    semi_supervised.run(_tiny_config(**overrides), str(tmp_path))

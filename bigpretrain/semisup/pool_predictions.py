@@ -62,10 +62,12 @@ def shard_ranges(num_records: int, shard_size: int) -> list[tuple[int, int]]:
   return [(a, min(a + shard_size, num_records)) for a in range(0, num_records, shard_size)]
 
 
-def check_top_p(top_p: int, num_classes: int) -> None:
-  """ValueError unless 1 <= top_p <= the model's classes (before a step is made)."""
-  if not 1 <= top_p <= num_classes:
-    raise ValueError(f"--top_p={top_p} must be in [1, {num_classes}] (the model's classes).")
+def check_top_p(top_p: int, num_classes: int, name: str = "--top_p") -> None:
+  """ValueError unless 1 <= top_p <= the model's classes (before a step is made); `name`:
+  the setting's, for the message."""
+  if isinstance(top_p, bool) or not isinstance(top_p, int) or not 1 <= top_p <= num_classes:
+    raise ValueError(f"{name}={top_p!r} must be an integer in [1, {num_classes}] (the model's "
+                     "classes).")
 
 
 def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):

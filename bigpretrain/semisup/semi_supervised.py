@@ -62,6 +62,7 @@ from bigpretrain.runtime import console
 from bigpretrain.runtime import process_zero
 from bigpretrain.semisup import dedup
 from bigpretrain.semisup import pool_predictions
+from bigpretrain.semisup import topk
 from bigpretrain import train
 from input_pipeline import datasets
 from input_pipeline import exclusions
@@ -363,6 +364,18 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   return info
 
 
+def check_settings(config, num_classes: int) -> None:
+  """The inference and selection settings, checked before the teacher trains: a bad one
+  would otherwise stop the run after it. `num_classes`: the teacher's (D's)."""
+  pool_predictions.check_top_p(config.infer.top_p, num_classes, "config.infer.top_p")
+  c = config.selection
+  try:
+    topk.check_choice(c.variant, None if c.variant == "unbalanced_ranked" else c.k,
+                      bool(c.class_sizes), c.zipf_total if c.zipf_total > 0 else None)
+  except ValueError as e:
+    raise ValueError(f"config.selection: {e}") from None
+
+
 def check_keys(config) -> None:
   """Refuses a key of the runner's own sections that it does not read (a typo in a config
   file, which the command line would have refused), naming its close match."""
@@ -386,6 +399,7 @@ def run(config, workdir: str) -> dict:
   pool_info = (datasets.get_dataset({"name": pool_name(config), "dir": config.data.dir}).info
                if foreign_pool else full.info)
   pool_splits = check_pool(config, pool_info)
+  check_settings(config, full.info.num_classes)
   if config.selection.variant == "balanced_with_tags":
     raise ValueError("config.selection.variant=balanced_with_tags draws by the images' tags, "
                      "which the teacher's predictions over U do not carry: run `python -m "

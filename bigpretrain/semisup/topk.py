@@ -17,6 +17,32 @@ from typing import Mapping
 import numpy as np
 
 
+VARIANTS = ("balanced_ranked", "unbalanced_ranked", "balanced_with_tags")
+
+
+def check_choice(variant: str, k, has_class_sizes: bool, zipf_total: int | None) -> None:
+  """ValueError unless the selection `variant` has its parameters and no other: K per class
+  (k >= 1) for the balanced variants; exactly one of class sizes or a Zipf total >= 1 for
+  unbalanced_ranked. Checkable before there are predictions to select from."""
+  if variant not in VARIANTS:
+    raise ValueError(f"Unknown variant {variant!r}; expected one of {VARIANTS}.")
+  if variant != "unbalanced_ranked":
+    if k is None or has_class_sizes or zipf_total is not None:
+      raise ValueError(f"{variant} takes --k (K per class) and neither --class_sizes nor "
+                       "--zipf_total.")
+    if np.ndim(k) == 0 and not isinstance(k, Mapping) and (
+        isinstance(k, bool) or int(k) != k or k < 1):
+      raise ValueError(f"k={k!r}: K images per class must be an integer >= 1 (0 selects "
+                       "nothing).")
+    return
+  if k is not None or has_class_sizes == (zipf_total is not None):
+    raise ValueError("unbalanced_ranked takes exactly one of --class_sizes (JSON {class name: "
+                     "K}) and --zipf_total (total over all classes), and no --k.")
+  if zipf_total is not None and (isinstance(zipf_total, bool) or int(zipf_total) != zipf_total
+                                 or zipf_total < 1):
+    raise ValueError(f"zipf_total={zipf_total!r} must be an integer >= 1.")
+
+
 def per_class_k(k, num_classes: int) -> np.ndarray:
   """K as int64 [num_classes]: from an int (every class), a {class: K} mapping (absent classes
   get 0) or an array-like of num_classes values. ValueError on a negative or non-integer K."""

@@ -83,7 +83,7 @@ from input_pipeline import selection_formats as formats
 from bigpretrain.semisup import topk
 
 RAW_REPORT_FILE = "selection_raw_report.json"  # Written by the pipeline, folded into selection.json.
-VARIANTS = ("balanced_ranked", "unbalanced_ranked", "balanced_with_tags")
+VARIANTS = topk.VARIANTS
 INDEX_BITS = 40  # Record indices < 2**40 (1.1e12 per split); the source rank goes above.
 ROWS_PER_SHARD = 1 << 20
 BATCH_SIZE = 65536
@@ -502,16 +502,9 @@ def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
               k: int | None, class_sizes: Mapping[str, int] | None, zipf_total: int | None,
               zipf_exponent: float, seed: int) -> np.ndarray:
   """Per-class K [C] for a variant; ValueError on a missing or contradictory choice."""
-  if variant not in VARIANTS:
-    raise ValueError(f"Unknown variant {variant!r}; expected one of {VARIANTS}.")
+  topk.check_choice(variant, k, class_sizes is not None, zipf_total)
   if variant != "unbalanced_ranked":
-    if k is None or class_sizes is not None or zipf_total is not None:
-      raise ValueError(f"{variant} takes --k (K per class) and neither --class_sizes nor "
-                       "--zipf_total.")
     return topk.per_class_k(k, num_classes)
-  if k is not None or (class_sizes is None) == (zipf_total is None):
-    raise ValueError("unbalanced_ranked takes exactly one of --class_sizes (JSON {class name: "
-                     "K}) and --zipf_total (total over all classes), and no --k.")
   if zipf_total is not None:
     return topk.zipf_sizes(num_classes, zipf_total, exponent=zipf_exponent, seed=seed)
   position = {name: c for c, name in enumerate(class_names)}
