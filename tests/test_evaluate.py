@@ -333,3 +333,13 @@ def test_a_split_with_no_readable_record_is_an_error_not_an_empty_metric_row():
       step, {"params": {}, "extra": {}}, dataset, data_cfg, mesh, split="validation",
       batch_size=8, fields={"label": 0})
   assert (float(totals["top1"][0]), skipped) == (1.0, 2)
+
+
+def test_a_broken_json_file_is_named(tmp_path):
+  broken = tmp_path / "map.json"
+  broken.write_text("{chair: 'n1'}")
+  with pytest.raises(ValueError, match=rf"--class_map={broken} is not valid JSON: Expecting "):
+    mapped.load_class_map(str(broken))
+  (tmp_path / "config.json").write_text('{"batch_size": 8,')
+  with pytest.raises(ValueError, match=r"config\.json is not valid JSON .*--checkpoint"):
+    evaluate.read_run_config(str(tmp_path))

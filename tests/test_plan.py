@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -392,3 +393,12 @@ def test_max_batch_steps_in_whole_batchnorm_groups(monkeypatch):
   out = plan_lib.max_batch(config, 10 * 4 * 20, devices=jax.devices()[:4])
   assert out["max_batch_per_device"] == 18  # The largest multiple of 3 with 4 x b <= 80.
   assert all(b % 3 == 0 for b in out["probes"]) and seen
+
+
+@pytest.mark.parametrize("memory_gib", [0.0, -1.0])
+def test_max_batch_refuses_a_memory_that_is_not_positive(memory_gib):
+  from bigpretrain.tools import plan as plan_tool  # pylint: disable=import-outside-toplevel
+  f = types.SimpleNamespace(memory_gib=memory_gib, remat=["none"], num_classes=None,
+                            teacher_model=None)
+  with pytest.raises(ValueError, match=rf"--memory_gib={memory_gib} must be > 0"):
+    plan_tool._max_batch(f, _config(batch_size=1, mesh=(1, 1, 1)), jax.devices()[:1], None)  # pylint: disable=protected-access

@@ -89,7 +89,11 @@ def read_run_config(workdir: str) -> dict:
                             "checkpoint dir or a `bigpretrain.tools.convert` output as "
                             "--checkpoint.")
   with open(path) as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not valid JSON ({e}): the run folder's config.json is "
+                       "damaged; pass its checkpoints as --checkpoint instead.") from None
 
 
 @dataclasses.dataclass

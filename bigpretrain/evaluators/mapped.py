@@ -39,7 +39,10 @@ def real_accuracy(scores, real_labels, mask):
 def load_class_map(path: str) -> dict[str, list[str]]:
   """{dataset class: [model classes]} from a JSON object whose values are names or lists."""
   with open(path) as f:
-    raw = json.load(f)
+    try:
+      raw = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"--class_map={path} is not valid JSON: {e}.") from None
   if not isinstance(raw, dict):
     raise ValueError(f"--class_map={path}: expected a JSON object {{dataset class: model "
                      "class or [model classes]}}.")

@@ -91,7 +91,10 @@ def _devices(f):
 def _max_batch(f, config, devices, accelerator) -> None:
   if f.memory_gib is None and accelerator is None:
     raise ValueError("--max_batch needs --accelerator (its HBM) or --memory_gib.")
-  memory = int(f.memory_gib * 2**30) if f.memory_gib else accelerators.get(accelerator).hbm_bytes
+  if f.memory_gib is not None and not f.memory_gib > 0:
+    raise ValueError(f"--memory_gib={f.memory_gib} must be > 0.")
+  memory = (int(f.memory_gib * 2**30) if f.memory_gib is not None
+            else accelerators.get(accelerator).hbm_bytes)
   for remat in f.remat:
     p = aot_plan.max_batch(config, memory, remat, f.num_classes, devices, f.teacher_model)
     print(json.dumps(p) if f.json else (

@@ -26,7 +26,8 @@ from bigpretrain.tools import cli
 _WORKDIR = flags.DEFINE_string("workdir", None, "A bigpretrain run folder or checkpoint dir.",
                                 required=True)
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per image instead of text.")
-_THRESHOLD = flags.DEFINE_float("threshold", 0.5, "Show levels whose top probability exceeds it.")
+_THRESHOLD = flags.DEFINE_float("threshold", 0.5, "Show levels whose top probability exceeds it.",
+                                lower_bound=0.0, upper_bound=1.0)
 
 
 def _print(r: dict) -> None:
