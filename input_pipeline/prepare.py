@@ -35,6 +35,7 @@ app, so absl's own flags (--verbosity, --log_dir, --flagfile) work as in every o
 import argparse
 import functools
 import json
+import os
 from typing import Sequence
 
 from absl import app
@@ -228,6 +229,8 @@ def run(parsed: tuple[argparse.Namespace, list[str]]) -> int:
   if bad:
     raise ValueError(f"Unexpected arguments {bad}; Beam options must look like --key=value.")
   check_beam_flags(args.beam_runner, beam_options)
+  if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+    raise ValueError(f"--data_dir={args.data_dir} is a file: give the folder to write into.")
   if beam_options:
     logging.info("Passing to Beam: %s", beam_options)
   if args.dataset == "selection":

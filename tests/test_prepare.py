@@ -442,6 +442,9 @@ def test_cli_rejects_stray_arguments(tmp_path):
     prepare.main(["imagenet21k_p", "--manual_dir=x", f"--data_dir={tmp_path}", "stray"])
   with pytest.raises(SystemExit):
     prepare.main(["imagenet21k_p", f"--data_dir={tmp_path}"])  # --manual_dir is required.
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match=r"--data_dir=\S+file is a file"):
+    prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path / 'file'}", "--name=n"])
   # A misspelt Beam option or runner is an error before anything runs, not a warning.
   with pytest.raises(ValueError, match=r"defines \['--dask_npartition'\]; docs/data.md"):
     prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=n",

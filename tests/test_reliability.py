@@ -669,6 +669,9 @@ def test_a_read_only_workdir_is_named_before_anything_is_written(tmp_path, monke
   with pytest.raises(workdir_lock.WorkdirUnwritable, match=r"--workdir=gs://b/run is a URL"):
     workdir_lock.check_writable("gs://b/run")
   assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
+  (tmp_path / "notes.txt").write_text("x")  # A file where the folder should be.
+  with pytest.raises(workdir_lock.WorkdirUnwritable, match=r"--workdir=notes\.txt is a file"):
+    workdir_lock.check_writable("notes.txt")
 
 
 @contextlib.contextmanager

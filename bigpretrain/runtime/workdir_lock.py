@@ -59,6 +59,9 @@ def check_writable(workdir: str) -> None:
         "through a mounted filesystem: mount the bucket (e.g. gcsfuse, or GKE's Cloud "
         "Storage FUSE driver: launch/gke_jobset.py mounts a gs:// workdir itself) and pass "
         "its path.")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirUnwritable(f"--workdir={workdir} is a file: give a folder (created if "
+                            "absent) for the run's checkpoints, metrics and lock.")
   for folder in (workdir, os.path.join(workdir, "checkpoints")):
     if folder != workdir and not os.path.isdir(folder):
       continue

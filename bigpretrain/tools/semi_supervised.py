@@ -5,7 +5,6 @@
 What it computes and why: bigpretrain/semisup/semi_supervised.py.
 """
 
-import os
 import time
 
 from absl import app
@@ -16,6 +15,7 @@ from ml_collections import config_flags
 from bigpretrain.runtime import console
 from bigpretrain.runtime import distributed
 from bigpretrain.runtime import preemption
+from bigpretrain.runtime import workdir_lock
 from bigpretrain.semisup import semi_supervised
 from bigpretrain.tools import cli
 
@@ -32,7 +32,8 @@ def main(argv):
   cli.check_usage(argv, "config", "workdir")
   f = flags.FLAGS
   distributed.initialize_from_flags()
-  os.makedirs(f.workdir, exist_ok=True)
+  with cli.user_errors(workdir_lock.WorkdirUnwritable):
+    workdir_lock.check_writable(f.workdir)  # Before the log goes there.
   logging.get_absl_handler().use_absl_log_file("log", f.workdir)
   console.report_log_errors_once(logging.get_absl_handler().python_handler)
   started = time.time()
