@@ -650,6 +650,14 @@ def _item_metadata(directory: str, step: int, item: str):
   return getattr(meta, "item_metadata", meta)
 
 
+def no_checkpoint(directory: str) -> FileNotFoundError:
+  """The error for a folder without checkpoints; one step's folder gets its parent named."""
+  step = os.path.basename(os.path.normpath(directory))
+  hint = (f" It is one checkpoint step's folder: pass the folder that holds the steps, "
+          f"{os.path.dirname(os.path.normpath(directory))}." if step.isdigit() else "")
+  return FileNotFoundError(f"No checkpoint found in {directory}.{hint}")
+
+
 def checkpoint_dir(path: str) -> str:
   """Accepts a run's workdir or its checkpoints/ folder; checks it exists."""
   if not os.path.isdir(path):
@@ -665,7 +673,7 @@ def read_meta(path: str, step: int | None = None, *, required: bool = True) -> d
   with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+      raise no_checkpoint(directory)
     if not os.path.isdir(os.path.join(directory, str(step), "meta")):
       if not required:
         return None
@@ -695,7 +703,7 @@ def load_params(directory: str, abstract_params: dict, step: int | None = None) 
   with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+      raise no_checkpoint(directory)
     item = _weights_item(directory, step)
     with _reading(directory, step):
       out = manager.restore(step, args=ocp.args.Composite(
@@ -711,7 +719,7 @@ def load_arrays(directory: str, names: list[str]) -> dict:
   with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step()
     if step is None:
-      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+      raise no_checkpoint(directory)
     item = _weights_item(directory, step)
     saved = _paths(_item_metadata(directory, step, item))
   missing = [n for n in names if n not in saved]
@@ -766,7 +774,7 @@ def init_from(directory: str, state: dict, skip: str = "",
   with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step()
     if step is None:
-      raise FileNotFoundError(f"No checkpoint found in {directory}.")
+      raise no_checkpoint(directory)
     item = _weights_item(directory, step)
     saved = _item_metadata(directory, step, item)
     ours = _paths(state)

@@ -182,3 +182,15 @@ def test_a_semantic_runs_meta_holds_its_class_tree_a_softmax_runs_does_not(demo_
   assert softmax.tree is not None and softmax.meta() == {}
   assert "class_tree" not in checkpoint.run_meta(config, {}, info.class_names,
                                                  info.num_classes, softmax.meta())
+
+
+def test_one_steps_folder_given_for_a_checkpoint_folder_names_the_parent(tmp_path):
+  _save(tmp_path, {"blocks": {"0": {"w": jnp.ones(3)}}})
+  with pytest.raises(FileNotFoundError, match=rf"No checkpoint found in {tmp_path / '1'}\. It "
+                     rf"is one checkpoint step's folder: pass the folder that holds the steps, "
+                     rf"{tmp_path}\."):
+    checkpoint.read_meta(str(tmp_path / "1"))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint found in \S+empty\.$"):
+    checkpoint.read_meta(str(empty))
