@@ -553,6 +553,11 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
   record = ds.source("train")[0]
   assert Image.open(io.BytesIO(record["image"])).size == (8, 8)  # --image_size squishes.
   assert builder.info.features["label"].names == ["cat_a", "cat_b"]
+  # A K that takes every train file leaves no train split: said before the job runs.
+  most = max(len(ns) for ns in names.values())
+  with pytest.raises(ValueError, match=rf"--val_per_class={most} moves every train image to "
+                     rf"validation \(the largest class has {most} files\)"):
+    image_folder.prepare(root / "train", tmp_path, "all_val", val_per_class=most)
 
 
 def test_image_folder_on_dask_equals_direct_runner(folder_tree, folder_toy, tmp_path, dask_beam):

@@ -146,6 +146,14 @@ def prepare(manual_dir, data_dir, name: str, *, beam_runner=None,
   if not kept:
     raise ValueError(f"No class folder in {manual_dir} has {min_images} files or more.")
   kept_set = set(kept)
+  carved = {}  # The train files of each kept class that val_per_class draws from.
+  for s, (n, _) in zip(sources, counts):
+    if s.split == "" and s.class_name in kept_set:
+      carved[s.class_name] = carved.get(s.class_name, 0) + n
+  if carved and max(carved.values()) <= val_per_class:
+    raise ValueError(f"--val_per_class={val_per_class} moves every train image to validation "
+                     f"(the largest class has {max(carved.values())} files): give a smaller "
+                     "value, or a validation folder.")
   kept_sources = [s for s in sources if s.class_name in kept_set]
   totals = {}
   for s, (n, _) in zip(sources, counts):
