@@ -283,6 +283,9 @@ def test_bad_input_is_refused_clearly(model, tmp_path):
     dedup.run(model, POOL, f"{AGAINST},{NAME}:test", out, top_n=3, **KW)
   with pytest.raises(ValueError, match="expected NAME:SPLIT"):
     dedup.run(model, "demo", AGAINST, out, top_n=3, **KW)
+  with pytest.raises(ValueError, match=r"'demo:validation\[:50\]' is a slice of a split; "
+                     "deduplication compares whole splits"):
+    dedup.run(model, POOL, "demo:validation[:50]", out, top_n=3, **KW)
   with pytest.raises(ValueError, match="holds the pool"):
     dedup.run(model, POOL, f"{AGAINST},{POOL}", out, top_n=3, **KW)
   with pytest.raises(ValueError, match=r"--max_distance=3.0 must be in \[0, 2\]"):

@@ -178,6 +178,8 @@ def test_forward_rows_come_in_record_order_whatever_order_the_hosts_rows_arrive_
 def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="no split 'nope'.*unlabeled"):
     pool_predictions.run(teacher, DATA, "nope", str(tmp_path / "a"), **KW)
+  with pytest.raises(ValueError, match=r"no split 'unlabeled\[:8\]'.*scores whole splits"):
+    pool_predictions.run(teacher, DATA, "unlabeled[:8]", str(tmp_path / "a"), **KW)
   with pytest.raises(ValueError, match=r"--top_p=0 must be an integer in \[1, "):
     pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "b"), **{**KW, "top_p": 0})
   (tmp_path / "a_file").write_text("")

@@ -69,6 +69,9 @@ def parse_sets(text: str, flag: str) -> list[tuple[str, str]]:
   names such as folder:NAME hold one)."""
   out = []
   for entry in (e.strip() for e in str(text or "").split(",")):
+    if "[" in entry:
+      raise ValueError(f"--{flag}={text!r}: {entry!r} is a slice of a split; deduplication "
+                       "compares whole splits (NAME:SPLIT).")
     name, sep, split = entry.rpartition(":")
     if not sep or not name or not split:
       raise ValueError(f"--{flag}={text!r}: expected NAME:SPLIT entries (e.g. demo:validation, "

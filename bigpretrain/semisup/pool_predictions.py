@@ -150,7 +150,9 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   info = dataset.info
   if split not in info.splits:
     raise ValueError(f"Dataset {data!r} has no split {split!r}; its splits: "
-                     f"{list(info.splits)}.")
+                     f"{list(info.splits)}" + (" (a slice such as 'unlabeled[:50]' is the "
+                     "trainer's and evaluators' form: inference scores whole splits)."
+                     if "[" in split else "."))
   num_classes = int(meta["num_classes"])
   class_names = list(meta["class_names"]) or [str(c) for c in range(num_classes)]
   same = pool_classes == "teacher"
