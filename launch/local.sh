@@ -23,6 +23,8 @@ while [[ $# -gt 0 && $1 != "--" ]]; do
   esac
   shift
 done
+[[ $devices =~ ^[1-9][0-9]*$ ]] || {
+  echo "--devices_per_process=$devices must be a positive integer; $usage" >&2; exit 2; }
 [[ ${1:-} == "--" ]] && shift
 port=${BIGPRETRAIN_PORT:-$((20000 + RANDOM % 20000))}
 pids=()

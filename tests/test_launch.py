@@ -449,6 +449,10 @@ def test_local_waits_for_the_saves_on_sigterm_and_stops_all_when_one_fails(tmp_p
   r = subprocess.run([str(LAUNCH / "local.sh"), "two", "--", *MAIN], capture_output=True,
                      text=True, timeout=30)
   assert r.returncode == 2 and "N=two must be a positive integer" in r.stderr
+  r = subprocess.run([str(LAUNCH / "local.sh"), "2", "--devices_per_process=abc", "--", *MAIN],
+                     capture_output=True, text=True, timeout=30)
+  assert r.returncode == 2 and r.stderr.startswith(
+      "--devices_per_process=abc must be a positive integer; usage:"), r.stderr
 
 
 @pytest.mark.parametrize("address, n, i, message", [
