@@ -1,5 +1,6 @@
 """What the commands share: an expected error is one `ERROR:` line and exit status 1."""
 import contextlib
+import logging as std_logging
 import os
 import re
 import sys
@@ -88,6 +89,15 @@ def _in_config_file(e: BaseException, argv: list[str]) -> str:
   lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
            if os.path.abspath(f.filename) == path]
   return f"{given.split(':', 1)[0]}:{lines[-1]}" if lines else ""
+
+
+def quiet_logs() -> None:
+  """Orbax and JAX log every restore step and platform probe at INFO, which buries a
+  command's own output and error line: WARNING and above only, unless --verbosity is given.
+  (A command's own lines go through print or runtime.console, not the log level.)"""
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
 
 
 def _usage_error(message: str) -> None:

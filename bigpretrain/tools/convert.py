@@ -65,6 +65,7 @@ def run(f) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  cli.quiet_logs()
   distributed.select_platforms()
   run(flags.FLAGS)
 

@@ -40,6 +40,7 @@ def define_flags() -> None:
 
 def main(argv):
   cli.check_usage(argv, "workdir", "pool", "against", "out")
+  cli.quiet_logs()
   f = flags.FLAGS
   with cli.user_errors():
     dedup.check_args(f.top_n, f.max_distance, f.batch_size, f.nprobe, f.nlist, f.ivf_threshold)

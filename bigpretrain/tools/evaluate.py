@@ -37,6 +37,7 @@ def define_flags() -> None:
 
 def main(argv):
   cli.check_usage(argv)
+  cli.quiet_logs()
   distributed.select_platforms()
   f = flags.FLAGS
   if bool(f.workdir) == bool(f.checkpoint):

@@ -43,6 +43,7 @@ def define_flags() -> None:
 
 def main(argv):
   cli.check_usage(argv, "workdir", "data", "split", "out")
+  cli.quiet_logs()
   f = flags.FLAGS
   distributed.initialize_from_flags()
   started = time.time()

@@ -12,12 +12,10 @@ non-image extension are left out). A file that cannot be read or decoded gets on
 `ERROR: PATH: reason` line on stderr, the others their results, and the exit status is 1.
 """
 import json
-import logging as std_logging
 import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from bigpretrain import predict
 from bigpretrain.runtime import distributed
@@ -45,9 +43,7 @@ def _print(r: dict) -> None:
 
 
 def main(argv):
-  # Orbax and JAX log every restore step and platform probe at INFO: not for a user.
-  logging.set_verbosity(logging.WARNING)
-  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
+  cli.quiet_logs()
   distributed.select_platforms()
   if len(argv) < 2:
     raise app.UsageError("Give one or more image files or folders holding images.")

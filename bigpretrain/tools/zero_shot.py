@@ -40,6 +40,7 @@ def define_flags() -> None:
 def main(argv):
   f = flags.FLAGS
   cli.check_usage(argv, "workdir", "dataset")
+  cli.quiet_logs()
   distributed.initialize_from_flags()
   with cli.user_errors():
     result = zero_shot.run(f.workdir, f.dataset, data_dir=f.data_dir, split=f.split,
