@@ -221,6 +221,16 @@ def test_empty_vocabulary_is_an_error_naming_min_count(crawl, tmp_path):
                         min_raw_count=1, beam_options=BEAM)
 
 
+def test_an_empty_vocabulary_from_unreadable_inputs_names_the_skips(tmp_path):
+  raw = tmp_path / "raw" / "train"
+  raw.mkdir(parents=True)
+  (raw / "shard.tar").write_bytes(b"not a tar file at all" * 100)
+  with pytest.raises(Exception, match=r"vocabulary is empty.*Skipped on the way \(by reason\): "
+                     r"\{'unreadable_input': 1\}"):
+    hashtag_job.prepare(tmp_path / "raw", tmp_path / "out", "unreadable", min_count=1,
+                        min_raw_count=1, beam_options=BEAM)
+
+
 def test_reserved_and_missing_names(tmp_path):
   with pytest.raises(ValueError, match="reserved"):
     prepare.main(["hashtags", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=demo"])

@@ -229,12 +229,16 @@ def _drop_split(element):
   return element[1]
 
 
-def _check_vocabulary(_, counts, min_count: int):
+def _check_vocabulary(_, counts, min_count: int, skip_counts):
   if not counts:
+    skipped = dict(sorted(skip_counts))
     raise ValueError(
         f"The hashtag vocabulary is empty: no canonical hashtag is in at least "
-        f"min_count={min_count} train images. Lower --min_count (or --min_raw_count), or "
-        "check that the inputs carry tags (crawl_inputs.py lists the accepted layouts).")
+        f"min_count={min_count} train images. "
+        + (f"Skipped on the way (by reason): {skipped}, each named in a WARNING line above; "
+           "if they are most of the inputs, that is the cause. " if skipped else "")
+        + "Lower --min_count (or --min_raw_count), or check that the inputs carry tags "
+        "(crawl_inputs.py lists the accepted layouts).")
 
 
 def _report(_, path: str, counts, canonical, raw_stats, skip_counts, skip_examples, stats,
@@ -307,20 +311,20 @@ def build_splits(pipeline, plan: Plan, report_path: str) -> dict[str, Any]:
   examples = images["images"] | "ToExamples" >> beam.ParDo(
       _ToExample(plan.tail_threshold), index=beam.pvalue.AsDict(index)).with_outputs(
           _SKIP, "stats", main="examples")
+  skips = ([read[_SKIP], labelled[_SKIP], images[_SKIP], examples[_SKIP]]
+           | "AllSkips" >> beam.Flatten())
+  skip_counts = skips | "SkipReasons" >> beam.Map(lambda s: (s[0], 1)) | (
+      "CountSkips" >> beam.CombinePerKey(sum))
   checked = (pipeline
              | "CheckSeed" >> beam.Create([None])
              | "CheckVocabulary" >> beam.Map(_check_vocabulary, beam.pvalue.AsList(counts),
-                                             plan.min_count))
+                                             plan.min_count, beam.pvalue.AsList(skip_counts)))
   splits = {}
   for split in plan.splits:
     splits[split] = (examples["examples"]
                      | f"{split}/Select" >> beam.Filter(_in_split, split,
                                                         beam.pvalue.AsSingleton(checked))
                      | f"{split}/Unkey" >> beam.Map(_drop_split))
-  skips = ([read[_SKIP], labelled[_SKIP], images[_SKIP], examples[_SKIP]]
-           | "AllSkips" >> beam.Flatten())
-  skip_counts = skips | "SkipReasons" >> beam.Map(lambda s: (s[0], 1)) | (
-      "CountSkips" >> beam.CombinePerKey(sum))
   skip_examples = skips | "SkipExamples" >> beam.combiners.Top.SmallestPerKey(SKIP_EXAMPLES)
   dropped_tags = read[_DROPPED] | "DroppedReasons" >> beam.Map(lambda r: (r, 1)) | (
       "CountDropped" >> beam.CombinePerKey(sum))
