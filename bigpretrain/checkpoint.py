@@ -514,12 +514,16 @@ class Checkpointer:
         continue
       if check_records is not None and _has_item(self.directory, step, "data_position"):
         try:
-          saved = self.manager.restore(step, args=ocp.args.Composite(
-              data_position=ocp.args.JsonRestore()))["data_position"].get("records")
+          saved = self._json_item(step, "data_position").get("records")
         except Exception:  # pylint: disable=broad-except
           return  # Unreadable: restore() falls back from it.
         check_records(saved, f"checkpoint step {step} in {self.directory}")
       return
+
+  def _json_item(self, step: int, name: str) -> dict:
+    """The JSON item `name` ('meta', 'data_position') of checkpoint `step`."""
+    return self.manager.restore(step, args=ocp.args.Composite(
+        **{name: ocp.args.JsonRestore()}))[name]
 
   def _check_meta(self, step: int) -> dict | None:
     """Raises CheckpointMismatch if the checkpoint's 'meta' names another model, class list
@@ -527,8 +531,7 @@ class Checkpointer:
     Returns the saved meta (None without one, or when this run has none to check)."""
     if self.meta is None or not _has_item(self.directory, step, "meta"):
       return None
-    saved = self.manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]
+    saved = self._json_item(step, "meta")
     differences = meta_differences(saved, self.meta)
     if differences:
       self._refuse(step, differences)
@@ -568,8 +571,7 @@ class Checkpointer:
       raise ValueError(f"{data} holds grain states of process counts {sorted(counts)}")
     saved_processes = counts.pop()
     if _has_item(self.directory, step, "data_position"):
-      saved = self.manager.restore(step, args=ocp.args.Composite(
-          data_position=ocp.args.JsonRestore()))["data_position"]
+      saved = self._json_item(step, "data_position")
       previous = stream_position.Position.from_json(saved)
       saved_workers = int(saved["num_workers"])
       records = saved.get("records")

@@ -330,6 +330,13 @@ def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarra
   return removed
 
 
+def _selection_sizes(c) -> tuple[int | None, int | None]:
+  """(K per class, the Zipf total) as config.selection `c` gives them to the selection job:
+  no K for unbalanced_ranked, no total unless > 0."""
+  return (None if c.variant == "unbalanced_ranked" else c.k,
+          c.zipf_total if c.zipf_total > 0 else None)
+
+
 def selection_stage(config, pool: epath.Path, class_names: list[str],
                     folder: epath.Path) -> dict:
   """D-hat's index (the Beam job); reuses a finished one with the same parameters."""
@@ -340,7 +347,7 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   if c.class_sizes:
     with open(c.class_sizes, encoding="utf-8") as f:
       class_sizes = json.load(f)
-  k = None if c.variant == "unbalanced_ranked" else c.k
+  k, zipf_total = _selection_sizes(c)
   params = {key: v for key, v in c.to_dict().items()
             if key not in ("beam_runner", "beam_options")}  # How, not what, it selects.
   excluded = pool / POOL_EXCLUDED_FILE  # Same-sized pools of other exclusions differ here.
@@ -354,7 +361,7 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
     _say(f"[selection] {c.variant} from {pool} -> {folder}")
   info = selection.prepare(
       str(pool), str(folder), k=k, variant=c.variant, class_sizes=class_sizes,
-      zipf_total=c.zipf_total if c.zipf_total > 0 else None, zipf_exponent=c.zipf_exponent,
+      zipf_total=zipf_total, zipf_exponent=c.zipf_exponent,
       seed=c.seed, expected_class_names=class_names, beam_runner=c.beam_runner or None,
       beam_options=c.beam_options.split())
   _say(selection.summary(info, str(folder)))
@@ -369,9 +376,9 @@ def check_settings(config, num_classes: int) -> None:
   would otherwise stop the run after it. `num_classes`: the teacher's (D's)."""
   pool_predictions.check_top_p(config.infer.top_p, num_classes, "config.infer.top_p")
   c = config.selection
+  k, zipf_total = _selection_sizes(c)
   try:
-    topk.check_choice(c.variant, None if c.variant == "unbalanced_ranked" else c.k,
-                      bool(c.class_sizes), c.zipf_total if c.zipf_total > 0 else None)
+    topk.check_choice(c.variant, k, bool(c.class_sizes), zipf_total)
   except ValueError as e:
     raise ValueError(f"config.selection: {e}") from None
 

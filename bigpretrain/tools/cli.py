@@ -50,8 +50,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     if where:  # The file's own code failed to load (a syntax error, a missing import).
       _usage_error(f"{where}: {type(e).__name__}: {e}")
     if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
-      given = next(a for a in argv if a.startswith("--config="))
-      _usage_error(f"{given}: the file defines no get_config() returning the config.")
+      _usage_error(f"{_config_arg(argv)}: the file defines no get_config() returning the "
+                   "config.")
     if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
       raise
     text = str(e).replace("\\'", "'").replace("\\n", " ")
@@ -74,21 +74,25 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _config_not_loaded(e: OSError, argv: list[str]) -> None:
   """A --config file that did not load: the cause's last line says why."""
   cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
-  given = next((a for a in argv if a.startswith("--config=")), "--config")
-  _usage_error(f"{given}: {cause}")
+  _usage_error(f"{_config_arg(argv)}: {cause}")
+
+
+def _config_arg(argv: list[str]) -> str:
+  """The --config=FILE[:ARGS] argument as given ('--config' if not in that form)."""
+  return next((a for a in argv if a.startswith("--config=")), "--config")
 
 
 def _in_config_file(e: BaseException, argv: list[str]) -> str:
-  """'PATH:LINE' where the --config file's own code raised `e` while loading ('' if not)."""
-  given = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
-  path = os.path.abspath(given.split(":", 1)[0]) if given else ""
-  if not path:
+  """'FILE:LINE' where the --config file's own code raised `e` while loading ('' if not)."""
+  name = _config_arg(argv).partition("=")[2].split(":", 1)[0]
+  if not name:
     return ""
+  path = os.path.abspath(name)
   if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
-    return f"{given.split(':', 1)[0]}:{e.lineno}"
+    return f"{name}:{e.lineno}"
   lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
            if os.path.abspath(f.filename) == path]
-  return f"{given.split(':', 1)[0]}:{lines[-1]}" if lines else ""
+  return f"{name}:{lines[-1]}" if lines else ""
 
 
 def quiet_logs() -> None:
