@@ -569,6 +569,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   train_iter = stream_position.TrainStream(
       lambda pos: make_train_iterator(exp, pos), num_workers, records=records,
       allow_other_records=config.allow_schedule_change)
+  cleanup.callback(lambda: train_iter.close())  # The iterator a restore rebuilt, too.
   state, start = initial_state.restore_or_init(exp, state, train_iter, checkpointer, workdir)
   if "ema" in state:
     console.say(f"EMA of the weights on (momentum {config.ema.momentum}): the evaluators "
@@ -632,6 +633,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
     bar.close()
     checkpointer.wait()
     checkpointer.close()
+    train_iter.close()  # Its workers' cores and memory go to the final evaluation.
     results = out.results
     if not results and start >= total_steps:  # A finished run, run again.
       results = _logged_evals(workdir, total_steps) if is_main else {}

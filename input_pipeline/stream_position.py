@@ -165,8 +165,13 @@ class TrainStream:
     """Continues from `position`; the iterator is rebuilt when the position changes or with
     `rebuild` (e.g. after a failed checkpoint restore may have set its state)."""
     if rebuild or position != self.position:
+      self.close()
       self.iterator = self._make(position)
       self.position = position
+
+  def close(self) -> None:
+    """Stops the iterator's worker processes and frees the batches they had prepared."""
+    self.iterator.close()
 
   def __next__(self):
     return next(self.iterator)

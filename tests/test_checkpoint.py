@@ -117,6 +117,22 @@ def _stream(records, allow=False):
                                      allow_other_records=allow)
 
 
+def test_train_stream_closes_the_iterators_it_drops():
+  """A restart elsewhere and close() close the iterator (with workers: their processes and
+  the batches they prepared); the restarted stream reads from its new position."""
+  from input_pipeline import stream_position  # pylint: disable=import-outside-toplevel
+  stream = _stream({})
+  first = stream.iterator
+  assert [next(stream), next(stream)] == [0, 1]
+  stream.restart(stream_position.Position(start=5))
+  with pytest.raises(ValueError):
+    next(first)
+  assert next(stream) == 5
+  stream.close()
+  with pytest.raises(ValueError):
+    next(stream)
+
+
 def test_a_train_split_of_another_size_is_refused_on_resume(tmp_path, capsys):
   """The saved position indexes the shuffle order of the old split size: resuming over a
   re-prepared split of another size is refused, nothing moved; allowed, it warns and goes on."""
