@@ -113,10 +113,12 @@ class Registry:
     self._load_builtins()
     return {self._usage[k]: self._items[k] for k in sorted(self._items)}
 
-  def unknown_message(self, name) -> str:
+  def unknown_message(self, name, key: str | None = None) -> str:
+    """That `name` is unknown, with its close match; `key`: the setting that gave it (default:
+    the registry's config key)."""
     close = difflib.get_close_matches(str(name), self.keys(), n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return (f"{self.config_key}={name!r} is not a known {self.kind}.{hint} Known: "
+    return (f"{key or self.config_key}={name!r} is not a known {self.kind}.{hint} Known: "
             f"{', '.join(self.names())}.")
 
 

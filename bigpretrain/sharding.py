@@ -299,15 +299,16 @@ def batch_processes(mesh: Mesh) -> list[int]:
   return [d.process_index for d in mesh.devices[:, :, 0].flat]
 
 
-def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
-  """The global batch must split evenly over data-parallel devices and over processes."""
+def check_batch_size(global_batch_size: int, mesh: Mesh, name: str = "config.batch_size") -> None:
+  """The global batch must split evenly over data-parallel devices and over processes;
+  `name`: the setting's, for the message."""
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   if global_batch_size % dp:
-    raise ValueError(f"config.batch_size={global_batch_size} is not divisible by the "
+    raise ValueError(f"{name}={global_batch_size} is not divisible by the "
                      f"{dp} data-parallel devices (mesh data={mesh.shape['data']} x "
                      f"fsdp={mesh.shape['fsdp']}).")
   if global_batch_size % jax.process_count():
-    raise ValueError(f"config.batch_size={global_batch_size} is not divisible by the "
+    raise ValueError(f"{name}={global_batch_size} is not divisible by the "
                      f"{jax.process_count()} processes.")
   if dp % jax.process_count():  # Each process loads rows of its own: shards of its own.
     raise ValueError(f"the mesh splits the batch over {dp} data-parallel devices (data="
@@ -315,6 +316,22 @@ def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
                      f"multiple of the {jax.process_count()} processes: processes sharing a "
                      "batch shard would feed it different rows. Give data x fsdp a multiple "
                      "of the process count (config.mesh).")
+
+
+def inference_mesh(fsdp: int, batch_size: int, name: str = "--{}") -> Mesh:
+  """The mesh of the inference commands (pool predictions, dedup, zero-shot): the batch over
+  every device, `fsdp` of them sharding the weights. Refuses an fsdp or global batch the
+  devices cannot take, naming the settings as `name` formats them ('--{}': flags,
+  'config.infer.{}': the semi-supervised runner's sections)."""
+  n = jax.device_count()
+  if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1 or n % fsdp:
+    raise ValueError(f"{name.format('fsdp')}={fsdp!r} must be a positive divisor of the {n} "
+                     "devices.")
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"{name.format('batch_size')}={batch_size!r} must be a positive integer.")
+  mesh = make_mesh({"data": -1, "fsdp": fsdp, "tensor": 1})
+  check_batch_size(batch_size, mesh, name.format("batch_size"))
+  return mesh
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -149,3 +149,18 @@ def test_a_batch_shard_shared_by_processes_is_refused():
     with pytest.raises(ValueError, match="1 data-parallel devices .* the 2 processes"):
       sharding.check_batch_size(16, mesh)
   sharding.check_batch_size(16, mesh)  # One process: fine.
+
+
+@pytest.mark.parametrize("fsdp, batch_size, name, message", [
+    (3, 16, "--{}", r"--fsdp=3 must be a positive divisor of the 8 devices"),
+    (0, 16, "--{}", r"--fsdp=0 must be a positive divisor"),
+    (2, 0, "--{}", r"--batch_size=0 must be a positive integer"),
+    (2, 12, "config.dedup.{}",
+     r"config\.dedup\.batch_size=12 is not divisible by the 8 data-parallel devices "
+     r"\(mesh data=4 x fsdp=2\)"),
+])
+def test_the_inference_mesh_names_the_settings_it_refuses(fsdp, batch_size, name, message):
+  # The inference commands' flags (or the runner's sections), not the trainer's config keys.
+  with pytest.raises(ValueError, match=message):
+    sharding.inference_mesh(fsdp, batch_size, name)
+  assert dict(sharding.inference_mesh(2, 16, name).shape) == {"data": 4, "fsdp": 2, "tensor": 1}

@@ -137,6 +137,9 @@ def test_distillation_plans_an_abstract_teacher_and_inference_plans_the_pool_ste
   assert infer["collectives"]["reduce-scatter"]["count"] == 0  # No gradients.
   with pytest.raises(ValueError, match="has no teacher"):
     plan_lib.plan(_config(batch_size=16), teacher_model="vit_demo")
+  with pytest.raises(ValueError, match=r"--teacher_model='vit_dem' is not a known model\. "
+                     r"Did you mean 'vit_demo'\?"):
+    plan_lib.plan(kd_config, teacher_model="vit_dem")
   with pytest.raises(ValueError, match="step='eval' must be one of"):
     plan_lib.plan(_config(batch_size=16), step="eval")
 

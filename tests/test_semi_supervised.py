@@ -460,6 +460,10 @@ def test_semi_weak_teacher_from_hashtags_and_a_pool_whose_labels_are_never_read(
     ({"infer.top_p": 0}, r"config\.infer\.top_p=0 must be an integer in \[1, 100\]"),
     ({"selection.variant": "unbalanced_ranked"},
      r"config\.selection: unbalanced_ranked takes exactly one of --class_sizes"),
+    ({"infer.batch_size": 12}, r"config\.infer\.batch_size=12 is not divisible by the 8 "),
+    ({"infer.shard_size": 0}, r"config\.infer\.shard_size=0 must be a positive integer"),
+    ({"dedup.against": "demo:validation", "dedup.fsdp": 3},
+     r"config\.dedup\.fsdp=3 must be a positive divisor of the 8 devices"),
 ])
 def test_inference_and_selection_settings_are_refused_before_the_teacher_trains(
     tmp_path, monkeypatch, overrides, message):

@@ -27,7 +27,6 @@ def build(config, exp) -> list[base.Evaluator]:
       raise ValueError(f"config.evals.{name} must be a section with a 'type' (one of "
                        f"{names()}), got {cfg!r}.")
     if cfg.type not in base.EVALUATORS:
-      raise ValueError(base.EVALUATORS.unknown_message(cfg.type).replace(
-          "config.evals.*.type", f"config.evals.{name}.type"))
+      raise ValueError(base.EVALUATORS.unknown_message(cfg.type, f"config.evals.{name}.type"))
     out.append(base.EVALUATORS.get(cfg.type)(name, cfg, exp))
   return out

@@ -53,6 +53,7 @@ from bigpretrain import objectives
 from bigpretrain.semisup import pool_predictions
 from bigpretrain import sharding
 from bigpretrain import train
+from bigpretrain.models import base as models_base
 from bigpretrain.models import pretrained
 from input_pipeline import datasets
 from input_pipeline.sources import demo
@@ -150,6 +151,8 @@ def trace_step(config, num_classes: int | None = None, devices=None,
   model's {'params', 'extra'}; `teacher_model` names a distillation teacher's model."""
   if step not in STEPS:
     raise ValueError(f"step={step!r} must be one of {STEPS}.")
+  if teacher_model is not None and teacher_model not in models_base.MODELS:
+    raise ValueError(models_base.MODELS.unknown_message(teacher_model, "--teacher_model"))
   config = config.copy_and_resolve_references()
   with config.unlocked():
     if config.data.get("subset_frac", 1.0) != 1.0:  # A few-shot draw reads the records.

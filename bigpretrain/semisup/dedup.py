@@ -174,9 +174,10 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
         max_distance: float | None = None, data_dir: str = "", batch_size: int = 256,
         ivf_threshold: int = DEFAULT_IVF_THRESHOLD, nlist: int = 0,
         nprobe: int = DEFAULT_NPROBE, seed: int = 0, fsdp: int = 1, num_workers: int = 0,
-        progress: bool = True) -> dict:
+        progress: bool = True, name: str = "--{}") -> dict:
   """Deduplicates `pool` ('NAME:SPLIT') against `against` ('NAME:SPLIT[,...]') with the
-  model in `workdir`; writes exclusions.tsv and dedup.json into `out`, returns the report."""
+  model in `workdir`; writes exclusions.tsv and dedup.json into `out`, returns the report.
+  `name` formats the batch and mesh settings' names in messages ('--{}', 'config.dedup.{}')."""
   check_args(top_n, max_distance, batch_size, nprobe, nlist, ivf_threshold)
   pools = parse_sets(pool, "pool")
   if len(pools) != 1:
@@ -206,8 +207,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
     raise ValueError(f"--pool={pool!r} has no records.")
 
   meta = checkpoint.read_meta(workdir)
-  mesh = sharding.make_mesh({"data": -1, "fsdp": fsdp, "tensor": 1})
-  sharding.check_batch_size(batch_size, mesh)
+  mesh = sharding.inference_mesh(fsdp, batch_size, name)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
   if not callable(getattr(loaded.module(), "features", None)):
     raise ValueError(f"The model in {workdir} ({meta['model']['name']}) has no features() "

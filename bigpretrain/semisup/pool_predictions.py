@@ -70,6 +70,11 @@ def check_top_p(top_p: int, num_classes: int, name: str = "--top_p") -> None:
                      "classes).")
 
 
+def check_shard_size(shard_size: int, name: str = "--{}") -> None:
+  if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+    raise ValueError(f"{name.format('shard_size')}={shard_size!r} must be a positive integer.")
+
+
 def make_step(model_def, shardings, mesh, normalize: str, top_p: int, logits: bool):
   """make_forward with the top_p softmax scores (or logits) per row: {'classes', 'scores'}."""
 
@@ -135,16 +140,16 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
         top_p: int = DEFAULT_TOP_P, batch_size: int = 256, logits: bool = False,
         shard_size: int = DEFAULT_SHARD_SIZE, fsdp: int = 1, num_workers: int = 0,
         progress: bool = True, exclude: str | None = None,
-        pool_classes: str = "teacher") -> dict:
+        pool_classes: str = "teacher", name: str = "--{}") -> dict:
   """Writes (or completes) the predictions of `workdir`'s model on `data`:`split` in `out`;
   returns predictions.json's content. `exclude`: an exclusion list (input_pipeline/
   exclusions.py) whose records of `data`:`split` are not scored. `pool_classes`: 'teacher'
   (the pool is labelled in the teacher's class list, checked) or 'any' (a pool of another
-  class list, e.g. a hashtag dataset: its labels are never read, selection_source.py)."""
+  class list, e.g. a hashtag dataset: its labels are never read, selection_source.py).
+  `name` formats a setting's name in messages ('--{}', 'config.infer.{}')."""
   if pool_classes not in ("teacher", "any"):
     raise ValueError(f"pool_classes={pool_classes!r} must be 'teacher' or 'any'.")
-  if shard_size < 1:
-    raise ValueError(f"--shard_size must be >= 1, got {shard_size}.")
+  check_shard_size(shard_size, name)
   meta = checkpoint.read_meta(workdir)
   dataset = datasets.get_dataset({"name": data, "dir": data_dir})
   info = dataset.info
@@ -162,13 +167,12 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
                      "pool must be labelled in the teacher's class list.")
   if same and meta["class_names"] and info.class_names:
     selection_formats.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
-  check_top_p(top_p, num_classes)
+  check_top_p(top_p, num_classes, name.format("top_p"))
 
   root = epath.Path(out)
   is_main = jax.process_index() == 0
   process_zero.run("the --out check", out_paths.folder, out)
-  mesh = sharding.make_mesh({"data": -1, "fsdp": fsdp, "tensor": 1})
-  sharding.check_batch_size(batch_size, mesh)
+  mesh = sharding.inference_mesh(fsdp, batch_size, name)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
   step = make_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
                    top_p, logits)

@@ -57,6 +57,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain import checkpoint
 from bigpretrain import config_lib
+from bigpretrain import sharding
 from bigpretrain.evaluators import base as evaluators_base
 from bigpretrain.runtime import console
 from bigpretrain.runtime import process_zero
@@ -246,7 +247,8 @@ def infer_stage(teacher: str, config, split: str, folder: epath.Path) -> None:
   pool_predictions.run(teacher, name, split, str(folder), data_dir=config.data.dir,
             top_p=c.top_p, batch_size=c.batch_size, logits=c.logits, shard_size=c.shard_size,
             fsdp=c.fsdp, num_workers=c.num_workers, progress=is_main(),
-            pool_classes="teacher" if name == config.data.name else "any")
+            pool_classes="teacher" if name == config.data.name else "any",
+            name="config.infer.{}")
 
 
 def _link_or_filter(src: str, dst: epath.Path, exclude: np.ndarray | None) -> int:
@@ -322,7 +324,7 @@ def dedup_stage(config, model: str, split: str, folder: epath.Path) -> np.ndarra
                      top_n=top_n, max_distance=max_distance, data_dir=config.data.dir,
                      batch_size=c.batch_size, ivf_threshold=c.ivf_threshold, nlist=c.nlist,
                      nprobe=c.nprobe, seed=c.seed, fsdp=c.fsdp, num_workers=c.num_workers,
-                     progress=is_main())
+                     progress=is_main(), name="config.dedup.{}")
   _sync(f"dedup_{split}_done")
   removed = exclusions.read(folder / dedup.EXCLUSIONS_FILE).indices(pool_name(config), split)
   _say(f"[dedup {split}] {len(removed)} pool images removed (report: "
@@ -375,6 +377,10 @@ def check_settings(config, num_classes: int) -> None:
   """The inference and selection settings, checked before the teacher trains: a bad one
   would otherwise stop the run after it. `num_classes`: the teacher's (D's)."""
   pool_predictions.check_top_p(config.infer.top_p, num_classes, "config.infer.top_p")
+  pool_predictions.check_shard_size(config.infer.shard_size, "config.infer.{}")
+  sharding.inference_mesh(config.infer.fsdp, config.infer.batch_size, "config.infer.{}")
+  if config.dedup.against:
+    sharding.inference_mesh(config.dedup.fsdp, config.dedup.batch_size, "config.dedup.{}")
   c = config.selection
   k, zipf_total = _selection_sizes(c)
   try:

@@ -440,8 +440,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   if jax.process_index() == 0:
     save_class_map(map_path, wnids, hashtags, mapping)
 
-  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-  sharding.check_batch_size(batch_size, mesh)
+  mesh = sharding.inference_mesh(1, batch_size)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
   step = scores_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
                      mapping, sorted(set(chosen.values())))
