@@ -306,6 +306,8 @@ def test_bad_input_errors_clearly(run, tmp_path):
                       data_dir=str(tmp_path))
   with pytest.raises(ValueError, match="no split 'test'"):
     evaluate.evaluate(workdir, [(f"evalhead:{N}", "test")], run_config=cfg)
+  with pytest.raises(ValueError, match="--batch_size=12 is not divisible by the 8 "):
+    evaluate.evaluate(workdir, run_config=cfg, batch_size=12)
   with pytest.raises(FileNotFoundError, match="needs a run folder"):
     evaluate.read_run_config(str(tmp_path))
   # The command: one error line, exit status 1.

@@ -120,7 +120,8 @@ class Evaluation:
     self.rules = rules = tuple(tuple(r) for r in run_config.get("sharding_rules", ()))
     self.mesh = sharding.make_mesh(mesh_cfg)
     self.batch_size = batch_size or run_config.get("batch_size", 0) or 8 * self.mesh.size
-    sharding.check_batch_size(self.batch_size, self.mesh)
+    sharding.check_batch_size(self.batch_size, self.mesh,
+                              "--batch_size" if batch_size else "the run's config.batch_size")
     self.topk = tuple(topk)
     self.loaded = pretrained.load(path, mesh=self.mesh, rules=rules)
     self.meta = self.loaded.meta

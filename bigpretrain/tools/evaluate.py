@@ -31,7 +31,7 @@ def define_flags() -> None:
                       "with other classes than the model.")
   flags.DEFINE_string("drop_blocks", "", "Residual blocks to remove, e.g. 3,7; or 'sweep'.")
   flags.DEFINE_integer("batch_size", 0, "Global eval batch (default: the run's batch size, or "
-                       "8 per device).")
+                       "8 per device).", lower_bound=0)
   flags.DEFINE_bool("json", False, "Print only the JSON line.")
 
 
