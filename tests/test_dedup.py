@@ -174,7 +174,7 @@ def test_removes_exactly_the_planted_copies(model, report):
   assert rep["first_kept"]["distance"] > 1.5 * distances[-1]
 
 
-def test_max_distance_and_ivf_find_the_same_copies(model, report, tmp_path):
+def test_max_distance_and_ivf_find_the_same_copies(model, report, tmp_path, capsys):
   rep, _ = report
   cut = (rep["removed"][-1]["distance"] + rep["first_kept"]["distance"]) / 2
   by_distance = dedup.run(model, POOL, AGAINST, str(tmp_path / "d"), max_distance=cut, **KW)
@@ -187,8 +187,10 @@ def test_max_distance_and_ivf_find_the_same_copies(model, report, tmp_path):
   np.testing.assert_allclose([r["distance"] for r in ivf["removed"]],
                              [r["distance"] for r in rep["removed"]], atol=1e-4)
   # A finished folder is reused with the same flags, refused with others.
+  capsys.readouterr()
   assert dedup.run(model, POOL, AGAINST, str(tmp_path / "d"), max_distance=cut,
                    **KW) == by_distance
+  assert f"Reusing the finished deduplication in {tmp_path / 'd'}." in capsys.readouterr().out
   with pytest.raises(ValueError, match="other parameters"):
     dedup.run(model, POOL, AGAINST, str(tmp_path / "d"), top_n=3, **KW)
 

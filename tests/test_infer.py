@@ -107,7 +107,7 @@ def test_logits_option_writes_raw_logits(teacher, tmp_path):
 
 
 def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, tmp_path,
-                                                          monkeypatch):
+                                                          monkeypatch, capsys):
   reference, _ = predictions
   written = []
   real_write = pool_predictions._write_shard
@@ -128,8 +128,12 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
   written.clear()
   monkeypatch.setattr(pool_predictions, "_write_shard",
                       lambda out, name, *a: (written.append(name), real_write(out, name, *a)))
+  capsys.readouterr()
   info = pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
   assert written == [f"{SPLIT}-00001-of-00003.parquet", f"{SPLIT}-00002-of-00003.parquet"]
+  # What the resume has left to do is said (20 + 10 of the 50 records).
+  assert f"{DATA}:{SPLIT}: 3 shards, 2 pending (30 records, 0 excluded in all)." in (
+      capsys.readouterr().out)
   assert info["num_records"] == N
   for ref in sorted(reference.glob("*.parquet")):
     assert pq.read_table(tmp_path / ref.name).equals(pq.read_table(ref)), ref.name

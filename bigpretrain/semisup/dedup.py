@@ -37,7 +37,6 @@ import math
 import sys
 import uuid
 
-from absl import logging
 from etils import epath
 import jax
 import jax.numpy as jnp
@@ -49,6 +48,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import console
 from bigpretrain.runtime import out_paths
 from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
@@ -197,7 +197,8 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
     if report.get("params") != params:
       raise ValueError(f"{out} holds a deduplication with other parameters: "
                        f"{report.get('params')} vs {params} now; use another --out.")
-    logging.info("Reusing the finished deduplication in %s.", out)
+    if jax.process_index() == 0:
+      console.say(f"Reusing the finished deduplication in {out}.")
     return report
   process_zero.run("the --out check", out_paths.folder, out)
   faiss = _faiss()

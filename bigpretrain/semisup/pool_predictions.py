@@ -27,7 +27,6 @@ import json
 import sys
 import uuid
 
-from absl import logging
 from etils import epath
 import jax
 from jax.experimental import multihost_utils
@@ -41,6 +40,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import console
 from bigpretrain.runtime import out_paths
 from bigpretrain.runtime import process_zero
 from input_pipeline import datasets
@@ -109,9 +109,9 @@ def _excluded_records(listed: exclusions.Exclusions, data: str, split: str,
   if excluded.size and excluded[-1] >= num_records:
     raise ValueError(f"Exclusion list {path} names record {int(excluded[-1])} of {data}:{split},"
                      f" which has {num_records} records: a list made for another dataset?")
-  if len(listed) and not excluded.size:
-    logging.warning("Exclusion list %s has %d records, none of %s:%s (it lists %s).", path,
-                    len(listed), data, split, sorted(listed.records))
+  if len(listed) and not excluded.size and jax.process_index() == 0:
+    console.warn(f"Exclusion list {path} has {len(listed)} records, none of {data}:{split} "
+                 f"(it lists {sorted(listed.records)}).")
   return excluded
 
 
@@ -198,9 +198,9 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
 
   todo = sum(b - a - int(((excluded >= a) & (excluded < b)).sum())
              for (a, b), p in zip(ranges, pending) if p)
-  logging.info("Inference of %s on %s:%s: %d shards, %d pending (%d records, %d excluded in "
-               "all).", workdir, data, split, len(ranges), int(pending.sum()), todo,
-               len(excluded))
+  if is_main:
+    console.say(f"Inference of {workdir} on {data}:{split}: {len(ranges)} shards, "
+                f"{int(pending.sum())} pending ({todo} records, {len(excluded)} excluded in all).")
   bar = tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
                   disable=not (progress and is_main), desc=f"{data}:{split}")
   skipped = 0
@@ -219,8 +219,8 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     process_zero.run(f"Writing shard {name}", _finish_shard, root, name, data, split, parts,
                      records)
   bar.close()
-  if skipped:
-    logging.warning("%d corrupt records skipped (not in the predictions).", skipped)
+  if skipped and is_main:
+    console.warn(f"{skipped} corrupt records skipped (not in the predictions).")
 
   info_path = root / selection_formats.INFO_FILE
   process_zero.run("Writing predictions.json", _write_info, root, names, class_names, top_p,
