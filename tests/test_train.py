@@ -250,7 +250,7 @@ def test_a_resume_over_changed_train_data_is_refused_before_the_state_is_built(
     train.train_and_evaluate(config, str(tmp_path / "fine_tune"))
 
 
-def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
+def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path, capsys):
   config = helpers.tiny_config(batch_size=48)  # The validation split is not a multiple of 48.
   config.data.eval_split = "validation"
   exp = train.build(config)
@@ -266,8 +266,14 @@ def test_eval_counts_every_example_once_with_uneven_last_batch(tmp_path):
   part = subset.split_source(exp.dataset, "validation[-40:]")
   assert [part[i]["label"] for i in range(40)] == [full[n - 40 + i]["label"] for i in range(40)]
   config.data.eval_split = "validation[-40:]"
+  # A top-k past the classes is said, and reported as top-C (every class: all correct).
+  config.evals.eval.topk = (1, 500)
+  classes = exp.dataset.info.num_classes
   [evaluator] = [e for e in evaluators.build(config, exp) if e.name == "eval"]
-  assert evaluator.run(state)["eval/num_examples"] == 40
+  assert (f"WARNING: config.evals.eval.topk [500] exceed the {classes} classes of 'demo': "
+          f"k={classes} (every class) is reported in their place.") in capsys.readouterr().out
+  results = evaluator.run(state)
+  assert results["eval/num_examples"] == 40 and results[f"eval/top{classes}"] == 1.0
   assert len(subset.split_source(exp.dataset, "validation[10:-20]")) == n - 30
   for bad, error in (("validation[5:5]", "holds no records"), ("validation[a:]", "NAME[START"),
                      ("nosuch[:3]", "Unknown split")):

@@ -8,6 +8,7 @@ from bigpretrain import objectives
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.evaluators import base
+from bigpretrain.runtime import console
 from input_pipeline import pipeline
 from input_pipeline import subset
 
@@ -94,6 +95,11 @@ class Classification(base.Evaluator):
     if info.class_names != train_info.class_names or info.num_classes != train_info.num_classes:
       raise ValueError(f"config.evals.{name}: dataset {info.name!r} has other classes than "
                        f"{train_info.name!r}; a classification eval needs the same class list.")
+    over = [k for k in self.topk if k > info.num_classes]
+    if over:
+      console.warn(f"config.evals.{name}.topk {over} exceed the {info.num_classes} classes of "
+                   f"{info.name!r}: k={info.num_classes} (every class) is reported in their "
+                   "place.")
     missing = objectives.missing_fields(exp.objective, info)
     if missing:
       raise ValueError(f"config.evals.{name}: dataset {info.name!r} lacks the fields "
