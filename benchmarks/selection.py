@@ -9,7 +9,7 @@ classes drawn from a Zipf-like class distribution (p ~ 1 / (rank + 10), so tail 
 candidates, as in the paper's Table 9) and descending scores rounded to 1e-3 (many ties). K is
 chosen so selection is non-trivial: at N = 1M an average class has N * P / C = 10k candidates
 for K = 2000. Timed: `input_pipeline.jobs.selection_job.prepare` end to end (pipeline start-up, reading,
-selecting, writing the index and the report) with the DirectRunner; --workers > 1 uses
+selecting, writing the index and the report) with the local FnApiRunner; --workers > 1 uses
 multi_processing workers. Both sizes select the same C * K pairs, so the output side (sorting
 and writing C * K index rows) costs the same at N and 4N; t(4N) / t(N) shows how the input side
 (reading and partial top-K of N * P pairs) grows on top of it.
@@ -45,7 +45,7 @@ _CLASSES = flags.DEFINE_integer("num_classes", 1000, "Teacher classes.")
 _TOP_P = flags.DEFINE_integer("top_p", 10, "Classes kept per image (P).")
 _K = flags.DEFINE_integer("k", 2000, "Images per class (K).")
 _ROWS = flags.DEFINE_integer("rows_per_shard", 250_000, "Rows per prediction shard.")
-_WORKERS = flags.DEFINE_integer("workers", 1, "DirectRunner workers.")
+_WORKERS = flags.DEFINE_integer("workers", 1, "FnApiRunner workers (--direct_num_workers).")
 _NAIVE = flags.DEFINE_bool("naive", True, "Also time the naive Top.PerKey form at N.")
 
 
@@ -111,7 +111,7 @@ def main(argv):
     shutil.rmtree(root, ignore_errors=True)
   n, n4 = _N.value, 4 * _N.value
   print(json.dumps({
-      "benchmark": "selection", "runner": "DirectRunner", "workers": _WORKERS.value,
+      "benchmark": "selection", "runner": "FnApiRunner", "workers": _WORKERS.value,
       "num_classes": _CLASSES.value, "top_p": _TOP_P.value, "k": _K.value,
       "n": n, "selected_n": reports[n]["num_selected"],
       "full_classes_n": reports[n]["num_full_classes"],

@@ -236,7 +236,7 @@ def get_config(arg=None):
       k=arg.k if arg.k > 0 else (100 if demo else SEMI_WEAK_K if arg.semi_weak else PAPER_K),
       variant=arg.variant,
       class_sizes="", zipf_total=-1, zipf_exponent=1.0, seed=0,
-      # The Beam runner ('' = DirectRunner here) and its options, space-separated flags.
+      # The Beam runner ('' = Beam's FnApiRunner here) and its options, space-separated flags.
       beam_runner="", beam_options=""))
 
   student = arg.student or ("vit_demo" if demo else "resnet50")

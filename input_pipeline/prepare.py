@@ -22,7 +22,7 @@ index into the source dataset (input_pipeline/jobs/selection_job.py, which docum
 hashtags: a SWAG hashtag dataset from WebDataset shards and JSONL/Parquet manifests
 (input_pipeline/jobs/hashtag_job.py), read as `--config.data.name=hashtags:NAME`.
 
-The DirectRunner runs on this machine; --beam_runner picks another (DataflowRunner,
+Beam's FnApiRunner runs the job on this machine; --beam_runner picks another (DataflowRunner,
 FlinkRunner, SparkRunner, input_pipeline.jobs.dask_runner.DaskRunner). Flags this command does not
 define are handed to Beam as pipeline options, e.g. `--direct_num_workers=8
 --direct_running_mode=multi_processing` (all local cores), or `--project=P --region=R
@@ -56,8 +56,8 @@ from input_pipeline.jobs import selection_job
 
 RUNNER_HELP = ("Beam runner: DataflowRunner, FlinkRunner, SparkRunner, "
                "input_pipeline.jobs.dask_runner.DaskRunner or a runner class's full name; its "
-               "options are passed as --key=value flags (docs/data.md). Default: the "
-               "DirectRunner on this machine.")
+               "options are passed as --key=value flags (docs/data.md). Default: Beam's "
+               "FnApiRunner on this machine.")
 
 
 def _size(text: str) -> int | None:
@@ -212,7 +212,7 @@ def check_beam_flags(beam_runner: str | None, beam_options: Sequence[str]) -> No
   unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
                    - set(options.get_all_options()))
   if unknown:
-    raise ValueError(f"Neither this command nor Beam (runner {beam_runner or 'DirectRunner'}) "
+    raise ValueError(f"Neither this command nor Beam (runner {beam_runner or 'FnApiRunner'}) "
                      f"defines {['--' + u for u in unknown]}; docs/data.md lists each "
                      "runner's options.")
 

@@ -27,7 +27,7 @@ from input_pipeline.jobs import hashtag_job
 from input_pipeline import pipeline
 from input_pipeline import prepare
 
-pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the local FnApiRunner
 
 EGGPLANT = "eggplant.n.01+eggplant.n.02"  # #eggplant and #aubergine (appendix A).
 DOG = "andiron.n.01+dog.n.01+frank.n.02+pawl.n.01"  # #dog and #dogs.
@@ -339,7 +339,7 @@ def _records(dataset) -> dict[str, set]:
   return out
 
 
-def test_dask_runner_writes_the_direct_runners_dataset(crawl, tmp_path, dask_beam):
+def test_dask_runner_writes_the_local_runners_dataset(crawl, tmp_path, dask_beam):
   runner, options = dask_beam
   out = tmp_path / "dask"
   hashtag_job.prepare(crawl["root"] / "raw", out, NAME, min_count=2, min_raw_count=1,

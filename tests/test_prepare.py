@@ -35,7 +35,7 @@ from input_pipeline.jobs import imagenet21k_p as i21k
 from input_pipeline import pipeline
 from input_pipeline import prepare
 
-pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the local FnApiRunner
 
 MIN_IMAGES = 5  # Keep a class only with at least 5 files.
 VAL = 2
@@ -378,9 +378,9 @@ def test_layouts_and_worker_counts_give_identical_data(prepared):
     assert all(x["image"] == y["image"] and x["label"] == y["label"] for x, y in zip(a, b))
 
 
-def test_dask_runner_writes_the_direct_runners_dataset(prepared, raw, tmp_path, dask_beam):
+def test_dask_runner_writes_the_local_runners_dataset(prepared, raw, tmp_path, dask_beam):
   """The command line on two dask worker processes (tar reads, the unreadable class, the
-  corrupt file) writes the records and report of the DirectRunner run from the same tars."""
+  corrupt file) writes the records and report of the local runner's run from the same tars."""
   runner, options = dask_beam
   assert prepare.main(["imagenet21k_p", f"--manual_dir={raw['tars']}", f"--data_dir={tmp_path}",
                        f"--min_images={MIN_IMAGES}", f"--val_per_class={VAL}",
@@ -560,7 +560,7 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
     image_folder.prepare(root / "train", tmp_path, "all_val", val_per_class=most)
 
 
-def test_image_folder_on_dask_equals_direct_runner(folder_tree, folder_toy, tmp_path, dask_beam):
+def test_image_folder_on_dask_equals_local_runner(folder_tree, folder_toy, tmp_path, dask_beam):
   runner, options = dask_beam
   direct = datasets.get_dataset({"name": "folder:toy", "dir": str(folder_toy[0])}).builder
   dask = image_folder.prepare(folder_tree[0], tmp_path, "toy", beam_runner=runner,

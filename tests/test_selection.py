@@ -22,7 +22,7 @@ from input_pipeline import prepare
 from input_pipeline.jobs import selection_job
 from input_pipeline import selection_formats
 
-pytestmark = pytest.mark.beam  # Apache Beam jobs on the DirectRunner
+pytestmark = pytest.mark.beam  # Apache Beam jobs on the local FnApiRunner
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
@@ -303,9 +303,19 @@ def _run(predictions, out, **kwargs):
 
 
 @pytest.mark.parametrize("options", [None, TWO_PROCESSES], ids=["1_worker", "2_processes"])
-def test_beam_balanced_equals_select(predictions, tmp_path, options):
+def test_beam_balanced_equals_select(predictions, tmp_path, options, monkeypatch):
+  # With no runner named the job runs on the FnApiRunner; the DirectRunner would first try
+  # Prism (a binary fetched from GitHub) and fall back to it after an error.
+  from apache_beam.runners.portability import prism_runner  # pylint: disable=import-outside-toplevel
+  tried = []
+
+  def no_prism(*args):
+    tried.append(args)
+    raise RuntimeError("Prism is not the jobs' local runner")
+  monkeypatch.setattr(prism_runner.PrismRunner, "run_pipeline", no_prism)
   k = 30
   info, table = _run(predictions, tmp_path / "out", k=k, beam_options=options)
+  assert not tried
   want = topk.select(predictions["ids"], predictions["classes"], predictions["scores"], k=k,
                      num_classes=C)
   assert want == _brute_force(predictions["ids"], predictions["classes"], predictions["scores"],
@@ -465,8 +475,8 @@ def test_rerun_with_other_parameters_is_an_error(predictions, tmp_path):
     _run(predictions, tmp_path / "out", k=3)
 
 
-def test_beam_on_dask_equals_direct_runner(predictions, tmp_path, dask_beam):
-  """Two dask worker processes write the DirectRunner's index and report."""
+def test_beam_on_dask_equals_local_runner(predictions, tmp_path, dask_beam):
+  """Two dask worker processes write the local runner's index and report."""
   runner, options = dask_beam
   info, table = _run(predictions, tmp_path / "direct", variant="balanced_with_tags", k=20,
                      seed=5)

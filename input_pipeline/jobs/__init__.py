@@ -7,4 +7,5 @@ image_folder.py    any ImageFolder tree
 hashtag_job.py     SWAG hashtag datasets; crawl_inputs.py reads their crawled inputs
 selection_job.py   the semi-supervised top-K selection of D-hat
 dask_runner.py     a Beam runner on a dask.distributed cluster
+local_runner.py    the runner when none is named (Beam's FnApiRunner)
 """

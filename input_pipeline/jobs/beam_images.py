@@ -34,6 +34,7 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import read_only_builder
 
 from input_pipeline import decoding
+from input_pipeline.jobs import local_runner
 
 IMAGE_SIZE = 224
 JPEG_QUALITY = 75
@@ -241,7 +242,8 @@ def count_files(sources: Sequence[ClassSource], work_dir, *, beam_runner=None,
   logging.info("Step 1: counting the files of %d classes (Beam job, scratch %s)",
                len(sources), scratch)
   try:
-    with beam.Pipeline(runner=beam_runner, options=pipeline_options_from(beam_options)) as p:
+    with beam.Pipeline(runner=local_runner.runner_or_local(beam_runner),
+                       options=pipeline_options_from(beam_options)) as p:
       _ = (p
            | "Classes" >> beam.Create(list(enumerate(sources)))
            | "Reshuffle" >> beam.Reshuffle()
@@ -546,8 +548,9 @@ def note_incomplete(dataset_dir) -> list[str]:
 def generate(builder: BeamImageBuilder, manual_dir, *, beam_runner=None,
              beam_options: Sequence[str] | None = None) -> BeamImageBuilder:
   """Runs the builder's Beam pipeline (steps 2-3) and returns it."""
-  config = tfds.download.DownloadConfig(manual_dir=str(manual_dir), beam_runner=beam_runner,
-                                        beam_options=pipeline_options_from(beam_options))
+  config = tfds.download.DownloadConfig(
+      manual_dir=str(manual_dir), beam_runner=local_runner.runner_or_local(beam_runner),
+      beam_options=pipeline_options_from(beam_options))
   builder.download_and_prepare(download_config=config, file_format="array_record")
   return builder
 

@@ -18,7 +18,7 @@ each PCollection is computed once; dask computes again only what a lost worker h
 for the outputs' status without fetching them, fails unless every one finished, and closes
 its dask client when the pipeline ends. A bundle run again after a lost worker runs its DoFns
 again: the jobs' DoFns are idempotent, and their tests compare the output with the
-DirectRunner's. The rest is Beam's runner: its other translations, its options
+local runner's. The rest is Beam's runner: its other translations, its options
 (`--dask_client_address`, `--dask_npartitions`, ...; without an address it starts a
 LocalCluster on this machine) and its limits, e.g. no Beam metrics (the jobs' reports then
 carry no counters).

@@ -79,6 +79,7 @@ import pyarrow.parquet as pq
 
 from bigpretrain.semisup import tags as tags_lib
 from input_pipeline import exclusions
+from input_pipeline.jobs import local_runner
 from input_pipeline import selection_formats as formats
 from bigpretrain.semisup import topk
 
@@ -593,7 +594,8 @@ def prepare(predictions_dir, data_dir, *, k: int | None = None,
   logging.info("Selecting %s from %d shards of %s (%d classes, P=%d), %d wanted",
                variant, len(preds.shards), preds.path, len(k_arr), preds.top_p, k_arr.sum())
   options = pipeline_options.PipelineOptions(list(beam_options or []))
-  with beam.Pipeline(runner=beam_runner, options=options) as pipeline:
+  with beam.Pipeline(runner=local_runner.runner_or_local(beam_runner),
+                     options=options) as pipeline:
     _pipeline(pipeline, preds, k_arr, variant, seed, str(out), batch_size, naive, excluded)
   raw_path = out / RAW_REPORT_FILE
   raw = json.loads(raw_path.read_text())
