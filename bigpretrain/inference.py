@@ -11,6 +11,7 @@ import numpy as np
 
 from bigpretrain import preprocess
 from bigpretrain import sharding
+from bigpretrain.runtime import console
 from input_pipeline import pipeline
 
 
@@ -44,6 +45,14 @@ def total_over_processes(count: int) -> int:
   if jax.process_count() == 1:
     return count
   return int(np.sum(multihost_utils.process_allgather(np.int64(count))))
+
+
+def warn_of_shared_memory(data_cfg, batch_size: int) -> None:
+  """Warns (process 0) when the data workers of one pass of global batches of `batch_size`
+  would not fit in the shared memory (pipeline.shared_memory_shortfall)."""
+  shortfall = pipeline.shared_memory_shortfall(data_cfg, batch_size // jax.process_count())
+  if shortfall and jax.process_index() == 0:
+    console.warn(shortfall)
 
 
 def forward_rows(step, variables: dict, source, data_cfg, *, batch_size: int, mesh,

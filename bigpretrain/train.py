@@ -253,10 +253,17 @@ _WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exi
 
 
 def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
-  """next(train_iter); a data worker's death raises DataWorkerDied, in one line, once the save
-  in flight (if any) has completed."""
-  try:
+  """next(train_iter); a data worker's death raises DataWorkerDied (_data_workers)."""
+  with _data_workers(checkpointer):
     return next(train_iter)
+
+
+@contextlib.contextmanager
+def _data_workers(checkpointer: ckpt_lib.Checkpointer):
+  """Turns the death of a data worker (train or evaluation batches) into DataWorkerDied, in
+  one line, raised once the save in flight (if any) has completed."""
+  try:
+    yield
   except RuntimeError as e:
     code = _WORKER_DEATH.search(str(e))
     if code is None:
@@ -265,12 +272,15 @@ def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
     code = int(code.group(1))
     how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in
            signal.valid_signals() else f"exit code {code}")
-    likely = (": most likely the out-of-memory killer; see `dmesg`" if code == -signal.SIGKILL
-              else "")
+    likely = {-signal.SIGKILL: ": most likely the out-of-memory killer; see `dmesg`",
+              -signal.SIGBUS: f": most likely {pipeline.SHARED_MEMORY} was full, where workers "
+                              "hand their batches over (docker run --shm-size=...)"}.get(code, "")
+    step = checkpointer.latest_step()
+    resume = (f"resume from the last checkpoint (step {step})" if step is not None
+              else "start over (no checkpoint was saved yet)")
     raise DataWorkerDied(
         f"a data worker process died ({how}{likely}). Lower data.num_workers or data.prefetch, "
-        "or give the job more memory, then re-run the same command to resume from the last "
-        f"checkpoint (step {checkpointer.latest_step()}).") from e
+        f"or give the job more memory, then re-run the same command to {resume}.") from e
 
 
 def _settle_saves(checkpointer: ckpt_lib.Checkpointer, error) -> None:
@@ -467,7 +477,8 @@ class _StepOutputs:
     results = {}
     for ev in self.evaluators:
       if force or _every(step, ev.every_steps, self.total_steps):
-        results.update(ev.run(eval_weights(state)))
+        with _data_workers(self.checkpointer):
+          results.update(ev.run(eval_weights(state)))
     if results:
       self.writer.write(step, results)
     return results
@@ -566,6 +577,10 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   state = exp.init_state()
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
+  shortfall = pipeline.shared_memory_shortfall(  # The train stream's workers wait in evals.
+      config.data, config.batch_size // jax.process_count(), 2 if evaluators else 1)
+  if shortfall:
+    console.warn(shortfall)
   train_iter = stream_position.TrainStream(
       lambda pos: make_train_iterator(exp, pos), num_workers, records=records,
       allow_other_records=config.allow_schedule_change)

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -390,6 +391,35 @@ def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.Iter
   return ds.mp_prefetch(grain.MultiprocessingOptions(
       num_workers=settings.num_workers, per_worker_buffer_size=settings.prefetch),
       worker_init_fn=_one_thread_per_worker)
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def shared_memory_shortfall(data_cfg, per_host_batch: int, iterators: int = 1,
+                            path: str = SHARED_MEMORY) -> str | None:
+  """What to do when `path`, where grain's worker processes hand their batches over, has less
+  free space than `iterators` worker-fed iterators of `data_cfg`'s workers (a train stream
+  and its evaluations) fill with batches of `per_host_batch` images: each worker holds up to
+  data.prefetch finished batches there and writes one more. Past it a worker dies of SIGBUS.
+  None when it fits, with no workers, or without such a folder."""
+  settings = _settings(data_cfg)
+  num_workers, prefetch = settings.num_workers, settings.prefetch
+  batch_bytes = per_host_batch * settings.image_size ** 2 * 3  # uint8 images; labels are few.
+  if num_workers == 0 or not os.path.isdir(path):
+    return None
+  stat = os.statvfs(path)
+  free = stat.f_bavail * stat.f_frsize
+  count = iterators * num_workers * (prefetch + 1)
+  need = count * batch_bytes
+  if free >= need:
+    return None
+  mb = lambda n: f"{n / 2**20:,.1f} MB"
+  return (f"{path} has {mb(free)} free, and the data workers fill up to {mb(need)} there "
+          f"({count} batches of {mb(batch_bytes)}: {iterators} x {num_workers} workers x "
+          f"(data.prefetch={prefetch} + 1)); a worker that finds it full dies of SIGBUS. "
+          "Give the container more shared memory (docker run --shm-size=...), or lower "
+          "data.num_workers or data.prefetch.")
 
 
 def _derived_seed(seed: int, *keys: int) -> int:

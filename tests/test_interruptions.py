@@ -167,6 +167,39 @@ def test_a_killed_data_worker_is_one_line_after_the_save_in_flight():
     train._next_batch(other, saver)  # pylint: disable=protected-access
 
 
+def test_a_data_worker_killed_by_sigbus_names_the_shared_memory():
+  # SIGBUS: a worker writing a batch into a full /dev/shm; and no checkpoint saved yet.
+  class _NoSave(_Saver):
+    def latest_step(self):
+      return None
+
+  def batches():
+    raise RuntimeError("Worker process was terminated unexpectedly with exit code -7.")
+    yield  # pylint: disable=unreachable
+
+  with pytest.raises(train.DataWorkerDied) as e:
+    train._next_batch(batches(), _NoSave())  # pylint: disable=protected-access
+  # An evaluation's worker dies the same way (the train stream's wait meanwhile).
+  class _Dies:
+    every_steps = 2
+
+    def run(self, state):
+      del state
+      next(batches())
+
+  out = train._StepOutputs(  # pylint: disable=protected-access
+      config=None, total_steps=4, evaluators=[_Dies()], writer=None, checkpointer=_NoSave(),
+      train_iter=None, perf=None, profiler=None, bar=None, pending=None)
+  with pytest.raises(train.DataWorkerDied) as in_eval:
+    out.run_evals(2, {})
+  assert str(in_eval.value) == str(e.value)
+  assert str(e.value) == (
+      "a data worker process died (killed by SIGBUS: most likely /dev/shm was full, where "
+      "workers hand their batches over (docker run --shm-size=...)). Lower data.num_workers or "
+      "data.prefetch, or give the job more memory, then re-run the same command to start over "
+      "(no checkpoint was saved yet).")
+
+
 def test_an_error_that_stops_the_run_lets_the_save_in_flight_finish():
   saver = _Saver()
   train._settle_saves(saver, None)  # pylint: disable=protected-access

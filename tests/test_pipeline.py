@@ -3,6 +3,7 @@ repeated augmentation and weighted mixing of sources."""
 import gc
 import io
 import json
+import os
 
 import cv2
 import grain
@@ -333,6 +334,23 @@ def test_eval_workers_match_in_process():
   expected = _eval_batches(source, _cfg(), 4, 1, 2)
   got = _eval_batches(source, _cfg(num_workers=2), 4, 1, 2)
   _assert_same_batches(got, expected)
+
+
+def test_shared_memory_shortfall_counts_every_workers_buffer(tmp_path):
+  stat = os.statvfs(tmp_path)
+  free = stat.f_bavail * stat.f_frsize
+  # 2 iterators x 3 workers x (prefetch 2 + 1) = 18 batches; a batch of a ninth of the free
+  # space does not fit (a little is written meanwhile, so not exactly at the limit).
+  def shortfall(workers, batch_bytes, path=tmp_path):  # Batches of 1-px images: 3 bytes each.
+    return pipeline.shared_memory_shortfall(_cfg(num_workers=workers, prefetch=2, image_size=1),
+                                            batch_bytes // 3, 2, path=str(path))
+  message = shortfall(3, free // 9)
+  assert message.startswith(f"{tmp_path} has ") and "(18 batches of " in message
+  assert "2 x 3 workers x (data.prefetch=2 + 1)); a worker that finds it full dies of SIGBUS" in (
+      message)
+  assert shortfall(3, free // 36) is None
+  assert shortfall(0, free) is None
+  assert shortfall(3, free, tmp_path / "no") is None
 
 
 def test_eval_workers_free_their_last_batches():

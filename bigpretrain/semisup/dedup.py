@@ -216,6 +216,7 @@ def run(workdir: str, pool: str, against: str, out: str, *, top_n: int | None = 
   step = make_features_step(loaded.model_def, loaded.shardings, mesh,
                             meta["data"]["normalize"])
   data_cfg = {**meta["data"], "num_workers": num_workers}
+  inference.warn_of_shared_memory(data_cfg, batch_size)
   is_main = jax.process_index() == 0
 
   def features(source, desc):

@@ -177,6 +177,7 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   step = make_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
                    top_p, logits)
   data_cfg = {**meta["data"], "num_workers": num_workers}
+  inference.warn_of_shared_memory(data_cfg, batch_size)
 
   source = dataset.source(split)
   ranges = shard_ranges(len(source), shard_size)
