@@ -249,6 +249,25 @@ class DataWorkerDied(RuntimeError):
   """A grain worker process died (most often killed by the out-of-memory killer)."""
 
 
+class DeviceOutOfMemory(RuntimeError):
+  """The devices ran out of memory (XLA's RESOURCE_EXHAUSTED) building, compiling or running
+  a step."""
+
+
+def out_of_device_memory(config, e: BaseException) -> DeviceOutOfMemory | None:
+  """`e` as a DeviceOutOfMemory saying what to change, when it is XLA's RESOURCE_EXHAUSTED;
+  else None."""
+  if not isinstance(e, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in str(e):
+    return None
+  first = str(e).strip().splitlines()[0][:300]
+  return DeviceOutOfMemory(
+      f"the devices ran out of memory ({first}). Lower config.batch_size={config.batch_size} "
+      f"(over {jax.device_count()} devices), set config.model.remat (e.g. "
+      "'nothing_saveable'), or shard the weights over more devices (config.mesh's fsdp); "
+      "`python -m bigpretrain.tools.plan --config=... --topology=... --max_batch` finds the "
+      "largest batch that fits, without a device.")
+
+
 _WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")
 
 
@@ -453,7 +472,13 @@ def train_and_evaluate(config, workdir: str, on_locked=None) -> dict:
     preemption.on_abort = lock.release
     if on_locked is not None:
       on_locked()
-    return _train_and_evaluate(config, workdir, cleanup, preemption)
+    try:
+      return _train_and_evaluate(config, workdir, cleanup, preemption)
+    except jax.errors.JaxRuntimeError as e:
+      oom = out_of_device_memory(config, e)
+      if oom is None:
+        raise
+      raise oom from e
 
 
 @dataclasses.dataclass

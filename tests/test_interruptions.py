@@ -206,3 +206,23 @@ def test_an_error_that_stops_the_run_lets_the_save_in_flight_finish():
   assert not saver.waited  # A normal end waits in the loop's own order.
   train._settle_saves(saver, metric_writers.MetricWriteError)  # pylint: disable=protected-access
   assert saver.waited and saver.latest_step() == 8
+
+
+def test_device_memory_run_out_is_one_line_saying_what_to_change(tmp_path, monkeypatch):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+
+  def runs_out(*args):  # XLA's own error: a 640 GB buffer (on CPU, as on an accelerator).
+    del args
+    jax.jit(lambda x: jnp.outer(x, x) + 1)(jnp.ones((400_000,), jnp.float32)).block_until_ready()
+
+  monkeypatch.setattr(train, "_train_and_evaluate", runs_out)
+  with pytest.raises(train.DeviceOutOfMemory) as e:
+    train.train_and_evaluate(ml_collections.ConfigDict({"batch_size": 32}), str(tmp_path))
+  assert str(e.value) == (
+      "the devices ran out of memory (RESOURCE_EXHAUSTED: Out of memory allocating "
+      "640000000000 bytes.). Lower config.batch_size=32 (over 8 devices), set "
+      "config.model.remat (e.g. 'nothing_saveable'), or shard the weights over more devices "
+      "(config.mesh's fsdp); `python -m bigpretrain.tools.plan --config=... --topology=... "
+      "--max_batch` finds the largest batch that fits, without a device.")

@@ -16,7 +16,8 @@ USER_ERRORS = (FileNotFoundError, PermissionError, ValueError)
 
 def run_errors() -> tuple[type, ...]:
   """What a training run stops with, in one line (bigpretrain.main's, and commands that
-  train: a locked or unwritable workdir, a failed save or checkpoint read, a dead worker)."""
+  train: a locked or unwritable workdir, a failed save or checkpoint read, a dead worker,
+  device memory run out)."""
   # pylint: disable=import-outside-toplevel
   from bigpretrain import checkpoint
   from bigpretrain import train
@@ -25,7 +26,7 @@ def run_errors() -> tuple[type, ...]:
   return (TypeError, FloatingPointError, workdir_lock.WorkdirLocked,
           workdir_lock.WorkdirUnwritable, checkpoint.CheckpointSaveError,
           checkpoint.CheckpointReadError, metric_writers.MetricWriteError,
-          train.DataWorkerDied)
+          train.DataWorkerDied, train.DeviceOutOfMemory)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
