@@ -255,11 +255,14 @@ class DeviceOutOfMemory(RuntimeError):
 
 
 def out_of_device_memory(config, e: BaseException) -> DeviceOutOfMemory | None:
-  """`e` as a DeviceOutOfMemory saying what to change, when it is XLA's RESOURCE_EXHAUSTED;
-  else None."""
-  if not isinstance(e, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in str(e):
+  """`e` as a DeviceOutOfMemory saying what to change, when it is XLA's RESOURCE_EXHAUSTED
+  for memory ("Out of memory while trying to allocate", TPU's "Ran out of memory in memory
+  space hbm"; not, e.g., a message past gRPC's size limit); else None."""
+  text = str(e)
+  if (not isinstance(e, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in text
+      or "memory" not in text.lower()):
     return None
-  first = str(e).strip().splitlines()[0][:300]
+  first = text.strip().splitlines()[0][:300]
   return DeviceOutOfMemory(
       f"the devices ran out of memory ({first}). Lower config.batch_size={config.batch_size} "
       f"(over {jax.device_count()} devices), set config.model.remat (e.g. "
