@@ -10,8 +10,6 @@ alike) when config.ema.momentum > 0, created already sharded on a
 import contextlib
 import dataclasses
 import os
-import re
-import signal
 import time
 
 from absl import logging
@@ -271,9 +269,6 @@ def out_of_device_memory(config, e: BaseException) -> DeviceOutOfMemory | None:
       "largest batch that fits, without a device.")
 
 
-_WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")
-
-
 def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
   """next(train_iter); a data worker's death raises DataWorkerDied (_data_workers)."""
   with _data_workers(checkpointer):
@@ -287,22 +282,16 @@ def _data_workers(checkpointer: ckpt_lib.Checkpointer):
   try:
     yield
   except RuntimeError as e:
-    code = _WORKER_DEATH.search(str(e))
-    if code is None:
+    death = pipeline.worker_death(e)
+    if death is None:
       raise
     checkpointer.wait()
-    code = int(code.group(1))
-    how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in
-           signal.valid_signals() else f"exit code {code}")
-    likely = {-signal.SIGKILL: ": most likely the out-of-memory killer; see `dmesg`",
-              -signal.SIGBUS: f": most likely {pipeline.SHARED_MEMORY} was full, where workers "
-                              "hand their batches over (docker run --shm-size=...)"}.get(code, "")
     step = checkpointer.latest_step()
     resume = (f"resume from the last checkpoint (step {step})" if step is not None
               else "start over (no checkpoint was saved yet)")
     raise DataWorkerDied(
-        f"a data worker process died ({how}{likely}). Lower data.num_workers or data.prefetch, "
-        f"or give the job more memory, then re-run the same command to {resume}.") from e
+        f"{death}. Lower data.num_workers or data.prefetch, or give the job more memory, then "
+        f"re-run the same command to {resume}.") from e
 
 
 def _settle_saves(checkpointer: ckpt_lib.Checkpointer, error) -> None:

@@ -38,6 +38,8 @@ import functools
 import gc
 import math
 import os
+import re
+import signal
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -420,6 +422,24 @@ def shared_memory_shortfall(data_cfg, per_host_batch: int, iterators: int = 1,
           f"(data.prefetch={prefetch} + 1)); a worker that finds it full dies of SIGBUS. "
           "Give the container more shared memory (docker run --shm-size=...), or lower "
           "data.num_workers or data.prefetch.")
+
+
+_WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")
+
+
+def worker_death(e: BaseException) -> str | None:
+  """'a data worker process died (how: the likely cause)' when `e` is grain's report of a
+  worker process that ended (the out-of-memory killer, a full SHARED_MEMORY), else None."""
+  code = _WORKER_DEATH.search(str(e)) if isinstance(e, RuntimeError) else None
+  if code is None:
+    return None
+  code = int(code.group(1))
+  how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in
+         signal.valid_signals() else f"exit code {code}")
+  likely = {-signal.SIGKILL: ": most likely the out-of-memory killer; see `dmesg`",
+            -signal.SIGBUS: f": most likely {SHARED_MEMORY} was full, where workers hand "
+                            "their batches over (docker run --shm-size=...)"}.get(code, "")
+  return f"a data worker process died ({how}{likely})"
 
 
 def _derived_seed(seed: int, *keys: int) -> int:

@@ -226,3 +226,18 @@ def test_device_memory_run_out_is_one_line_saying_what_to_change(tmp_path, monke
       "config.model.remat (e.g. 'nothing_saveable'), or shard the weights over more devices "
       "(config.mesh's fsdp); `python -m bigpretrain.tools.plan --config=... --topology=... "
       "--max_batch` finds the largest batch that fits, without a device.")
+
+
+def test_a_data_workers_death_in_a_command_is_one_line(capsys):
+  from bigpretrain.tools import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as e:
+    with cli.user_errors():
+      raise RuntimeError("Worker process was terminated unexpectedly with exit code -9. Search "
+                         "the logs above for the source of the crash.")
+  assert e.value.code == 1
+  assert capsys.readouterr().err == (
+      "ERROR: a data worker process died (killed by SIGKILL: most likely the out-of-memory "
+      "killer; see `dmesg`). Lower --num_workers, or give the job more memory, then re-run it.\n")
+  with pytest.raises(RuntimeError, match="^another error$"):  # Any other goes through.
+    with cli.user_errors():
+      raise RuntimeError("another error")

@@ -117,10 +117,17 @@ def user_errors(*more: type, log_traceback: bool = False):
   with `log_traceback` the traceback also goes to the absl log."""
   try:
     yield
-  except USER_ERRORS + more + _read_errors() as e:
+  except USER_ERRORS + more + _read_errors() + (RuntimeError,) as e:
+    message = str(e)
+    if isinstance(e, RuntimeError) and not isinstance(e, more):
+      from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+      death = pipeline.worker_death(e)  # A data worker's death, in an inference command.
+      if death is None:
+        raise
+      message = f"{death}. Lower --num_workers, or give the job more memory, then re-run it."
     if log_traceback:
       logging.exception("Run failed")
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    print(f"ERROR: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
