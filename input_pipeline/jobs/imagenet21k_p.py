@@ -39,9 +39,9 @@ with its error: those are skipped and counted, never fatal, never silent.
 Engine (input_pipeline/jobs/beam_images.py, shared with ImageFolder conversions): step 1 is a small Beam job (counting each class's files in parallel: listing tars of a
 1.3 TB release is real work), steps 2-3 are the Beam pipeline of the tfds builder (tfds's
 Beam path writes ArrayRecord without TensorFlow). Both run on Beam's local FnApiRunner by
-default, or on any runner given by `beam_runner`; extra Beam options (`--project=...`, `--direct_num_workers=4`,
-`--setup_file=./setup.py` for remote workers) are passed through. Progress: tfds progress bars,
-per-class log lines, and Beam counters, logged at the end.
+default, or on any runner given by `beam_runner`; extra Beam options (`--project=...`,
+`--direct_num_workers=4`, `--setup_file=./setup.py` for remote workers) are passed through.
+Progress: tfds progress bars, per-class log lines, and Beam counters, logged at the end.
 Memory: the local runner keeps PCollections in memory, and tfds's deterministic writer groups
 all encoded examples by shard, so a one-machine run holds the output (~20 KB an image) in RAM:
 fine for subsets and downstream datasets; the full release (~250 GB out) wants a distributed
@@ -126,8 +126,8 @@ def prepare(manual_dir, data_dir, *, beam_runner=None, beam_options: Sequence[st
             ) -> tfds.core.DatasetBuilder:
   """Prepares `imagenet21k_p` in data_dir from the raw release in manual_dir, or reuses it.
 
-  beam_runner: a Beam runner name or object (None: the local FnApiRunner); beam_options: extra Beam
-  flags. min_images/val_per_class/image_size/jpeg_quality: steps 1-3 (module docstring).
+  beam_runner: a Beam runner name or object (None: the local FnApiRunner); beam_options:
+  extra Beam flags. min_images/val_per_class/image_size/jpeg_quality: steps 1-3 (module docstring).
   Returns a builder to read the dataset with.
   """
   job.check_params(min_images, val_per_class, image_size, jpeg_quality)
