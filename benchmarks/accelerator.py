@@ -116,6 +116,7 @@ from bigpretrain.models import pallas_conv
 from bigpretrain.runtime import distributed
 from configs import semantic_softmax
 from configs import swag_regnety
+from input_pipeline import pipeline
 
 _DRY_RUN = flags.DEFINE_bool("dry_run", None, "Small sizes (default: on when the backend is "
                              "the CPU).")
@@ -776,6 +777,10 @@ class Suite:
     config.data.train_augment = paper.data.train_augment
     workers = 1 if self.dry_run else os.cpu_count()
     config.data.num_workers = workers
+    shortfall = pipeline.shared_memory_shortfall(config.data,
+                                                 config.batch_size // jax.process_count())
+    if shortfall:  # A worker may die of SIGBUS: the figure's error names it.
+      logging.warning("%s", shortfall)
     # Steady state (benchmarks/steady_state.py); the dry run: 3 timed batches after 2.
     pipe = keep_up.pipeline_rate(config, batches_per_worker=3 if self.dry_run else None)
     records = pipe.pop("records_per_sec")
@@ -1071,7 +1076,7 @@ def main(argv):
       run[figure]()
     except Exception as e:  # pylint: disable=broad-exception-caught
       logging.exception("Figure %s failed.", figure)
-      failed[figure] = f"{type(e).__name__}: {e}"
+      failed[figure] = pipeline.worker_death(e) or f"{type(e).__name__}: {e}"
       print(json.dumps({"figure": figure, "error": failed[figure]}), flush=True)
     write_out(suite)
   if skipped:
