@@ -237,7 +237,8 @@ def test_a_data_workers_death_in_a_command_is_one_line(capsys):
   assert e.value.code == 1
   assert capsys.readouterr().err == (
       "ERROR: a data worker process died (killed by SIGKILL: most likely the out-of-memory "
-      "killer; see `dmesg`). Lower --num_workers, or give the job more memory, then re-run it.\n")
+      "killer; see `dmesg`). Use fewer data workers (--num_workers, or a section's num_workers "
+      "in the semi-supervised runner's config) or give the job more memory, then re-run it.\n")
   with pytest.raises(RuntimeError, match="^another error$"):  # Any other goes through.
     with cli.user_errors():
       raise RuntimeError("another error")

@@ -124,7 +124,9 @@ def user_errors(*more: type, log_traceback: bool = False):
       death = pipeline.worker_death(e)  # A data worker's death, in an inference command.
       if death is None:
         raise
-      message = f"{death}. Lower --num_workers, or give the job more memory, then re-run it."
+      message = (f"{death}. Use fewer data workers (--num_workers, or a section's num_workers "
+                 "in the semi-supervised runner's config) or give the job more memory, then "
+                 "re-run it.")
     if log_traceback:
       logging.exception("Run failed")
     print(f"ERROR: {message}", file=sys.stderr, flush=True)
