@@ -270,28 +270,27 @@ def out_of_device_memory(config, e: BaseException) -> DeviceOutOfMemory | None:
 
 
 def _next_batch(train_iter, checkpointer: ckpt_lib.Checkpointer):
-  """next(train_iter); a data worker's death raises DataWorkerDied (_data_workers)."""
-  with _data_workers(checkpointer):
-    return next(train_iter)
-
-
-@contextlib.contextmanager
-def _data_workers(checkpointer: ckpt_lib.Checkpointer):
-  """Turns the death of a data worker (train or evaluation batches) into DataWorkerDied, in
-  one line, raised once the save in flight (if any) has completed."""
+  """next(train_iter); a data worker's death raises DataWorkerDied (_raise_if_worker_died)."""
   try:
-    yield
+    return next(train_iter)
   except RuntimeError as e:
-    death = pipeline.worker_death(e)
-    if death is None:
-      raise
-    checkpointer.wait()
-    step = checkpointer.latest_step()
-    resume = (f"resume from the last checkpoint (step {step})" if step is not None
-              else "start over (no checkpoint was saved yet)")
-    raise DataWorkerDied(
-        f"{death}. Lower data.num_workers or data.prefetch, or give the job more memory, then "
-        f"re-run the same command to {resume}.") from e
+    _raise_if_worker_died(e, checkpointer)
+    raise
+
+
+def _raise_if_worker_died(e: RuntimeError, checkpointer: ckpt_lib.Checkpointer) -> None:
+  """When `e` is a data worker's death (train or evaluation batches): DataWorkerDied, in one
+  line, raised once the save in flight (if any) has completed."""
+  death = pipeline.worker_death(e)
+  if death is None:
+    return
+  checkpointer.wait()
+  step = checkpointer.latest_step()
+  resume = (f"resume from the last checkpoint (step {step})" if step is not None
+            else "start over (no checkpoint was saved yet)")
+  raise DataWorkerDied(
+      f"{death}. Lower data.num_workers or data.prefetch, or give the job more memory, then "
+      f"re-run the same command to {resume}.") from e
 
 
 def _settle_saves(checkpointer: ckpt_lib.Checkpointer, error) -> None:
@@ -494,8 +493,11 @@ class _StepOutputs:
     results = {}
     for ev in self.evaluators:
       if force or _every(step, ev.every_steps, self.total_steps):
-        with _data_workers(self.checkpointer):
+        try:
           results.update(ev.run(eval_weights(state)))
+        except RuntimeError as e:
+          _raise_if_worker_died(e, self.checkpointer)
+          raise
     if results:
       self.writer.write(step, results)
     return results

@@ -117,20 +117,25 @@ def user_errors(*more: type, log_traceback: bool = False):
   with `log_traceback` the traceback also goes to the absl log."""
   try:
     yield
-  except USER_ERRORS + more + _read_errors() + (RuntimeError,) as e:
-    message = str(e)
-    if isinstance(e, RuntimeError) and not isinstance(e, more):
-      from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
-      death = pipeline.worker_death(e)  # A data worker's death, in an inference command.
-      if death is None:
-        raise
-      message = (f"{death}. Use fewer data workers (--num_workers, or a section's num_workers "
-                 "in the semi-supervised runner's config) or give the job more memory, then "
-                 "re-run it.")
-    if log_traceback:
-      logging.exception("Run failed")
-    print(f"ERROR: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  except USER_ERRORS + more + _read_errors() as e:
+    _fail(str(e), log_traceback)
+  except RuntimeError as e:  # A data worker's death, in an inference command.
+    from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
+    death = pipeline.worker_death(e)
+    if death is None:
+      raise
+    _fail(f"{death}. Use fewer data workers (--num_workers, or a section's num_workers in the "
+          "semi-supervised runner's config) or give the job more memory, then re-run it.",
+          log_traceback)
+
+
+def _fail(message: str, log_traceback: bool) -> None:
+  """`ERROR: message` on stderr and exit 1, inside the except block that caught the error
+  (whose traceback goes to the absl log with `log_traceback`)."""
+  if log_traceback:
+    logging.exception("Run failed")
+  print(f"ERROR: {message}", file=sys.stderr, flush=True)
+  sys.exit(1)
 
 
 def _read_errors() -> tuple[type, ...]:
