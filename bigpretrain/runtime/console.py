@@ -20,14 +20,6 @@ def warn(text: str) -> None:
   print(f"WARNING: {text}", flush=True)
 
 
-def size(n: float) -> str:
-  """A byte count as messages write it: '45.50 MB' (decimal units), '512 B'."""
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit}"
-  return f"{int(n)} B"
-
-
 def report_log_errors_once(handler: logging_std.Handler) -> None:
   """A log file that cannot be written (a full disk) is said once on stderr, not with a
   traceback for every later log line (Python logging's Handler.handleError); the run goes on,
