@@ -120,8 +120,16 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(teacher, predictions, t
     real_write(out, name, *args)
 
   monkeypatch.setattr(pool_predictions, "_write_shard", write_then_die)
-  with pytest.raises(KeyboardInterrupt):
-    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **KW)
+  capsys.readouterr()
+  try:
+    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path), **{**KW, "progress": True})
+  except KeyboardInterrupt:
+    # What is printed by the time a command's error handler runs (the traceback alive): the
+    # progress bar's line is ended, so the error line starts on a line of its own.
+    bar = capsys.readouterr().out
+  else:
+    raise AssertionError("the run was not interrupted")
+  assert f"{DATA}:{SPLIT}:" in bar and bar.endswith("\n"), repr(bar[-200:])
   assert [p.name for p in tmp_path.glob("*.parquet")] == [f"{SPLIT}-00000-of-00003.parquet"]
   assert not (tmp_path / selection_formats.INFO_FILE).exists()
 

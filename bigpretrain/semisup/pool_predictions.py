@@ -202,24 +202,24 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   if is_main:
     console.say(f"Inference of {workdir} on {data}:{split}: {len(ranges)} shards, "
                 f"{int(pending.sum())} pending ({todo} records, {len(excluded)} excluded in all).")
-  bar = tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
-                  disable=not (progress and is_main), desc=f"{data}:{split}")
-  skipped = 0
-  for (start, stop), name, todo_shard in zip(ranges, names, pending):
-    if not todo_shard:
-      continue
-    records = np.setdiff1d(np.arange(start, stop), excluded, assume_unique=True)
-    parts = [{"index": np.zeros(0, np.int64), "classes": np.zeros((0, top_p), np.int32),
-              "scores": np.zeros((0, top_p), np.float32)}]  # An all-excluded shard is empty.
-    for rows, skipped_rows in inference.forward_rows(step, loaded.variables,
-                                           subset.SubsetSource(source, records), data_cfg,
-                                           batch_size=batch_size, mesh=mesh):
-      skipped += skipped_rows
-      parts.append(rows)
-      bar.update(len(rows["index"]))
-    process_zero.run(f"Writing shard {name}", _finish_shard, root, name, data, split, parts,
-                     records)
-  bar.close()
+  # Closed (its line ended) by the time an error reaches the command's error line.
+  with tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
+                 disable=not (progress and is_main), desc=f"{data}:{split}") as bar:
+    skipped = 0
+    for (start, stop), name, todo_shard in zip(ranges, names, pending):
+      if not todo_shard:
+        continue
+      records = np.setdiff1d(np.arange(start, stop), excluded, assume_unique=True)
+      parts = [{"index": np.zeros(0, np.int64), "classes": np.zeros((0, top_p), np.int32),
+                "scores": np.zeros((0, top_p), np.float32)}]  # An all-excluded shard is empty.
+      for rows, skipped_rows in inference.forward_rows(step, loaded.variables,
+                                             subset.SubsetSource(source, records), data_cfg,
+                                             batch_size=batch_size, mesh=mesh):
+        skipped += skipped_rows
+        parts.append(rows)
+        bar.update(len(rows["index"]))
+      process_zero.run(f"Writing shard {name}", _finish_shard, root, name, data, split, parts,
+                       records)
   if skipped and is_main:
     console.warn(f"{skipped} corrupt records skipped (not in the predictions).")
 
