@@ -28,7 +28,6 @@ def main(argv):
   # backend 'tpu'"): nothing a user can act on. Its warnings and errors still show.
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
   # Imported here so that jax sees XLA_FLAGS and the flags above first.
-  import jax  # pylint: disable=import-outside-toplevel
   from bigpretrain import train  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import console  # pylint: disable=import-outside-toplevel
   from bigpretrain.runtime import distributed  # pylint: disable=import-outside-toplevel
@@ -60,18 +59,29 @@ def main(argv):
     print(str(e), file=sys.stderr, flush=True)
     preemption.exit_interrupted()
   except cli.USER_ERRORS + cli.run_errors() as e:
-    # Configuration and data errors: one clear line, not a traceback through jit. It
-    # starts on a line of its own (a progress bar may be mid-line on the terminal).
-    logging.exception("Run failed")
-    sys.stdout.flush()
-    print(f"\nERROR: {e}", file=sys.stderr, flush=True)
-    if jax.distributed.is_initialized():
-      # A process that stops alone would wait at the runtime's shutdown barrier for peers
-      # still in the step (minutes, then every process aborts): leave at once; the others
-      # stop when they miss it (the launchers stop them sooner).
-      logging.flush()
-      os._exit(1)  # pylint: disable=protected-access
-    sys.exit(1)
+    # Configuration and data errors: one clear line, not a traceback through jit.
+    _stop(str(e))
+  except OSError as e:  # A full file system that no save or write above names.
+    full = cli.no_space(e, workdir or tempfile.gettempdir())
+    if full is None:
+      raise
+    _stop(full)
+
+
+def _stop(message: str) -> None:
+  """`ERROR: message` on a line of its own (a progress bar may be mid-line on the terminal)
+  and exit status 1, inside the except block (its traceback goes to the log)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  logging.exception("Run failed")
+  sys.stdout.flush()
+  print(f"\nERROR: {message}", file=sys.stderr, flush=True)
+  if jax.distributed.is_initialized():
+    # A process that stops alone would wait at the runtime's shutdown barrier for peers
+    # still in the step (minutes, then every process aborts): leave at once; the others
+    # stop when they miss it (the launchers stop them sooner).
+    logging.flush()
+    os._exit(1)  # pylint: disable=protected-access
+  sys.exit(1)
 
 
 if __name__ == "__main__":

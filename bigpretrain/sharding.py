@@ -22,6 +22,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from bigpretrain.runtime import units
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # The batch is split over every data-parallel axis: FSDP is data parallelism too.
 BATCH_AXES = ("data", "fsdp")
@@ -228,18 +230,18 @@ class ParamReport:
   def describe(self, top: int = 3) -> str:
     """One line: the replicated arrays if any, and the per-device bytes against the ideal."""
     axes = " x ".join(f"{a}={n}" for a, n in self.shard_axes.items()) or "no axis"
-    held = (f"{_size(self.device_bytes)} of parameters per device, "
+    held = (f"{units.size(self.device_bytes)} of parameters per device, "
             f"{self.device_bytes / max(self.ideal_bytes, 1):.1f}x the ideal "
-            f"{_size(self.ideal_bytes)} (all split over {axes})")
+            f"{units.size(self.ideal_bytes)} (all split over {axes})")
     if not self.replicated:
       return held
     n = len(self.replicated)
     largest = ", ".join(
-        f"{r.name} {r.shape} {_size(r.device_bytes)} on "
+        f"{r.name} {r.shape} {units.size(r.device_bytes)} on "
         + "+".join(f"{a}={k}" for a, k in r.axes.items()) for r in self.replicated[:top])
     return (f"{n} parameter array{'s' if n > 1 else ''} stay replicated on a mesh axis, a "
             "dimension the rules name not dividing its axis, "
-            f"{_size(self.replicated_device_bytes)} per device (largest: {largest}): {held}")
+            f"{units.size(self.replicated_device_bytes)} per device (largest: {largest}): {held}")
 
   def advice(self) -> str:
     """What to do about the replicated arrays: the axis sizes that would divide them, or
@@ -254,13 +256,6 @@ class ParamReport:
                    f"pad those dimensions to a multiple of {self.shard_axes[axis]}")
     return ("Choose mesh axis sizes (config.mesh) that divide the model's channel and class "
             "counts, or pad those dimensions: " + "; ".join(out) + ".")
-
-
-def _size(n: float) -> str:
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit}"
-  return f"{int(n)} B"
 
 
 def param_report(abstract_params: nnx.State, rules, mesh: Mesh) -> ParamReport:

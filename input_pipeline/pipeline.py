@@ -49,6 +49,7 @@ import ml_collections
 import numpy as np
 import threadpoolctl
 
+from bigpretrain.runtime import units
 from input_pipeline import augment
 from input_pipeline import augment_spec
 from input_pipeline import dataset_base
@@ -416,18 +417,11 @@ def shared_memory_shortfall(data_cfg, per_host_batch: int, iterators: int = 1,
   need = count * batch_bytes
   if free >= need:
     return None
-  return (f"{path} has {_size(free)} free, and the data workers fill up to {_size(need)} there "
-          f"({count} batches of {_size(batch_bytes)}: {iterators} x {num_workers} workers x "
-          f"(data.prefetch={prefetch} + 1)); a worker that finds it full dies of SIGBUS. "
-          "Give the container more shared memory (docker run --shm-size=...), or lower "
-          "data.num_workers or data.prefetch.")
-
-
-def _size(n: float) -> str:
-  for unit in ("bytes", "KB", "MB", "GB"):
-    if n < 1024 or unit == "GB":
-      return f"{n:,.1f} {unit}" if unit != "bytes" else f"{n:.0f} bytes"
-    n /= 1024
+  return (f"{path} has {units.size(free)} free, and the data workers fill up to "
+          f"{units.size(need)} there ({count} batches of {units.size(batch_bytes)}: "
+          f"{iterators} x {num_workers} workers x (data.prefetch={prefetch} + 1)); a worker "
+          "that finds it full dies of SIGBUS. Give the container more shared memory (docker "
+          "run --shm-size=...), or lower data.num_workers or data.prefetch.")
 
 
 _WORKER_DEATH = re.compile(r"Worker process was terminated unexpectedly with exit code (-?\d+)")

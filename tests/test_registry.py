@@ -22,7 +22,7 @@ ROOT = helpers.ROOT
 # What input_pipeline (the lower layer) may import from bigpretrain: pure libraries (and the
 # commands' shared error style, for its command).
 LOWER_LAYER_MAY_USE = ("bigpretrain.moved", "bigpretrain.runtime.cache", "bigpretrain.registry",
-                       "bigpretrain.runtime.transient",
+                       "bigpretrain.runtime.transient", "bigpretrain.runtime.units",
                        "bigpretrain.semantic.tree", "bigpretrain.tools.cli",
                        "bigpretrain.semantic.wordnet", "bigpretrain.swag.vocabulary",
                        "bigpretrain.swag.resampling", "bigpretrain.semisup.tags",

@@ -131,6 +131,42 @@ def test_a_log_file_that_cannot_be_written_is_said_once(capsys):
                                      "space left on device); its later lines are lost.\n")
 
 
+def test_a_full_file_system_is_one_line_naming_the_free_space(tmp_path, capsys, monkeypatch):
+  """ENOSPC that no save names (a prepare job's output, /dev/shm's semaphores): the commands'
+  one ERROR line, exit 1, with what is free on each file system in play; other OSErrors pass."""
+  from bigpretrain import main  # pylint: disable=import-outside-toplevel
+  from bigpretrain import train  # pylint: disable=import-outside-toplevel
+  from bigpretrain.tools import cli  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1234567))
+  shm_apart = os.path.exists("/dev/shm") and (
+      os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev)
+  full = tmp_path / "out" / "train-00000.parquet"  # Its folder is not made yet.
+  with pytest.raises(SystemExit) as stop, cli.user_errors():
+    raise OSError(errno.ENOSPC, "No space left on device", str(full))
+  err = capsys.readouterr().err
+  assert stop.value.code == 1 and len(err.splitlines()) == 1, err
+  assert err.startswith(f"ERROR: [Errno 28] No space left on device: '{full}': a file system is "
+                        f"full (free: {tmp_path / 'out'} 1.23 MB"), err
+  assert (", /dev/shm 1.23 MB" in err) == shm_apart, err
+  assert err.endswith("). Free some space, or write elsewhere, and run the command again.\n")
+  with pytest.raises(OSError, match="Input/output error"), cli.user_errors():
+    raise OSError(errno.EIO, "Input/output error")
+
+  def fill(config, workdir, on_locked):
+    del config, workdir, on_locked
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(train, "train_and_evaluate", fill)
+  cli.parse_flags(["main", f"--config={helpers.ROOT / 'configs' / 'single_label.py'}",
+                   f"--workdir={tmp_path / 'run'}"])
+  with pytest.raises(SystemExit) as stop:
+    main.main(["main"])
+  err = capsys.readouterr().err
+  assert stop.value.code == 1 and err.startswith(
+      f"\nERROR: [Errno 28] No space left on device: a file system is full (free: "
+      f"{tmp_path / 'run'} 1.23 MB"), err
+
+
 def test_a_damaged_checkpoint_read_for_its_weights_or_meta_is_one_error(tmp_path):
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
   path = helpers.random_checkpoint(tmp_path / "run")

@@ -9,5 +9,6 @@ metric_writers.py metrics.jsonl, TensorBoard and the progress bar
 console.py        the one channel for what a run tells its user
 cache.py          the cache folder (WordNet files, demo dataset, compilation cache)
 transient.py      errors of the storage, network or memory, not of the data read
+units.py          byte counts in messages
 tracer_sharding.py JAX's Tracer.sharding without its quadratic origin message (NNX tracing)
 """

@@ -1,14 +1,20 @@
 """What the commands share: an expected error is one `ERROR:` line and exit status 1."""
 import contextlib
+import errno
 import logging as std_logging
 import os
+import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import traceback
 
 from absl import app
 from absl import flags
 from absl import logging
+
+from bigpretrain.runtime import units
 
 # Bad flags, configs, inputs or data: the user's to fix, so no traceback through jit.
 USER_ERRORS = (FileNotFoundError, PermissionError, ValueError)
@@ -119,6 +125,11 @@ def user_errors(*more: type, log_traceback: bool = False):
     yield
   except USER_ERRORS + more + _read_errors() as e:
     _fail(str(e), log_traceback)
+  except OSError as e:  # A full file system (a prepare job's output, a shard, /dev/shm).
+    full = no_space(e)
+    if full is None:
+      raise
+    _fail(full, log_traceback)
   except RuntimeError as e:  # A data worker's death, in an inference command.
     from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
     death = pipeline.worker_death(e)
@@ -127,6 +138,29 @@ def user_errors(*more: type, log_traceback: bool = False):
     _fail(f"{death}. Use fewer data workers (--num_workers, or a section's num_workers in the "
           "semi-supervised runner's config) or give the job more memory, then re-run it.",
           log_traceback)
+
+
+def no_space(e: BaseException, *paths: str) -> str | None:
+  """For an OSError of a full file system or quota (ENOSPC, EDQUOT): the error and the free
+  space of each file system in play (the file it names, `paths`, /dev/shm where the data
+  workers' batches and Python's semaphores live, the temporary folder); else None."""
+  if not (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+    return None
+  places = [os.path.dirname(os.path.abspath(f)) for f in (e.filename, e.filename2) if f]
+  free, devices = [], set()
+  for place in places + [str(p) for p in paths] + ["/dev/shm", tempfile.gettempdir()]:
+    path = pathlib.Path(place).absolute()
+    while not path.exists() and path != path.parent:  # A folder not made yet: its parent's.
+      path = path.parent
+    try:
+      device = path.stat().st_dev
+      if device not in devices:
+        devices.add(device)
+        free.append(f"{place} {units.size(shutil.disk_usage(path).free)}")
+    except OSError:
+      continue  # Gone or unreadable: nothing to say about it.
+  return (f"{e}: a file system is full (free: {', '.join(free)}). Free some space, or write "
+          "elsewhere, and run the command again.")
 
 
 def _fail(message: str, log_traceback: bool) -> None:
