@@ -157,8 +157,9 @@ def test_a_full_file_system_is_one_line_naming_the_free_space(tmp_path, capsys, 
     raise OSError(errno.ENOSPC, "No space left on device")
 
   monkeypatch.setattr(train, "train_and_evaluate", fill)
-  cli.parse_flags(["main", f"--config={helpers.ROOT / 'configs' / 'single_label.py'}",
-                   f"--workdir={tmp_path / 'run'}"])
+  for flag, value in (("_CONFIG", None), ("_WORKDIR", str(tmp_path / "run")),
+                      ("_COORDINATOR", None), ("_NUM_PROCESSES", None), ("_PROCESS_ID", None)):
+    monkeypatch.setattr(main, flag, types.SimpleNamespace(value=value))
   with pytest.raises(SystemExit) as stop:
     main.main(["main"])
   err = capsys.readouterr().err

@@ -202,10 +202,10 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   if is_main:
     console.say(f"Inference of {workdir} on {data}:{split}: {len(ranges)} shards, "
                 f"{int(pending.sum())} pending ({todo} records, {len(excluded)} excluded in all).")
+  skipped = 0
   # Closed (its line ended) by the time an error reaches the command's error line.
   with tqdm.tqdm(total=todo, unit="img", unit_scale=True, smoothing=0.1, file=sys.stdout,
                  disable=not (progress and is_main), desc=f"{data}:{split}") as bar:
-    skipped = 0
     for (start, stop), name, todo_shard in zip(ranges, names, pending):
       if not todo_shard:
         continue
