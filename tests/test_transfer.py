@@ -1,5 +1,6 @@
 """Transfer: ridge solve, k-shot draws, the few-shot / linear evaluators, configs/transfer.py
 end to end on the demo, demo_coarse."""
+import functools
 import json
 
 import numpy as np
@@ -136,15 +137,21 @@ def _transfer(arg, workdir, **overrides):
   return config, results, rows
 
 
+@functools.cache
+def _forward(checkpoint):
+  """The loaded model's features(), jitted (loaded and compiled once per checkpoint)."""
+  import jax
+  from bigpretrain.models import pretrained
+  model = pretrained.load(checkpoint).module()
+  return jax.jit(lambda images: model.features(images, train=False))
+
+
 def _features(checkpoint, data_cfg, source):
   """Features and labels of `source`, computed apart from bigpretrain.evaluators.linear_probe: the loaded
   model's features() on the eval pipeline's images, one device."""
-  import jax
   from bigpretrain import preprocess
-  from bigpretrain.models import pretrained
   from input_pipeline import pipeline
-  model = pretrained.load(checkpoint).module()
-  forward = jax.jit(lambda images: model.features(images, train=False))
+  forward = _forward(str(checkpoint))
   out, labels = [], []
   for b in pipeline.eval_iterator(source, data_cfg, global_batch_size=256, process_index=0,
                                   process_count=1, fields={"label": 0}):
