@@ -667,6 +667,7 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
     bar.close()
     checkpointer.wait()
     checkpointer.close()
+    batch = None  # Freed with the stream's batches (TrainStream.close).
     train_iter.close()  # Its workers' cores and memory go to the final evaluation.
     results = out.results
     if not results and start >= total_steps:  # A finished run, run again.

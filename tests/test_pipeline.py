@@ -7,6 +7,7 @@ import os
 
 import cv2
 import grain
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -14,6 +15,7 @@ from PIL import Image
 import threadpoolctl
 
 from input_pipeline import pipeline
+from input_pipeline import stream_position
 
 
 def _png(image: np.ndarray) -> bytes:
@@ -366,6 +368,25 @@ def test_eval_workers_free_their_last_batches():
   finally:
     gc.enable()
   assert labels == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 0]] and alive == []
+
+
+def test_a_closed_train_stream_frees_the_batches_it_handed_out():
+  # On the host platform a batch's device arrays share the workers' shared memory and are
+  # freed by the cyclic collector: the trainer's last batch would wait for a collection
+  # after the process has stopped unlinking (reported as leaked at exit).
+  from bigpretrain import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  gc.disable()
+  try:
+    stream = stream_position.TrainStream(
+        lambda pos: _train(_constant_source(11), _cfg(num_workers=2), position=pos), 2)
+    sizes = [sharding.global_batch(next(stream), mesh)["label"].shape for _ in range(3)]
+    stream.close()
+    alive = [type(o).__name__ for o in gc.get_objects()
+             if type(o).__name__ == "SharedMemoryArray"]
+  finally:
+    gc.enable()
+  assert sizes == [(4,)] * 3 and alive == []
 
 
 @pytest.mark.parametrize("overrides,match", [
