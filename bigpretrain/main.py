@@ -61,7 +61,7 @@ def main(argv):
   except cli.USER_ERRORS + cli.run_errors() as e:
     # Configuration and data errors: one clear line, not a traceback through jit.
     _stop(str(e))
-  except OSError as e:  # A full file system that no save or write above names.
+  except (OSError, RuntimeError) as e:  # A full file system that no error above names.
     full = cli.no_space(e, workdir or tempfile.gettempdir())
     if full is None:
       raise

@@ -151,6 +151,13 @@ def test_a_full_file_system_is_one_line_naming_the_free_space(tmp_path, capsys, 
   assert err.endswith("). Free some space, or write elsewhere, and run the command again.\n")
   with pytest.raises(OSError, match="Input/output error"), cli.user_errors():
     raise OSError(errno.EIO, "Input/output error")
+  with pytest.raises(SystemExit), cli.user_errors():  # A Beam job's error, from the OSError.
+    try:
+      raise OSError(errno.EDQUOT, "Disk quota exceeded", str(full))
+    except OSError as quota:
+      raise RuntimeError(f"{quota} [while running 'Write']") from quota
+  assert capsys.readouterr().err.startswith(
+      f"ERROR: [Errno {errno.EDQUOT}] Disk quota exceeded: '{full}': a file system is full")
 
   def fill(config, workdir, on_locked):
     del config, workdir, on_locked

@@ -125,14 +125,13 @@ def user_errors(*more: type, log_traceback: bool = False):
     yield
   except USER_ERRORS + more + _read_errors() as e:
     _fail(str(e), log_traceback)
-  except OSError as e:  # A full file system (a prepare job's output, a shard, /dev/shm).
-    full = no_space(e)
-    if full is None:
-      raise
-    _fail(full, log_traceback)
-  except RuntimeError as e:  # A data worker's death, in an inference command.
+  except (OSError, RuntimeError) as e:
+    # A full file system (a prepare job's output: Beam raises a RuntimeError from it; a
+    # shard, /dev/shm), or a data worker's death in an inference command.
     from input_pipeline import pipeline  # pylint: disable=import-outside-toplevel
-    death = pipeline.worker_death(e)
+    full, death = no_space(e), pipeline.worker_death(e)
+    if full:
+      _fail(full, log_traceback)
     if death is None:
       raise
     _fail(f"{death}. Use fewer data workers (--num_workers, or a section's num_workers in the "
@@ -140,11 +139,17 @@ def user_errors(*more: type, log_traceback: bool = False):
           log_traceback)
 
 
-def no_space(e: BaseException, *paths: str) -> str | None:
-  """For an OSError of a full file system or quota (ENOSPC, EDQUOT): the error and the free
-  space of each file system in play (the file it names, `paths`, /dev/shm where the data
-  workers' batches and Python's semaphores live, the temporary folder); else None."""
-  if not (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+def no_space(error: BaseException, *paths: str) -> str | None:
+  """For an OSError of a full file system or quota (ENOSPC, EDQUOT), or an error raised from
+  one: that OSError and the free space of each file system in play (the file it names,
+  `paths`, /dev/shm where the data workers' batches and Python's semaphores live, the
+  temporary folder); else None."""
+  e, seen = error, set()
+  while e is not None and id(e) not in seen and not (
+      isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  if e is None or id(e) in seen:
     return None
   places = [os.path.dirname(os.path.abspath(f)) for f in (e.filename, e.filename2) if f]
   free, devices = [], set()
