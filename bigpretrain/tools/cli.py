@@ -151,9 +151,11 @@ def no_space(error: BaseException, *paths: str) -> str | None:
     e = e.__cause__ or e.__context__
   if e is None or id(e) in seen:
     return None
-  places = [os.path.dirname(os.path.abspath(f)) for f in (e.filename, e.filename2) if f]
+  places = [os.path.dirname(os.path.abspath(f)) for f in (e.filename, e.filename2)
+            if isinstance(f, (str, os.PathLike))] + [str(p) for p in paths]
+  places += [p for p in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(p)]
   free, devices = [], set()
-  for place in places + [str(p) for p in paths] + ["/dev/shm", tempfile.gettempdir()]:
+  for place in places:
     path = pathlib.Path(place).absolute()
     while not path.exists() and path != path.parent:  # A folder not made yet: its parent's.
       path = path.parent
