@@ -12,6 +12,7 @@ import numpy as np
 from bigpretrain import preprocess
 from bigpretrain import sharding
 from bigpretrain.runtime import console
+from bigpretrain.runtime import distributed
 from input_pipeline import pipeline
 
 
@@ -50,7 +51,8 @@ def total_over_processes(count: int) -> int:
 def warn_of_shared_memory(data_cfg, batch_size: int) -> None:
   """Warns (process 0) when the data workers of one pass of global batches of `batch_size`
   would not fit in the shared memory (pipeline.shared_memory_shortfall)."""
-  shortfall = pipeline.shared_memory_shortfall(data_cfg, batch_size // jax.process_count())
+  shortfall = pipeline.shared_memory_shortfall(data_cfg, batch_size // jax.process_count(),
+                                               processes=distributed.processes_on_this_host())
   if shortfall and jax.process_index() == 0:
     console.warn(shortfall)
 

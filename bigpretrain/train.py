@@ -22,6 +22,7 @@ import optax
 from bigpretrain import checkpoint as ckpt_lib
 from bigpretrain import config_lib
 from bigpretrain.runtime import console
+from bigpretrain.runtime import distributed
 from bigpretrain import divergence
 from bigpretrain import evaluators as evaluators_lib
 from bigpretrain.plan import flops
@@ -597,7 +598,8 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
   shortfall = pipeline.shared_memory_shortfall(  # The train stream's workers wait in evals.
-      config.data, config.batch_size // jax.process_count(), 2 if evaluators else 1)
+      config.data, config.batch_size // jax.process_count(), 2 if evaluators else 1,
+      distributed.processes_on_this_host())
   if shortfall:
     console.warn(shortfall)
   train_iter = stream_position.TrainStream(

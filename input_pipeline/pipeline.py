@@ -399,26 +399,28 @@ def _maybe_mp_prefetch(ds: grain.IterDataset, settings: _Settings) -> grain.Iter
 SHARED_MEMORY = "/dev/shm"
 
 
-def shared_memory_shortfall(data_cfg, per_host_batch: int, iterators: int = 1,
-                            path: str = SHARED_MEMORY) -> str | None:
+def shared_memory_shortfall(data_cfg, per_process_batch: int, iterators: int = 1,
+                            processes: int = 1, path: str = SHARED_MEMORY) -> str | None:
   """What to do when `path`, where grain's worker processes hand their batches over, has less
-  free space than `iterators` worker-fed iterators of `data_cfg`'s workers (a train stream
-  and its evaluations) fill with batches of `per_host_batch` images: each worker holds up to
-  data.prefetch finished batches there and writes one more. Past it a worker dies of SIGBUS.
-  None when it fits, with no workers, or without such a folder."""
+  free space than `processes` processes on the host (each with `iterators` worker-fed
+  iterators of `data_cfg`'s workers: a train stream and its evaluations) fill with batches of
+  `per_process_batch` images: each worker holds up to data.prefetch finished batches there
+  and writes one more. Past it a worker dies of SIGBUS. None when it fits, with no workers,
+  or without such a folder."""
   settings = _settings(data_cfg)
   num_workers, prefetch = settings.num_workers, settings.prefetch
-  batch_bytes = per_host_batch * settings.image_size ** 2 * 3  # uint8 images; labels are few.
+  batch_bytes = per_process_batch * settings.image_size ** 2 * 3  # uint8 images; labels few.
   if num_workers == 0 or not os.path.isdir(path):
     return None
   stat = os.statvfs(path)
   free = stat.f_bavail * stat.f_frsize
-  count = iterators * num_workers * (prefetch + 1)
+  count = processes * iterators * num_workers * (prefetch + 1)
   need = count * batch_bytes
   if free >= need:
     return None
+  on_host = f"{processes} processes on this host x " if processes > 1 else ""
   return (f"{path} has {units.size(free)} free, and the data workers fill up to "
-          f"{units.size(need)} there ({count} batches of {units.size(batch_bytes)}: "
+          f"{units.size(need)} there ({count} batches of {units.size(batch_bytes)}: {on_host}"
           f"{iterators} x {num_workers} workers x (data.prefetch={prefetch} + 1)); a worker "
           "that finds it full dies of SIGBUS. Give the container more shared memory (docker "
           "run --shm-size=...), or lower data.num_workers or data.prefetch.")

@@ -487,3 +487,29 @@ def test_joining_says_what_it_waits_for_before_it_blocks(monkeypatch, capsys):
                     "process_id": 1, "initialization_timeout": distributed.INIT_TIMEOUT_S}
   assert said.strip() == ("Joining the run's processes (explicit: process 1 of 2, coordinator "
                           "10.0.0.1:1234); waiting up to 300 s for all of them to start.")
+
+
+
+def test_processes_on_this_host_counts_the_processes_with_its_host_name(monkeypatch):
+  """One process per GPU (launch/slurm.sbatch): the 8 processes of a host share its /dev/shm,
+  which the data workers' shared-memory check counts."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  assert distributed.processes_on_this_host() == 1  # One process: no collective.
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 16)
+  sent = {}
+
+  def sends(name):  # What a process on host `name` contributes to the all-gather.
+    monkeypatch.setattr(distributed.socket, "gethostname", lambda: name)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: sent.setdefault(name, np.array(x))[None])
+    distributed.processes_on_this_host()
+    return sent[name]
+
+  hosts = ["node-a"] * 8 + ["node-b"] * 5 + ["node-c"] * 3
+  gathered = np.stack([sends(name) for name in hosts])
+  assert len({v.tobytes() for v in sent.values()}) == 3  # One value per host name.
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: gathered)
+  for name, count in (("node-a", 8), ("node-b", 5), ("node-c", 3)):
+    monkeypatch.setattr(distributed.socket, "gethostname", lambda name=name: name)
+    assert distributed.processes_on_this_host() == count

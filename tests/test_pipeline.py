@@ -353,6 +353,11 @@ def test_shared_memory_shortfall_counts_every_workers_buffer(tmp_path):
   assert shortfall(3, free // 36) is None
   assert shortfall(0, free) is None
   assert shortfall(3, free, tmp_path / "no") is None
+  # 8 processes on the host (one per GPU) share it: 144 batches of a 72nd do not fit.
+  eight = pipeline.shared_memory_shortfall(_cfg(num_workers=3, prefetch=2, image_size=1),
+                                           free // 72 // 3, 2, processes=8, path=str(tmp_path))
+  assert "(144 batches of " in eight and (
+      ": 8 processes on this host x 2 x 3 workers x (data.prefetch=2 + 1))" in eight)
 
 
 def test_eval_workers_free_their_last_batches():

@@ -11,11 +11,14 @@ would otherwise initialise each plugin on every host and print a CUDA-plugin tra
 libtpu errors on a machine that has neither device, which reads as a crash.
 """
 import glob
+import hashlib
 import os
+import socket
 
 from absl import flags
 from absl import logging
 import jax
+import numpy as np
 
 from bigpretrain.plan import gpu_flags
 from bigpretrain.runtime import console
@@ -157,6 +160,18 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return kind
+
+
+def processes_on_this_host() -> int:
+  """How many of the run's processes run on this host and share its /dev/shm (8 under
+  launch/slurm.sbatch's one process per GPU, 1 on a TPU host): a collective, called by every
+  process at the same point."""
+  if jax.process_count() == 1:
+    return 1
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  host = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.int64)
+  hosts = np.asarray(multihost_utils.process_allgather(host)).reshape(-1)
+  return int(np.sum(hosts == host[0]))
 
 
 def define_flags() -> None:
