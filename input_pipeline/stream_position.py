@@ -172,10 +172,10 @@ class TrainStream:
 
   def close(self) -> None:
     """Stops the iterator's worker processes and frees the batches they had prepared, and
-    those it handed out that nothing holds any more: with workers, a batch handed out is
-    often freed by the cyclic collector only (its host device arrays share the batch's shared
-    memory), and one still waiting for a collection when the process ends is never unlinked
-    (the 'leaked shared_memory objects' reported at exit)."""
+    those it handed out that nothing holds any more: on the host platform a batch's device
+    arrays share its shared memory and are freed by the cyclic collector, and one still
+    waiting for a collection when the process ends is never unlinked (reported at exit as
+    'leaked shared_memory objects')."""
     self.iterator.close()
     gc.collect()
 
