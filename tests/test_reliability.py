@@ -175,6 +175,23 @@ def test_a_full_file_system_is_one_line_naming_the_free_space(tmp_path, capsys, 
       f"{tmp_path / 'run'} 1.23 MB"), err
 
 
+def test_usage_a_folder_for_a_file_and_ctrl_c_are_one_line_each(tmp_path, capsys):
+  """A missing or out-of-range flag: one ERROR line and status 2 (app.UsageError printed a
+  page of help before it); a folder where a file was asked for, and Ctrl-C: one line too."""
+  from bigpretrain.tools import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as stop:
+    cli.check_usage(["infer", "stray"])  # Every command's check of its arguments.
+  assert stop.value.code == 2 and capsys.readouterr().err == (
+      "ERROR: Unexpected arguments ['stray']. Pass --help for the flags.\n")
+  with pytest.raises(SystemExit) as stop, cli.user_errors():
+    open(tmp_path, encoding="utf-8")  # e.g. --class_map=/tmp
+  assert stop.value.code == 1 and capsys.readouterr().err == (
+      f"ERROR: [Errno 21] Is a directory: '{tmp_path}'\n")
+  with pytest.raises(SystemExit) as stop, cli.user_errors():
+    raise KeyboardInterrupt
+  assert stop.value.code == 130 and capsys.readouterr().err == "\nInterrupted (Ctrl-C).\n"
+
+
 def test_a_damaged_checkpoint_read_for_its_weights_or_meta_is_one_error(tmp_path):
   from bigpretrain.models import pretrained  # pylint: disable=import-outside-toplevel
   path = helpers.random_checkpoint(tmp_path / "run")

@@ -10,14 +10,14 @@ import sys
 import tempfile
 import traceback
 
-from absl import app
 from absl import flags
 from absl import logging
 
 from bigpretrain.runtime import units
 
 # Bad flags, configs, inputs or data: the user's to fix, so no traceback through jit.
-USER_ERRORS = (FileNotFoundError, PermissionError, ValueError)
+USER_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+               ValueError)
 
 
 def run_errors() -> tuple[type, ...]:
@@ -48,16 +48,16 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     parsing = re.match(r"flag (--\S+): Error whilst parsing config file:", str(e))
     if parsing:  # The last line of the traceback in the message: get_config's error.
-      _usage_error(f"{parsing.group(1)}: {str(e).strip().splitlines()[-1]}")
-    _usage_error(f"{e}\nPass --help for the flags.")
+      usage_error(f"{parsing.group(1)}: {str(e).strip().splitlines()[-1]}")
+    usage_error(f"{e}\nPass --help for the flags.")
   except OSError as e:  # An override applied to a file that did not load.
     _config_not_loaded(e, argv)
   except Exception as e:  # pylint: disable=broad-except
     where = _in_config_file(e, argv)
     if where:  # The file's own code failed to load (a syntax error, a missing import).
-      _usage_error(f"{where}: {type(e).__name__}: {e}")
+      usage_error(f"{where}: {type(e).__name__}: {e}")
     if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
-      _usage_error(f"{_config_arg(argv)}: the file defines no get_config() returning the "
+      usage_error(f"{_config_arg(argv)}: the file defines no get_config() returning the "
                    "config.")
     if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
       raise
@@ -68,8 +68,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     given = next((a.split("=")[0] for a in argv if a.startswith("--config.") and
                   bad in a.split("=")[0].split(".")), "") if bad else ""
     if bad and isinstance(e, (AttributeError, KeyError)):
-      _usage_error(f"unknown config key {given or bad}. {hint.group(0) if hint else ''}".strip())
-    _usage_error(f"bad config override: {type(e).__name__}: {text}")
+      usage_error(f"unknown config key {given or bad}. {hint.group(0) if hint else ''}".strip())
+    usage_error(f"bad config override: {type(e).__name__}: {text}")
   if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
     try:
       flags.FLAGS["config"].value.keys()
@@ -81,7 +81,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _config_not_loaded(e: OSError, argv: list[str]) -> None:
   """A --config file that did not load: the cause's last line says why."""
   cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
-  _usage_error(f"{_config_arg(argv)}: {cause}")
+  usage_error(f"{_config_arg(argv)}: {cause}")
 
 
 def _config_arg(argv: list[str]) -> str:
@@ -111,7 +111,9 @@ def quiet_logs() -> None:
   std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
 
 
-def _usage_error(message: str) -> None:
+def usage_error(message: str) -> None:
+  """A command used wrongly (a flag missing or out of range, stray arguments): `ERROR:
+  message` and exit status 2, without absl's page of help that app.UsageError prints."""
   print(f"ERROR: {message}", file=sys.stderr, flush=True)
   sys.exit(2)
 
@@ -125,6 +127,9 @@ def user_errors(*more: type, log_traceback: bool = False):
     yield
   except USER_ERRORS + more + _read_errors() as e:
     _fail(str(e), log_traceback)
+  except KeyboardInterrupt:  # Ctrl-C: said in one line, not a traceback of where it landed.
+    print("\nInterrupted (Ctrl-C).", file=sys.stderr, flush=True)
+    sys.exit(130)
   except (OSError, RuntimeError) as e:
     # A full file system (a prepare job's output: Beam raises a RuntimeError from it; a
     # shard, /dev/shm), or a data worker's death in an inference command.
@@ -186,9 +191,9 @@ def _read_errors() -> tuple[type, ...]:
 
 
 def check_usage(argv, *required: str) -> None:
-  """app.UsageError for positional arguments or a `required` flag left unset."""
+  """usage_error for positional arguments or a `required` flag left unset."""
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+    usage_error(f"Unexpected arguments {argv[1:]}. Pass --help for the flags.")
   for name in required:
     if flags.FLAGS[name].value in (None, ""):
-      raise app.UsageError(f"--{name} is required.")
+      usage_error(f"--{name} is required. Pass --help for the flags.")

@@ -43,14 +43,14 @@ def define_flags(flag_values=flags.FLAGS) -> None:
 def run(f) -> None:
   """The command on parsed flag values `f`; a bad input prints ERROR and exits 1."""
   if not f["weights"].value or not f["out"].value:
-    raise app.UsageError("--weights and --out are required")
+    cli.usage_error("--weights and --out are required.")
   with cli.user_errors(ImportError):
     if f["export"].value:
       sd = convert.export_weights(f["weights"].value, f["out"].value, f["to"].value)
       print(f"Wrote {len(sd)} tensors to {f['out'].value}")
     else:
       if not f["from"].value:
-        raise app.UsageError("--from=FORMAT:ARCH is required")
+        cli.usage_error("--from=FORMAT:ARCH is required.")
       meta = convert.import_weights(f["from"].value, f["weights"].value, f["out"].value,
                             num_classes=f["num_classes"].value,
                             image_size=f["image_size"].value,
@@ -64,7 +64,7 @@ def run(f) -> None:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    cli.usage_error(f"Unexpected arguments {argv[1:]}.")
   cli.quiet_logs()
   distributed.select_platforms()
   run(flags.FLAGS)

@@ -41,7 +41,7 @@ def main(argv):
   distributed.select_platforms()
   f = flags.FLAGS
   if bool(f.workdir) == bool(f.checkpoint):
-    raise app.UsageError("Give exactly one of --workdir and --checkpoint.")
+    cli.usage_error("Give exactly one of --workdir and --checkpoint.")
   with cli.user_errors():
     run_config = evaluate.read_run_config(f.workdir) if f.workdir else None
     result = evaluate.evaluate(

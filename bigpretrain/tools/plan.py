@@ -68,7 +68,7 @@ def _devices(f):
   """The devices to plan for: the topology's (or, without its compiler, as many fake CPU
   devices, with a note on stderr) or --devices fake CPU devices. Before any jax backend starts."""
   if (f.devices is None) == (f.topology is None):
-    raise app.UsageError("Pass one of --topology=... and --devices=N.")
+    cli.usage_error("Pass one of --topology=... and --devices=N.")
   topology = accelerators.parse_topology(f.topology) if f.topology else None
   if topology is not None:
     problem = accelerators.compiler_problem(topology.accelerator.platform)
@@ -79,7 +79,7 @@ def _devices(f):
           f"(XLA:CPU), not with its compiler: {problem}", file=sys.stderr, flush=True)
   count = topology.num_devices if topology else f.devices
   if count < 1:
-    raise app.UsageError(f"--devices={count} must be >= 1.")
+    cli.usage_error(f"--devices={count} must be >= 1.")
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", count)
   if jax.device_count() != count:

@@ -46,7 +46,7 @@ def main(argv):
   cli.quiet_logs()
   distributed.select_platforms()
   if len(argv) < 2:
-    raise app.UsageError("Give one or more image files or folders holding images.")
+    cli.usage_error("Give one or more image files or folders holding images.")
   paths = predict.expand_paths(argv[1:])
   if not paths:
     print(f"ERROR: no image files in {' '.join(argv[1:])}", file=sys.stderr)
