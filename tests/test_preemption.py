@@ -98,3 +98,25 @@ def test_sync_manager_running_needs_several_processes(monkeypatch, count):
   monkeypatch.setattr(jax, "process_count", lambda: count)
   monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda n: False)
   assert preemption.sync_manager_running() == (count > 1)
+
+
+def test_a_signal_after_a_runs_loop_stops_the_semi_supervised_runner_before_its_next_stage(
+    capsys):
+  """A run's context takes a SIGTERM after its loop (its final evaluation) and its run ends
+  as if none came; the runner's context around it learns of it, and stops before the next
+  stage instead of going on to train and infer for hours."""
+  from bigpretrain.semisup import semi_supervised  # pylint: disable=import-outside-toplevel
+  before = signal.getsignal(signal.SIGTERM)
+  with preemption.Preemption(on_signal="finishing this stage, then stopping") as runner:
+    semi_supervised._stop_if_signalled(runner, "teacher")  # Nothing came: goes on.
+    with preemption.Preemption() as run:
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert run.requested and not runner.requested
+    assert runner.requested
+    with pytest.raises(semi_supervised.Interrupted,
+                       match=r"^Stopped before \[infer unlabeled\] \(SIGTERM or Ctrl-C\); "
+                             r"re-run the same command to resume"):
+      semi_supervised._stop_if_signalled(runner, "infer unlabeled")
+    os.kill(os.getpid(), signal.SIGTERM)  # Between stages: the runner's own handler.
+  assert signal.getsignal(signal.SIGTERM) is before
+  assert "SIGTERM received: finishing this stage, then stopping." in capsys.readouterr().err

@@ -12,7 +12,8 @@ dispatching steps ahead of it (an all-gather of a flag would wait for the step j
 dispatched). No Python handler is installed then: it would replace the runtime's. The call
 counter is per process, not the train step, so that a notice that arrives before a loop (while
 compiling, or between the stages of bigpretrain.semisup.semi_supervised) stops at that loop's first
-step. A SIGTERM after the last loop is not acted on: the run finishes.
+step. A SIGTERM after the last loop is not acted on: the run finishes (the semi-supervised
+runner, whose context encloses its stages' runs, then stops before its next stage).
 
 Without the sync manager (the service turned off), the flag is all-gathered at log steps only,
 where the loop waits for the device anyway.
@@ -91,10 +92,13 @@ class Preemption:
   """Context of a run; `agreed(log_step)` after each step of its loop: True on every process at
   the same step once any got SIGTERM or Ctrl-C (then the loop saves and exits)."""
 
-  def __init__(self, in_set_up: bool = False):
+  def __init__(self, in_set_up: bool = False,
+               on_signal: str = "saving a checkpoint and exiting"):
     """`in_set_up`: the context opens in the run's set-up (train_and_evaluate's, whose lock is
-    taken before setting_up(True)): a signal before setting_up(True) stops the set-up there."""
+    taken before setting_up(True)): a signal before setting_up(True) stops the set-up there.
+    `on_signal`: what the signal's line says happens next."""
     self.requested = False
+    self._on_signal = on_signal
     self._in_set_up = in_set_up  # Before the loop: a signal stops the set-up (one process).
     self.on_abort = None  # Called before a second Ctrl-C ends the process (the lock's release).
     self._previous = {}
@@ -140,7 +144,7 @@ class Preemption:
         self._interruptible = False
         raise Interrupted(self._set_up_stop)
       return  # Not yet interruptible (the lock being taken): setting_up(True) raises it.
-    _say(f"{name} received: saving a checkpoint and exiting"
+    _say(f"{name} received: {self._on_signal}"
          f"{' (Ctrl-C again stops at once)' if signum == signal.SIGINT else ''}.")
 
   def setting_up(self, on: bool) -> None:
@@ -161,6 +165,11 @@ class Preemption:
     self._interruptible = False
     for s, previous in self._previous.items():
       signal.signal(s, previous)
+      # A signal this context took after its loop (a run's final evaluation) is the enclosing
+      # context's too (the semi-supervised runner's, which stops before its next stage).
+      outer = getattr(previous, "__self__", None)
+      if self.requested and isinstance(outer, Preemption):
+        outer.requested = True
     self._previous = {}
     if self._unraisablehook is not None:
       sys.unraisablehook = self._unraisablehook

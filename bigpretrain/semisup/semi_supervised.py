@@ -7,7 +7,8 @@ predictions/<split>, pool, selection, student, finetune; DIR/dedup/<split> once 
 rounds) and, last, its completion marker; DIR/baseline holds the supervised baseline and
 DIR/results.json the numbers. Re-running the command skips finished stages and resumes an
 interrupted one: the trainer from its checkpoint (SIGTERM saves one and stops the command
-with exit 0), inference shard by shard, the selection from scratch (it writes its index
+with exit 0; one that comes in any other stage, or after a trainer's last step, lets that
+stage finish and stops the command before the next), inference shard by shard, the selection from scratch (it writes its index
 files, then selection.json). Each stage's folder records what it was built from
 (inputs.json: the identity of the teacher, predictions, pool, selection or student it read);
 a stage whose inputs have changed since (a teacher trained again, another top_p) is refused
@@ -60,6 +61,7 @@ from bigpretrain import config_lib
 from bigpretrain import sharding
 from bigpretrain.evaluators import base as evaluators_base
 from bigpretrain.runtime import console
+from bigpretrain.runtime import preemption
 from bigpretrain.runtime import process_zero
 from bigpretrain.semisup import dedup
 from bigpretrain.semisup import pool_predictions
@@ -92,7 +94,8 @@ _KEYS = {
 
 
 class Interrupted(Exception):
-  """A training stage stopped before its last step (SIGTERM): re-run to resume."""
+  """A SIGTERM or Ctrl-C stopped the run (a training stage before its last step, or the run
+  before its next stage): re-run to resume."""
 
 
 def is_main() -> bool:
@@ -400,7 +403,21 @@ def check_keys(config) -> None:
 
 def run(config, workdir: str) -> dict:
   """Runs (or completes) every stage of `config` in `workdir`; returns results.json's content.
-  Raises Interrupted when a training stage was stopped by SIGTERM."""
+  Raises Interrupted when a SIGTERM or Ctrl-C stopped a training stage, or came in a stage
+  that ran to its end (then before the next stage starts)."""
+  with preemption.Preemption(on_signal="finishing this stage, then stopping") as signals:
+    return _run(config, workdir, lambda stage: _stop_if_signalled(signals, stage))
+
+
+def _stop_if_signalled(signals: preemption.Preemption, stage: str) -> None:
+  """Raises Interrupted on every process, before `stage`, once any got a signal."""
+  if signals.agreed(log_step=True):
+    raise Interrupted(f"Stopped before [{stage}] (SIGTERM or Ctrl-C); re-run the same "
+                      "command to resume: finished stages are kept.")
+
+
+def _run(config, workdir: str, before) -> dict:
+  """run's stages; `before(stage)` ahead of each (_stop_if_signalled)."""
   check_keys(config)
   root = epath.Path(workdir)
   if is_main():
@@ -436,17 +453,20 @@ def run(config, workdir: str) -> dict:
       teacher_cfg.model_init = config.get("teacher_pretrained") or ""
       if not teacher_cfg.model_init:
         folder = root / "round1" / "teacher_pretrain"
+        before("teacher pretraining")
         done = train_stage("teacher pretraining", stage_config(
             config.teacher_pretrain, config.seed, {"dir": config.data.dir}), folder)
         teacher_cfg.model_init = str(folder)
         results["teacher_pretrain"] = done["results"]
       inputs["model_init"] = model_identity(teacher_cfg.model_init)
+    before("teacher")
     done = train_stage("teacher", teacher_cfg, root / "round1" / "teacher", inputs)
     teacher = str(root / "round1" / "teacher")
     results["teacher"] = done["results"]
   if config.get("dedup") and config.dedup.against:
     model = config.dedup.model or teacher
     for split in pool_splits:
+      before(f"dedup {split}")
       removed = dedup_stage(config, model, split, root / "dedup" / split)
       exclude[split] = np.union1d(exclude.get(split, np.zeros(0, np.int64)), removed)
   steps = 0
@@ -454,10 +474,13 @@ def run(config, workdir: str) -> dict:
     rdir = root / f"round{r}"
     preds = {s: rdir / "predictions" / s for s in pool_splits}
     for split, folder in preds.items():
+      before(f"infer {split}")
       infer_stage(teacher, config, split, folder)
     _sync("pool")
+    before("pool")
     pool_stage(preds, exclude, class_names, rdir / "pool")
     # One Beam job; --config.selection.beam_runner spreads it.
+    before("selection")
     sel = process_zero.run("[selection]", selection_stage, config, rdir / "pool", class_names,
                            rdir / "selection")
     if not is_main():
@@ -469,10 +492,12 @@ def run(config, workdir: str) -> dict:
       for evaluator in student_cfg.evals.values():
         if "dataset" not in evaluators_base.EVALUATORS.get(evaluator.type).NOT_READ:
           evaluator.dataset = evaluator.get("dataset") or config.data.name
+    before(f"round {r} student")
     student = train_stage(f"round {r} student", student_cfg, rdir / "student", {
         "selection": identity(rdir / "selection" / selection_formats.SELECTION_FILE)})
     ft_cfg = stage_config(config.finetune, config.seed, labelled)
     ft_cfg.model_init = str(rdir / "student")
+    before(f"round {r} fine-tuning")
     finetune = train_stage(f"round {r} fine-tuning", ft_cfg, rdir / "finetune",
                            {"model_init": identity(rdir / "student" / DONE_FILE)})
     steps = student["total_steps"] + finetune["total_steps"]
@@ -484,8 +509,10 @@ def run(config, workdir: str) -> dict:
     base_cfg = stage_config(config.baseline, config.seed, labelled)
     if base_cfg.total_steps <= 0 and base_cfg.num_epochs <= 0 and base_cfg.num_examples <= 0:
       base_cfg.total_steps = steps  # The last round's pretraining + fine-tuning steps.
+    before("supervised baseline")
     results["baseline"] = train_stage("supervised baseline", base_cfg,
                                       root / "baseline")["results"]
+  before("results")
   _write_json(root / RESULTS_FILE, results)
   _say(summary(results))
   return results
