@@ -668,6 +668,16 @@ def checkpoint_dir(path: str) -> str:
   return inner if os.path.isdir(inner) else path
 
 
+def latest_step(path: str) -> int:
+  """The latest checkpoint step under `path` (a run's workdir or its checkpoints/ folder)."""
+  directory = checkpoint_dir(path)
+  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+    step = manager.latest_step()
+  if step is None:
+    raise no_checkpoint(directory)
+  return step
+
+
 def read_meta(path: str, step: int | None = None, *, required: bool = True) -> dict | None:
   """The 'meta' item (see run_meta) of the latest (or given) checkpoint under `path`; None
   for a checkpoint without one when not `required`."""

@@ -1,6 +1,7 @@
 """Teacher inference (bigpretrain.tools.infer) and the 'selection:DIR' data source on the demo."""
 import dataclasses
 import json
+import pathlib
 import shutil
 
 import numpy as np
@@ -199,10 +200,22 @@ def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatc
     patch.setattr(pool_predictions.pretrained, "load", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(ValueError, match="--out=.*a_file cannot be written as a folder"):
       pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "a_file"), **KW)
-  # A started folder resumes only with the same parameters.
+  # A started folder resumes only with the same parameters, and the same teacher checkpoint:
+  # shards scored by the step recorded, not by one the teacher has trained since.
   out, _ = predictions
   with pytest.raises(ValueError, match="other parameters.*top_p"):
     pool_predictions.run(teacher, DATA, SPLIT, str(out), **{**KW, "top_p": 5})
+  params = json.loads((out / pool_predictions.PARAMS_FILE).read_text())
+  ckpts = pathlib.Path(teacher) / "checkpoints"
+  assert params["checkpoint_step"] == max(int(p.name) for p in ckpts.iterdir()
+                                          if p.name.isdigit())
+  older = tmp_path / "older"
+  shutil.copytree(out, older)
+  (older / pool_predictions.PARAMS_FILE).write_text(
+      json.dumps({**params, "checkpoint_step": params["checkpoint_step"] - 1}))
+  with pytest.raises(ValueError, match=r"other parameters \{'checkpoint_step': .*the teacher "
+                                       r"has a newer checkpoint .*use another --out"):
+    pool_predictions.run(teacher, DATA, SPLIT, str(older), **KW)
   real = datasets.get_dataset
 
   def fewer_classes(cfg):

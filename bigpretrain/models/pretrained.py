@@ -22,15 +22,17 @@ class Loaded:
     return self.model_def.merge(self.variables["params"], self.variables["extra"])
 
 
-def load(path: str, *, mesh=None, rules=(), compute_dtype: str | None = None) -> Loaded:
-  """Loads a run's workdir or checkpoint dir. With `mesh`, arrays are sharded by the logical
-  `rules`; without, they land on the first local device. `compute_dtype` overrides the
-  checkpoint's (a teacher computes in the student's precision)."""
-  meta = checkpoint.read_meta(path)
+def load(path: str, *, mesh=None, rules=(), compute_dtype: str | None = None,
+         step: int | None = None) -> Loaded:
+  """Loads a run's workdir or checkpoint dir (its latest step, or `step`). With `mesh`,
+  arrays are sharded by the logical `rules`; without, they land on the first local device.
+  `compute_dtype` overrides the checkpoint's (a teacher computes in the student's
+  precision)."""
+  meta = checkpoint.read_meta(path, step)
   model_def = models.ModelDef.from_config(meta["model"], meta["num_classes"],
                                           compute_dtype or meta["compute_dtype"])
   abstract, shardings = abstract_variables(model_def, mesh, rules)
-  return Loaded(model_def, checkpoint.load_params(path, abstract), meta, shardings)
+  return Loaded(model_def, checkpoint.load_params(path, abstract, step), meta, shardings)
 
 
 def abstract_variables(model_def, mesh=None, rules=()) -> tuple[dict, dict | None]:

@@ -15,7 +15,9 @@ and predictions.json counts them (num_excluded).
 Shards and resumption: shard s holds the records [s * S, (s + 1) * S) (S = --shard_size) as
 `SPLIT-SSSSS-of-NNNNN.parquet`, written whole to a temporary name and renamed, so a shard
 file exists only when complete. A killed run, re-run with the same flags, skips the shards
-that exist; other flags on a started folder are an error (inference.json records them).
+that exist; other flags on a started folder are an error (inference.json records them), and
+so is a teacher that has saved a newer checkpoint since (the step the shards were scored by
+is recorded with them).
 predictions.json is written last, with num_records; its presence means the folder is done.
 
 Hosts: every process runs this command (launch/ scripts); each reads its own slice of each
@@ -94,8 +96,13 @@ def _check_params(out: epath.Path, params: dict) -> None:
     found = json.loads(path.read_text())
     if found != params:
       diff = {k: (found.get(k), v) for k, v in params.items() if found.get(k) != v}
+      if "checkpoint_step" in diff:
+        advice = ("the teacher has a newer checkpoint than the one its shards were scored "
+                  "with: use another --out (or delete this one) to score with it")
+      else:
+        advice = "re-run with the same flags to resume, or use another --out"
       raise ValueError(f"{out} holds inference with other parameters {diff} (found, given); "
-                       "re-run with the same flags to resume, or use another --out.")
+                       f"{advice}.")
   elif jax.process_index() == 0:
     _write_atomic(path, json.dumps(params, indent=1).encode())
 
@@ -150,7 +157,8 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   if pool_classes not in ("teacher", "any"):
     raise ValueError(f"pool_classes={pool_classes!r} must be 'teacher' or 'any'.")
   check_shard_size(shard_size, name)
-  meta = checkpoint.read_meta(workdir)
+  checkpoint_step = checkpoint.latest_step(workdir)  # Recorded: a resume scores with it.
+  meta = checkpoint.read_meta(workdir, checkpoint_step)
   dataset = datasets.get_dataset({"name": data, "dir": data_dir})
   info = dataset.info
   if split not in info.splits:
@@ -173,7 +181,8 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   is_main = jax.process_index() == 0
   process_zero.run("the --out check", out_paths.folder, out)
   mesh = sharding.inference_mesh(fsdp, batch_size, name)
-  loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)
+  loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules,
+                           step=checkpoint_step)
   step = make_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
                    top_p, logits)
   data_cfg = {**meta["data"], "num_workers": num_workers}
@@ -182,7 +191,7 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   source = dataset.source(split)
   ranges = shard_ranges(len(source), shard_size)
   names = [shard_name(split, s, len(ranges)) for s in range(len(ranges))]
-  params = {"workdir": str(workdir), "dataset": data, "split": split, "top_p": top_p,
+  params = {"workdir": str(workdir), "checkpoint_step": checkpoint_step, "dataset": data, "split": split, "top_p": top_p,
             "scores": "logits" if logits else "softmax", "shard_size": shard_size,
             "split_records": len(source)}
   excluded = np.zeros(0, np.int64)
