@@ -1,4 +1,6 @@
 """Tests for SWAG zero-shot transfer: class map, aggregation, Platt scaling."""
+import json
+
 import numpy as np
 import pytest
 
@@ -261,3 +263,15 @@ def test_real_labels_are_scored_and_unlabelled_splits_refused(caplog):
                      r"-1: a test split whose labels are withheld\?\)"):
     zero_shot.top1_from_rows({"sum": scores, "label": np.array([0, -1, -1, 1])},
                              {False: "sum"})
+
+
+def test_a_class_map_that_cannot_be_written_is_warned_and_not_fatal(tmp_path, capsys):
+  """A read-only run folder (a shared bucket): the scores do not depend on the saved map."""
+  path = tmp_path / "run" / "zero_shot" / "demo-class_map.json"
+  assert zero_shot.save_class_map(str(path), ["n1", "n2"], ["dog", "cat"], [[1], [0, 1]]) == (
+      str(path))
+  assert json.loads(path.read_text()) == {"n1": ["cat"], "n2": ["dog", "cat"]}
+  (tmp_path / "file").write_text("")
+  blocked = tmp_path / "file" / "zero_shot" / "demo-class_map.json"  # Under a file: OSError.
+  assert zero_shot.save_class_map(str(blocked), ["n1"], ["dog"], [[0]]) is None
+  assert f"WARNING: The class map cannot be written to {blocked}" in capsys.readouterr().out

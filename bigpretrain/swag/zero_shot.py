@@ -33,6 +33,7 @@ from bigpretrain import config_lib
 from bigpretrain import inference
 from bigpretrain import sharding
 from bigpretrain.models import pretrained
+from bigpretrain.runtime import console
 from bigpretrain.semantic import wordnet
 from bigpretrain.swag import vocabulary
 from input_pipeline import augment_spec
@@ -336,14 +337,22 @@ def check_wordnet_classes(class_names: Sequence[str], dataset: str) -> list[str]
 
 
 def save_class_map(path: str, class_wnids: Sequence[str], hashtags: Sequence[str],
-                   mapping: Sequence[Sequence[int]]) -> None:
-  """{wnid: [canonical hashtags]} as JSON (written whole, then renamed)."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+                   mapping: Sequence[Sequence[int]]) -> str | None:
+  """{wnid: [canonical hashtags]} as JSON (written whole, then renamed); returns `path`, or
+  None with a warning where it cannot be written (a read-only run folder): the scores do not
+  depend on it."""
   out = {w: [hashtags[i] for i in ids] for w, ids in zip(class_wnids, mapping)}
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(out, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(tmp, "w") as f:
+      json.dump(out, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except OSError as e:
+    console.warn(f"The class map cannot be written to {path} ({e}); zero-shot goes on "
+                 "without it.")
+    return None
+  return path
 
 
 def scores_step(model_def, shardings, mesh, normalize: str, mapping, methods):
@@ -438,7 +447,7 @@ def run(workdir: str, dataset: str, *, data_dir: str = "", split: str = "validat
   safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset)
   map_path = os.path.join(workdir, "zero_shot", f"{safe}-class_map.json")
   if jax.process_index() == 0:
-    save_class_map(map_path, wnids, hashtags, mapping)
+    map_path = save_class_map(map_path, wnids, hashtags, mapping)
 
   mesh = sharding.inference_mesh(1, batch_size)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules)

@@ -52,9 +52,9 @@ def main(argv):
   if f.json:
     print(json.dumps(result, sort_keys=True))
     return
+  saved = f"; class map in {result['class_map']}" if result["class_map"] else ""
   print(f"Zero-shot on {f.dataset}:{f.split} ({result['num_examples']} images, "
-        f"{result['num_classes']} classes, {result['num_hashtags']} hashtags; class map in "
-        f"{result['class_map']}):")
+        f"{result['num_classes']} classes, {result['num_hashtags']} hashtags{saved}):")
   for key, agg in (("top1_platt", "aggregation_platt"),
                    ("top1_no_platt", "aggregation_no_platt")):
     if result[key] is not None:
