@@ -191,7 +191,9 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     key, sep, value = token.partition('=')
     key = key.strip()
     if key not in defaults:
-      raise ValueError(f'config arg {key!r} is unknown; valid keys: {sorted(defaults)}')
+      close = difflib.get_close_matches(key, sorted(defaults), n=1)
+      hint = f' (did you mean {close[0]!r}?)' if close else ''
+      raise ValueError(f'config arg {key!r} is unknown{hint}; valid keys: {sorted(defaults)}')
     if key in seen:
       raise ValueError(f'config arg {key!r} is given twice in {arg!r}')
     seen.add(key)

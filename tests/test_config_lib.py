@@ -54,7 +54,9 @@ def test_parse_arg_types():
 
 
 @pytest.mark.parametrize('arg, match', [
-    ('modle=vit', r"'modle'.*valid keys: \['epochs', 'lr', 'model', 'runlocal'\]"),
+    ('modle=vit', r"'modle' is unknown \(did you mean 'model'\?\); valid keys: \['epochs', "
+                  r"'lr', 'model', 'runlocal'\]"),
+    ('xyz=1', r"'xyz' is unknown; valid keys"),
     ('epochs=ninety', r"epochs='ninety'.*int"),
     ('epochs=1.5', r"epochs='1.5'.*int"),
     ('lr=fast', r"lr='fast'.*float"),
