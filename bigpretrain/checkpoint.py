@@ -663,7 +663,8 @@ def no_checkpoint(directory: str) -> FileNotFoundError:
 def checkpoint_dir(path: str) -> str:
   """Accepts a run's workdir or its checkpoints/ folder; checks it exists."""
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"Checkpoint directory {path} does not exist.")
+    what = "is a file, not a folder" if os.path.exists(path) else "does not exist"
+    raise FileNotFoundError(f"Checkpoint directory {path} {what}.")
   inner = os.path.join(path, "checkpoints")
   return inner if os.path.isdir(inner) else path
 

@@ -210,3 +210,7 @@ def test_one_steps_folder_given_for_a_checkpoint_folder_names_the_parent(tmp_pat
   empty.mkdir()
   with pytest.raises(FileNotFoundError, match=r"No checkpoint found in \S+empty\.$"):
     checkpoint.read_meta(str(empty))
+  (tmp_path / "a_file").write_text("")
+  for path, what in (("a_file", "is a file, not a folder"), ("missing", "does not exist")):
+    with pytest.raises(FileNotFoundError, match=rf"Checkpoint directory \S+{path} {what}\.$"):
+      checkpoint.read_meta(str(tmp_path / path))

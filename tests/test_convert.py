@@ -479,6 +479,8 @@ def test_corrupt_files_are_clear_errors(tmp_path):
       convert.read_state_dict(str(path))
   with pytest.raises(FileNotFoundError, match="does not exist"):
     convert.read_state_dict(str(tmp_path / "missing.pth"))
+  with pytest.raises(FileNotFoundError, match=rf"weight file {tmp_path} is a folder, not a file"):
+    convert.read_state_dict(str(tmp_path))
   with pytest.raises(ValueError, match="unknown weight file type '.h5'"):
     (tmp_path / "w.h5").write_bytes(b"x")
     convert.read_state_dict(str(tmp_path / "w.h5"))

@@ -304,7 +304,8 @@ def _unwrap(obj, path: str) -> dict:
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
   """A weight file's tensors as numpy arrays (floating point as float32)."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"weight file {path} does not exist")
+    what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+    raise FileNotFoundError(f"weight file {path} {what}")
   suffix = os.path.splitext(path)[1].lower()
   if suffix == ".safetensors":
     st_numpy = _import_safetensors()

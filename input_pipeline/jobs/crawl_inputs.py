@@ -100,7 +100,8 @@ def find_inputs(raw_dir) -> list[InputFile]:
   """Every input file under raw_dir, sorted by relative path."""
   raw = pathlib.Path(raw_dir)
   if not raw.is_dir():
-    raise FileNotFoundError(f"Raw input folder {raw} (--manual_dir) does not exist.")
+    what = "is a file, not a folder" if raw.exists() else "does not exist"
+    raise FileNotFoundError(f"Raw input folder {raw} (--manual_dir) {what}.")
   found = []
   for path in sorted(raw.rglob("*")):
     rel = path.relative_to(raw)

@@ -77,7 +77,8 @@ def detect_layout(raw_dir, val_per_class: int = 0
   """
   raw = epath.Path(raw_dir)
   if not raw.is_dir():
-    raise FileNotFoundError(f"ImageFolder root {raw} (--manual_dir) does not exist.")
+    what = "is a file, not a folder" if raw.exists() else "does not exist"
+    raise FileNotFoundError(f"ImageFolder root {raw} (--manual_dir) {what}.")
   dirs, ignored = _class_dirs(raw)
   split_dirs = [d for d in dirs if d.name in SPLIT_DIRS]
   if split_dirs:

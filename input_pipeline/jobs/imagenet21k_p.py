@@ -78,7 +78,8 @@ def detect_layout(raw_dir) -> tuple[str, list[job.ClassSource], list[str]]:
   """
   raw = epath.Path(raw_dir)
   if not raw.is_dir():
-    raise FileNotFoundError(f"Raw ImageNet-21K folder {raw} (--manual_dir) does not exist.")
+    what = "is a file, not a folder" if raw.exists() else "does not exist"
+    raise FileNotFoundError(f"Raw ImageNet-21K folder {raw} (--manual_dir) {what}.")
   root = raw / "train" if (raw / "train").is_dir() else raw
   folders, tars, ignored = [], [], []
   for entry in sorted(root.iterdir(), key=lambda p: p.name):
