@@ -563,6 +563,13 @@ def test_image_folder_carves_validation_by_hash(folder_tree, tmp_path):
   with pytest.raises(ValueError, match=rf"--val_per_class={most} moves every train image to "
                      rf"validation \(the largest class has {most} files\)"):
     image_folder.prepare(root / "train", tmp_path, "all_val", val_per_class=most)
+  # Every file corrupt: said as such (tfds' own check said "0 examples ... should be >0").
+  for cls in ("a", "b"):
+    (tmp_path / "bad" / cls).mkdir(parents=True)
+    (tmp_path / "bad" / cls / "1.jpg").write_bytes(b"not an image")
+  with pytest.raises(ValueError, match=rf"No image of split 'train' under {tmp_path / 'bad'} "
+                                       r"could be read: every one was skipped as corrupt"):
+    image_folder.prepare(tmp_path / "bad", tmp_path / "out", "bad")
 
 
 def test_image_folder_on_dask_equals_local_runner(folder_tree, folder_toy, tmp_path, dask_beam):

@@ -551,8 +551,19 @@ def generate(builder: BeamImageBuilder, manual_dir, *, beam_runner=None,
   config = tfds.download.DownloadConfig(
       manual_dir=str(manual_dir), beam_runner=local_runner.runner_or_local(beam_runner),
       beam_options=pipeline_options_from(beam_options))
-  builder.download_and_prepare(download_config=config, file_format="array_record")
+  try:
+    builder.download_and_prepare(download_config=config, file_format="array_record")
+  except (RuntimeError, ValueError) as e:  # tfds' own check, raised through Beam.
+    empty = _EMPTY_SPLIT.search(str(e))
+    if empty is None:
+      raise
+    raise ValueError(f"No image of split {empty.group(1)!r} under {manual_dir} could be read: "
+                     "every one was skipped as corrupt or unreadable (the warnings above name "
+                     "them).") from e
   return builder
+
+
+_EMPTY_SPLIT = re.compile(r"total number of generated examples is 0 for split (\S+)\.")
 
 
 def check_params(min_images: int, val_per_class: int, image_size: int | None,
