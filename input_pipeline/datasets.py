@@ -327,7 +327,8 @@ def _tfds(name: str, data_dir: str) -> Dataset:
   tfds_name = name[len("tfds:"):]
   root = pathlib.Path(data_dir) if data_dir else default_data_dir()
   how = (f"Prepare it first, e.g. `tfds build {tfds_name.split('/')[0]} --data_dir={root} "
-         "--file_format=array_record`, or point --config.data.dir at the folder holding it.")
+         "--file_format=array_record`, or point the data dir at the folder holding it "
+         "(config.data.dir in a run; --data_dir in the commands).")
   if not root.is_dir():
     raise FileNotFoundError(f"Data dir {root} for dataset {name!r} does not exist. {how}")
   try:
