@@ -281,6 +281,10 @@ def test_bad_input_gets_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="balanced_with_tags draws by the images' tags"):
     semi_supervised.run(_tiny_config(**{"selection.variant": "balanced_with_tags"}),
                         str(tmp_path / "c"))
+  from configs import single_label  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="The config is not the semi-supervised runner's: it has "
+                                       "no teacher/student/finetune/infer/selection sections"):
+    semi_supervised.run(single_label.get_config(), str(tmp_path / "d"))
   assert not list(tmp_path.rglob("round1"))  # Nothing ran.
 
   # Predictions of a teacher with another class list: refused before selection.

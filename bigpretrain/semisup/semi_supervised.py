@@ -394,7 +394,13 @@ def check_settings(config, num_classes: int) -> None:
 
 def check_keys(config) -> None:
   """Refuses a key of the runner's own sections that it does not read (a typo in a config
-  file, which the command line would have refused), naming its close match."""
+  file, which the command line would have refused), naming its close match; a config of
+  another command (a trainer's recipe) is named as such."""
+  stages = ("teacher", "student", "finetune", "infer", "selection")
+  if not all(isinstance(config.get(k), ml_collections.ConfigDict) for k in stages):
+    raise ValueError(f"The config is not the semi-supervised runner's: it has no "
+                     f"{'/'.join(stages)} sections (configs/semi_supervised.py has them; a "
+                     "recipe of the trainer runs with `python -m bigpretrain.main`).")
   for where, known in _KEYS.items():
     section = config if where == "config" else config.get(where.split(".")[1])
     if section is not None:
