@@ -195,6 +195,10 @@ def test_bad_input_is_refused_clearly(teacher, predictions, tmp_path, monkeypatc
     pool_predictions.run(teacher, DATA, "unlabeled[:8]", str(tmp_path / "a"), **KW)
   with pytest.raises(ValueError, match=r"--top_p=0 must be an integer in \[1, "):
     pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "b"), **{**KW, "top_p": 0})
+  with pytest.raises(FileNotFoundError, match="Exclusion list .*none.tsv does not exist"):
+    pool_predictions.run(teacher, DATA, SPLIT, str(tmp_path / "e"),
+                         **{**KW, "exclude": str(tmp_path / "none.tsv")})
+  assert not (tmp_path / "a").exists() and not (tmp_path / "e").exists()  # Nothing made.
   (tmp_path / "a_file").write_text("")
   with pytest.MonkeyPatch.context() as patch:  # Refused before the model is loaded.
     patch.setattr(pool_predictions.pretrained, "load", lambda *a, **k: pytest.fail("loaded"))

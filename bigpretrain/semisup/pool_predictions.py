@@ -177,10 +177,12 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
     selection_formats.check_class_names(info.class_names, meta["class_names"], f"dataset {data!r}")
   check_top_p(top_p, num_classes, name.format("top_p"))
 
+  mesh = sharding.inference_mesh(fsdp, batch_size, name)
+  listed = exclusions.read(exclude) if exclude else None
+  # Made only once the settings are checked: a refused run leaves no folder behind.
   root = epath.Path(out)
   is_main = jax.process_index() == 0
   process_zero.run("the --out check", out_paths.folder, out)
-  mesh = sharding.inference_mesh(fsdp, batch_size, name)
   loaded = pretrained.load(workdir, mesh=mesh, rules=config_lib.base_config().sharding_rules,
                            step=checkpoint_step)
   step = make_step(loaded.model_def, loaded.shardings, mesh, meta["data"]["normalize"],
@@ -191,12 +193,11 @@ def run(workdir: str, data: str, split: str, out: str, *, data_dir: str = "",
   source = dataset.source(split)
   ranges = shard_ranges(len(source), shard_size)
   names = [shard_name(split, s, len(ranges)) for s in range(len(ranges))]
-  params = {"workdir": str(workdir), "checkpoint_step": checkpoint_step, "dataset": data, "split": split, "top_p": top_p,
-            "scores": "logits" if logits else "softmax", "shard_size": shard_size,
-            "split_records": len(source)}
+  params = {"workdir": str(workdir), "checkpoint_step": checkpoint_step, "dataset": data,
+            "split": split, "top_p": top_p, "scores": "logits" if logits else "softmax",
+            "shard_size": shard_size, "split_records": len(source)}
   excluded = np.zeros(0, np.int64)
-  if exclude:
-    listed = exclusions.read(exclude)
+  if listed is not None:
     excluded = _excluded_records(listed, data, split, len(source))
     params["exclude"] = {**listed.describe(), "num_excluded": len(excluded)}
   _check_params(root, params)
