@@ -456,11 +456,17 @@ def test_export_refuses_another_architecture(tmp_path):
 
 
 def test_unusable_out_is_refused_before_the_weights_are_read(tmp_path):
-  """Neither file below exists: the --out check comes first, naming the flag."""
+  """The --out check comes before the weights are read (the file below is no weight file),
+  naming the flag; a weight file that does not exist is refused before --out is made."""
   (tmp_path / "a_file").write_text("")
-  missing = str(tmp_path / "missing.safetensors")
+  (tmp_path / "w.safetensors").write_bytes(b"not read")
   with pytest.raises(ValueError, match="--out=.*a_file cannot be written as a folder"):
-    convert.import_weights("timm:resnet18", missing, str(tmp_path / "a_file"))
+    convert.import_weights("timm:resnet18", str(tmp_path / "w.safetensors"),
+                           str(tmp_path / "a_file"))
+  with pytest.raises(FileNotFoundError, match="weight file .*missing.safetensors does not exist"):
+    convert.import_weights("timm:resnet18", str(tmp_path / "missing.safetensors"),
+                           str(tmp_path / "new"))
+  assert not (tmp_path / "new").exists()
   (tmp_path / "d.safetensors").mkdir()
   with pytest.raises(ValueError, match="--out=.*is a folder; give a file name"):
     convert.export_weights(str(tmp_path / "no_ckpt"), str(tmp_path / "d.safetensors"))

@@ -301,11 +301,15 @@ def _unwrap(obj, path: str) -> dict:
   return obj
 
 
-def read_state_dict(path: str) -> dict[str, np.ndarray]:
-  """A weight file's tensors as numpy arrays (floating point as float32)."""
+def _check_weight_file(path: str) -> None:
   if not os.path.isfile(path):
     what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
     raise FileNotFoundError(f"weight file {path} {what}")
+
+
+def read_state_dict(path: str) -> dict[str, np.ndarray]:
+  """A weight file's tensors as numpy arrays (floating point as float32)."""
+  _check_weight_file(path)
   suffix = os.path.splitext(path)[1].lower()
   if suffix == ".safetensors":
     st_numpy = _import_safetensors()
@@ -574,6 +578,7 @@ def import_weights(spec: str, weights: str, out: str, *, num_classes: int | None
       raise ValueError(f"{flag}={value!r} must be an int >= 1 ({what}).")
   if eval_resize is not None:
     augment_spec.eval_resize_op(eval_resize, "--eval_resize")
+  _check_weight_file(weights)  # Before --out is made: a refused import leaves no folder.
   _check_out_folder(os.path.abspath(out))
   model_def, variables, _ = to_bigpretrain(read_state_dict(weights), spec,
                                            num_classes=num_classes, image_size=image_size)
