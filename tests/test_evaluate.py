@@ -345,6 +345,15 @@ def test_a_broken_json_file_is_named(tmp_path):
   broken.write_text("{chair: 'n1'}")
   with pytest.raises(ValueError, match=rf"--class_map={broken} is not valid JSON: Expecting "):
     mapped.load_class_map(str(broken))
+  broken.write_bytes(b'{"chair": "\xff"}')  # Not UTF-8.
+  with pytest.raises(ValueError, match=rf"--class_map={broken} is not valid JSON: 'utf-8'"):
+    mapped.load_class_map(str(broken))
+  with pytest.raises(FileNotFoundError, match=r"--class_map=\S+none.json: no such file\.$"):
+    mapped.load_class_map(str(tmp_path / "none.json"))
+  broken.write_text("[1]")
+  with pytest.raises(ValueError, match=r"a JSON object \{dataset class: model class or \[model "
+                                       r"classes\]\}\.$"):
+    mapped.load_class_map(str(broken))
   (tmp_path / "config.json").write_text('{"batch_size": 8,')
   with pytest.raises(ValueError, match=r"config\.json is not valid JSON .*--checkpoint"):
     evaluate.read_run_config(str(tmp_path))

@@ -38,14 +38,16 @@ def real_accuracy(scores, real_labels, mask):
 
 def load_class_map(path: str) -> dict[str, list[str]]:
   """{dataset class: [model classes]} from a JSON object whose values are names or lists."""
-  with open(path) as f:
-    try:
+  try:
+    with open(path, encoding="utf-8") as f:
       raw = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"--class_map={path} is not valid JSON: {e}.") from None
+  except FileNotFoundError:
+    raise FileNotFoundError(f"--class_map={path}: no such file.") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"--class_map={path} is not valid JSON: {e}.") from None
   if not isinstance(raw, dict):
     raise ValueError(f"--class_map={path}: expected a JSON object {{dataset class: model "
-                     "class or [model classes]}}.")
+                     "class or [model classes]}.")
   out = {}
   for k, v in raw.items():
     names = [v] if isinstance(v, str) else v
