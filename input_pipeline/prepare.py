@@ -166,7 +166,10 @@ def run_selection(args, beam_options) -> str:
   class_sizes = None
   if args.class_sizes:
     with open(args.class_sizes, encoding="utf-8") as f:
-      class_sizes = json.load(f)
+      try:
+        class_sizes = json.load(f)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--class_sizes={args.class_sizes} is not valid JSON: {e}.") from None
   expected = _read_lines(args.expected_classes) if args.expected_classes else None
   info = selection_job.prepare(
       args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,

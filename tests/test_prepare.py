@@ -449,6 +449,10 @@ def test_cli_rejects_stray_arguments(tmp_path):
   with pytest.raises(ValueError, match=r"defines \['--dask_npartition'\]; docs/data.md"):
     prepare.main(["folder", "--manual_dir=x", f"--data_dir={tmp_path}", "--name=n",
                   "--beam_runner=input_pipeline.jobs.dask_runner.DaskRunner", "--dask_npartition=2"])
+  (tmp_path / "sizes.json").write_text("{n01: 3}")
+  with pytest.raises(ValueError, match=r"--class_sizes=\S+sizes.json is not valid JSON: "):
+    prepare.main(["selection", "--predictions=x", f"--data_dir={tmp_path}",
+                  "--variant=unbalanced_ranked", f"--class_sizes={tmp_path / 'sizes.json'}"])
   (tmp_path / "a_file").write_text("")  # A path that exists is not said to be missing.
   with pytest.raises(FileNotFoundError, match=r"ImageFolder root .*a_file \(--manual_dir\) is "
                                               r"a file, not a folder\."):

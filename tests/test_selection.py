@@ -434,6 +434,10 @@ def test_bad_input_gets_clear_errors(predictions, tmp_path):
   with pytest.raises(ValueError, match="teacher does not have"):
     selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
                       class_sizes={"n00000000": 3})
+  first = predictions["class_names"][0]
+  with pytest.raises(ValueError, match=rf"each K must be an int >= 0; got \{{'{first}': -4\}}"):
+    selection_job.prepare(predictions["dir"], tmp_path / "out", variant="unbalanced_ranked",
+                          class_sizes={first: -4})  # Named as written, not by its index.
   # Fewer records than predictions.json announces: unfinished inference.
   partial = tmp_path / "partial"
   partial.mkdir()

@@ -508,6 +508,14 @@ def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
     return topk.per_class_k(k, num_classes)
   if zipf_total is not None:
     return topk.zipf_sizes(num_classes, zipf_total, exponent=zipf_exponent, seed=seed)
+  if not isinstance(class_sizes, Mapping):
+    raise ValueError(f"--class_sizes must be a JSON object {{class name: K}}, got "
+                     f"{type(class_sizes).__name__}.")
+  bad = {n: v for n, v in class_sizes.items()
+         if isinstance(v, bool) or not isinstance(v, int) or v < 0}
+  if bad:
+    raise ValueError(f"--class_sizes: each K must be an int >= 0; got "
+                     f"{dict(list(bad.items())[:5])}.")
   position = {name: c for c, name in enumerate(class_names)}
   unknown = sorted(set(class_sizes) - set(position))
   if unknown:
