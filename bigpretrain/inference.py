@@ -49,11 +49,13 @@ def total_over_processes(count: int) -> int:
 
 
 def warn_of_shared_memory(data_cfg, batch_size: int) -> None:
-  """Warns (process 0) when the data workers of one pass of global batches of `batch_size`
-  would not fit in the shared memory (pipeline.shared_memory_shortfall)."""
+  """Warns (the first process of each host) when the data workers of one pass of global
+  batches of `batch_size` would not fit in the host's shared memory
+  (pipeline.shared_memory_shortfall)."""
+  on_host, first_on_host = distributed.processes_on_this_host()
   shortfall = pipeline.shared_memory_shortfall(data_cfg, batch_size // jax.process_count(),
-                                               processes=distributed.processes_on_this_host())
-  if shortfall and jax.process_index() == 0:
+                                               processes=on_host)
+  if shortfall and first_on_host:
     console.warn(shortfall)
 
 

@@ -597,10 +597,10 @@ def _train_and_evaluate(config, workdir: str, cleanup: contextlib.ExitStack,
   state = exp.init_state()
   # Rebuilt by the restore at the checkpoint's stream position (on any topology).
   num_workers = config.data.get("num_workers", pipeline.data_defaults().num_workers)
+  on_host, first_on_host = distributed.processes_on_this_host()
   shortfall = pipeline.shared_memory_shortfall(  # The train stream's workers wait in evals.
-      config.data, config.batch_size // jax.process_count(), 2 if evaluators else 1,
-      distributed.processes_on_this_host())
-  if shortfall:
+      config.data, config.batch_size // jax.process_count(), 2 if evaluators else 1, on_host)
+  if shortfall and first_on_host:
     console.warn(shortfall)
   train_iter = stream_position.TrainStream(
       lambda pos: make_train_iterator(exp, pos), num_workers, records=records,

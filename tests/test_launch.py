@@ -492,10 +492,10 @@ def test_joining_says_what_it_waits_for_before_it_blocks(monkeypatch, capsys):
 
 def test_processes_on_this_host_counts_the_processes_with_its_host_name(monkeypatch):
   """One process per GPU (launch/slurm.sbatch): the 8 processes of a host share its /dev/shm,
-  which the data workers' shared-memory check counts."""
+  which the data workers' shared-memory check counts, and the first of them warns of it."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  assert distributed.processes_on_this_host() == 1  # One process: no collective.
+  assert distributed.processes_on_this_host() == (1, True)  # One process: no collective.
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 16)
   sent = {}
 
@@ -509,7 +509,10 @@ def test_processes_on_this_host_counts_the_processes_with_its_host_name(monkeypa
   hosts = ["node-a"] * 8 + ["node-b"] * 5 + ["node-c"] * 3
   gathered = np.stack([sends(name) for name in hosts])
   assert len({v.tobytes() for v in sent.values()}) == 3  # One value per host name.
+  # int32: a device gather without jax_enable_x64 turns int64 into int32 (no match left).
+  assert {v.dtype for v in sent.values()} == {np.dtype(np.int32)}
   monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: gathered)
-  for name, count in (("node-a", 8), ("node-b", 5), ("node-c", 3)):
+  for process, name in enumerate(hosts):  # The first process of each host says its lines.
+    monkeypatch.setattr(distributed.jax, "process_index", lambda process=process: process)
     monkeypatch.setattr(distributed.socket, "gethostname", lambda name=name: name)
-    assert distributed.processes_on_this_host() == count
+    assert distributed.processes_on_this_host() == (hosts.count(name), process in (0, 8, 13))

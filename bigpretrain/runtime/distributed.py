@@ -162,16 +162,19 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
   return kind
 
 
-def processes_on_this_host() -> int:
+def processes_on_this_host() -> tuple[int, bool]:
   """How many of the run's processes run on this host and share its /dev/shm (8 under
-  launch/slurm.sbatch's one process per GPU, 1 on a TPU host): a collective, called by every
+  launch/slurm.sbatch's one process per GPU, 1 on a TPU host), and whether this process is
+  the first of them (the one to say what concerns the host): a collective, called by every
   process at the same point."""
   if jax.process_count() == 1:
-    return 1
+    return 1, True
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  host = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.int64)
-  hosts = np.asarray(multihost_utils.process_allgather(host)).reshape(-1)
-  return int(np.sum(hosts == host[0]))
+  # 64 bits of the name's hash as two int32 (an int64 would reach the gather as int32).
+  host = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:8], np.int32)
+  hosts = np.asarray(multihost_utils.process_allgather(host)).reshape(-1, 2)
+  same = np.flatnonzero((hosts == host).all(axis=1))
+  return len(same), int(same[0]) == jax.process_index()
 
 
 def define_flags() -> None:
