@@ -34,7 +34,6 @@ app, so absl's own flags (--verbosity, --log_dir, --flagfile) work as in every o
 """
 import argparse
 import functools
-import json
 import os
 from typing import Sequence
 
@@ -163,13 +162,8 @@ def _read_lines(path: str) -> list[str]:
 
 def run_selection(args, beam_options) -> str:
   """The selection subcommand: runs it and returns its summary."""
-  class_sizes = None
-  if args.class_sizes:
-    with open(args.class_sizes, encoding="utf-8") as f:
-      try:
-        class_sizes = json.load(f)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--class_sizes={args.class_sizes} is not valid JSON: {e}.") from None
+  class_sizes = (selection_job.read_class_sizes(args.class_sizes)
+                 if args.class_sizes else None)
   expected = _read_lines(args.expected_classes) if args.expected_classes else None
   info = selection_job.prepare(
       args.predictions, args.data_dir, k=args.k, variant=args.variant, class_sizes=class_sizes,

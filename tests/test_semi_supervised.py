@@ -300,6 +300,13 @@ def test_bad_input_gets_clear_errors(tmp_path):
     semi_supervised.pool_stage({"unlabeled": preds}, {}, names, tmp_path / "pool")
   with pytest.raises(ValueError, match="another class list"):
     semi_supervised.selection_stage(_tiny_config(), preds, names, tmp_path / "sel")
+  (tmp_path / "sizes.json").write_text("{n01: 3}")
+  with pytest.raises(ValueError, match=r"config.selection.class_sizes=\S+sizes.json is not "
+                                       r"valid JSON"):
+    semi_supervised.selection_stage(
+        _tiny_config(**{"selection.variant": "unbalanced_ranked", "selection.k": None,
+                        "selection.class_sizes": str(tmp_path / "sizes.json")}),
+        preds, names, tmp_path / "sel2")
 
 
 @pytest.mark.beam

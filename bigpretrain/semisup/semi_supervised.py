@@ -8,12 +8,13 @@ rounds) and, last, its completion marker; DIR/baseline holds the supervised base
 DIR/results.json the numbers. Re-running the command skips finished stages and resumes an
 interrupted one: the trainer from its checkpoint (SIGTERM saves one and stops the command
 with exit 0; one that comes in any other stage, or after a trainer's last step, lets that
-stage finish and stops the command before the next), inference shard by shard, the selection from scratch (it writes its index
-files, then selection.json). Each stage's folder records what it was built from
-(inputs.json: the identity of the teacher, predictions, pool, selection or student it read);
-a stage whose inputs have changed since (a teacher trained again, another top_p) is refused
-with the folders to delete, never reused. With `rounds` > 1 the fine-tuned student of
-round r is round r + 1's teacher (supplement section 3).
+stage finish and stops the command before the next), inference shard by shard, the
+selection from scratch (it writes its index files, then selection.json). Each stage's
+folder records what it was built from (inputs.json: the identity of the teacher,
+predictions, pool, selection or student it read); a stage whose inputs have changed since
+(a teacher trained again, another top_p) is refused with the folders to delete, never
+reused. With `rounds` > 1 the fine-tuned student of round r is round r + 1's teacher
+(supplement section 3).
 
 Stages run in this process, one after the other, as ordinary calls of the trainer
 (train.train_and_evaluate), of pool_predictions.run and of the Beam selection job
@@ -348,10 +349,8 @@ def selection_stage(config, pool: epath.Path, class_names: list[str],
   # Imported here: Apache Beam is only needed by this stage.
   from input_pipeline.jobs import selection_job as selection  # pylint: disable=import-outside-toplevel
   c = config.selection
-  class_sizes = None
-  if c.class_sizes:
-    with open(c.class_sizes, encoding="utf-8") as f:
-      class_sizes = json.load(f)
+  class_sizes = (selection.read_class_sizes(c.class_sizes, "config.selection.class_sizes")
+                 if c.class_sizes else None)
   k, zipf_total = _selection_sizes(c)
   params = {key: v for key, v in c.to_dict().items()
             if key not in ("beam_runner", "beam_options")}  # How, not what, it selects.

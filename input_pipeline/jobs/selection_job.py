@@ -499,6 +499,15 @@ def build_report(k: np.ndarray, candidates: Sequence[int], records: int,
 # Running a selection.
 
 
+def read_class_sizes(path: str, name: str = "--class_sizes") -> dict:
+  """The JSON {class name: K} file `path`; `name`: the setting's, for the message."""
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{name}={path} is not valid JSON: {e}.") from None
+
+
 def resolve_k(variant: str, num_classes: int, class_names: Sequence[str], *,
               k: int | None, class_sizes: Mapping[str, int] | None, zipf_total: int | None,
               zipf_exponent: float, seed: int) -> np.ndarray:
